@@ -1,0 +1,113 @@
+"""Creating tensors: from host data (uploaded as raw bytes) or made on the worker."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dtypes import as_dtype
+from .runtime import runtime
+from .tensor import Tensor, _sizes, apply
+
+
+def tensor(data: Any, dtype=None) -> Tensor:
+    """Like torch.tensor: copies ``data`` (nested lists, scalars, numpy, torch, gtmpi)."""
+    dtype = as_dtype(dtype)
+    if isinstance(data, Tensor):
+        return data.clone() if dtype is None or dtype == data.dtype else data.to(dtype)
+    if isinstance(data, torch.Tensor):
+        host = data.detach().to("cpu", dtype or data.dtype)
+    elif isinstance(data, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(data))
+        host = host.to(dtype) if dtype is not None else host
+    else:
+        host = torch.tensor(data, dtype=dtype)
+    return upload(host)
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"expected np.ndarray (got {type(array).__name__})")
+    return upload(torch.from_numpy(np.ascontiguousarray(array)))
+
+
+def upload(host: torch.Tensor) -> Tensor:
+    """Send a CPU tensor's bytes to the worker that will hold it (a private copy: the caller
+    may change its array afterwards)."""
+    host = host.contiguous().clone()
+    rt = runtime()
+    out = rt.new_id()
+    sig = (host.shape, host.dtype)
+    rt.dispatcher.upload(("upload", out, sig, 0, None), host.reshape(-1).view(torch.uint8).numpy())
+    rt.note_site(out)
+    return Tensor(out, sig)
+
+
+def _default(dtype) -> torch.dtype:
+    dtype = as_dtype(dtype)
+    return torch.get_default_dtype() if dtype is None else dtype
+
+
+def zeros(*size, dtype=None) -> Tensor:
+    return apply("zeros", _sizes(size), _default(dtype))
+
+
+def ones(*size, dtype=None) -> Tensor:
+    return apply("ones", _sizes(size), _default(dtype))
+
+
+def empty(*size, dtype=None) -> Tensor:
+    """Zero-filled: a worker never hands out uninitialised memory."""
+    return zeros(*size, dtype=dtype)
+
+
+def full(size, fill_value, dtype=None) -> Tensor:
+    return apply("full", _sizes((size,)), fill_value, as_dtype(dtype))
+
+
+def arange(start, end=None, step=1, dtype=None) -> Tensor:
+    if end is None:
+        start, end = 0, start
+    return apply("arange", start, end, step, as_dtype(dtype))
+
+
+def eye(n: int, m: int | None = None, dtype=None) -> Tensor:
+    return apply("eye", n, n if m is None else m, _default(dtype))
+
+
+def randn(*size, dtype=None) -> Tensor:
+    return apply("randn", _sizes(size), _default(dtype), runtime().next_seed())
+
+
+def rand(*size, dtype=None) -> Tensor:
+    return apply("rand", _sizes(size), _default(dtype), runtime().next_seed())
+
+
+def zeros_like(t: Tensor, dtype=None) -> Tensor:
+    return zeros(t.shape, dtype=dtype or t.dtype)
+
+
+def ones_like(t: Tensor, dtype=None) -> Tensor:
+    return ones(t.shape, dtype=dtype or t.dtype)
+
+
+def empty_like(t: Tensor, dtype=None) -> Tensor:
+    return zeros_like(t, dtype)
+
+
+def full_like(t: Tensor, fill_value, dtype=None) -> Tensor:
+    return full(t.shape, fill_value, dtype=dtype or t.dtype)
+
+
+def randn_like(t: Tensor, dtype=None) -> Tensor:
+    return randn(t.shape, dtype=dtype or t.dtype)
+
+
+def rand_like(t: Tensor, dtype=None) -> Tensor:
+    return rand(t.shape, dtype=dtype or t.dtype)
+
+
+def manual_seed(seed: int) -> None:
+    """Random ops after this give the same numbers on every run, whatever the worker count."""
+    runtime().manual_seed(seed)

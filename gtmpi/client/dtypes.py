@@ -1,0 +1,27 @@
+"""gtmpi's dtypes are torch's; numpy dtypes, Python types and names are accepted too."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+float32, float16, bfloat16, float64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+int32, int64, bool_ = torch.int32, torch.int64, torch.bool
+half, double, long = torch.float16, torch.float64, torch.int64
+
+_PY = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def as_dtype(d: Any) -> torch.dtype | None:
+    """torch.dtype for anything a user may pass as a dtype; None stays None (torch's default)."""
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    if d in _PY:
+        return _PY[d]
+    if isinstance(d, str) and hasattr(torch, d) and isinstance(getattr(torch, d), torch.dtype):
+        return getattr(torch, d)
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np.dtype(d))).dtype
+    except TypeError:
+        raise TypeError(f"not a dtype: {d!r}") from None

@@ -1,0 +1,131 @@
+"""The in-process client's session: ids, issue sites, seeds, reads, and the dispatcher it feeds.
+
+One session per process. It starts lazily at the first tensor op as the embedded default (one
+worker in this process) unless gtmpi's launcher already made it an MPI session (rank 0 of an
+mpiexec/srun job, or a plain process that called gtmpi.workers(n)).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import sys
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..dispatcher import Dispatcher
+from ..errors import Fault, WorkerError
+from ..transport.tags import Tag
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SITES_PER_GENERATION = 1 << 16
+
+
+class Runtime:
+    def __init__(self, links: dict[int, Any], workers: dict[int, dict],
+                 abort: Callable[[str], None] | None = None):
+        self.workers = workers  # rank -> what the worker said at start-up
+        self._abort = abort
+        self.dispatcher = Dispatcher(links, self._watchdog)
+        self._ids = itertools.count(1)
+        # Issue sites (file:line) by result id, for error messages; two generations bound it.
+        self._sites: dict[int, tuple[str, int]] = {}
+        self._old_sites: dict[int, tuple[str, int]] = {}
+        self._seed = int.from_bytes(os.urandom(7), "little")
+        self._random_ops = 0
+        self.closed = False
+
+    # ids, sites, seeds ---------------------------------------------------------------------
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def note_site(self, tensor_id: int) -> None:
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith(_PKG_DIR):
+            frame = frame.f_back
+        if frame is None:
+            return
+        if len(self._sites) >= _SITES_PER_GENERATION:
+            self._old_sites, self._sites = self._sites, {}
+        self._sites[tensor_id] = (frame.f_code.co_filename, frame.f_lineno)
+
+    def site(self, tensor_id: int) -> str | None:
+        where = self._sites.get(tensor_id) or self._old_sites.get(tensor_id)
+        return f"{where[0]}:{where[1]}" if where else None
+
+    def manual_seed(self, seed: int) -> None:
+        self._seed = int(seed)
+        self._random_ops = 0
+
+    def next_seed(self) -> int:
+        """Each random op gets its own seed, derived from the session seed and its position."""
+        self._random_ops += 1
+        return (self._seed * 0x9E3779B97F4A7C15 + self._random_ops) % (1 << 63)
+
+    # reads and waits -----------------------------------------------------------------------
+
+    def read(self, tensor_id: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The whole value of a tensor, as a CPU torch tensor; waits for the work it depends on."""
+        host = torch.empty(shape, dtype=dtype)
+        fault = self.dispatcher.read(tensor_id, host.reshape(-1).view(torch.uint8).numpy())
+        if fault is not None:
+            raise self.error(fault)
+        return host
+
+    def error(self, fault: Fault) -> WorkerError:
+        return WorkerError(fault, self.site(fault.tensor_id))
+
+    def synchronize(self) -> None:
+        self.dispatcher.ask_all("sync", Tag.SYNC)
+
+    def worker_stats(self) -> dict[int, dict]:
+        return self.dispatcher.ask_all("stats", Tag.STATS)
+
+    def _watchdog(self) -> None:
+        """Called now and then while rank 0 waits: a dead worker on this host ends the job."""
+        here = socket.gethostname()
+        for rank, w in self.workers.items():
+            if w["host"] != here or w["pid"] == os.getpid():
+                continue
+            try:
+                os.kill(w["pid"], 0)
+            except ProcessLookupError:
+                message = f"gtmpi: worker rank {rank} (pid {w['pid']} on {w['host']}) died"
+                if self._abort is not None:
+                    self._abort(message)
+                raise RuntimeError(message) from None
+            except PermissionError:
+                pass
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop every worker, waiting (bounded) for each to say goodbye."""
+        if not self.closed:
+            self.closed = True
+            self.dispatcher.shutdown(timeout_s)
+
+
+_current: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    """The session, started as the embedded default if nothing started it yet."""
+    global _current
+    if _current is None:
+        from ..launch import start_embedded
+        _current = start_embedded()
+    return _current
+
+
+def set_runtime(rt: Runtime) -> None:
+    global _current
+    if _current is not None:
+        raise RuntimeError("gtmpi: the session has already started; gtmpi.workers(n) must come "
+                           "before the first tensor op")
+    _current = rt
+
+
+def current() -> Runtime | None:
+    return _current

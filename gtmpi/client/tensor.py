@@ -1,0 +1,408 @@
+"""The user's tensor: a handle to a logical tensor whose data lives on workers.
+
+Every op infers the result's shape and dtype here (ops.shapes: torch's semantics, cached),
+hands one instruction to the dispatcher and returns a new handle at once. Only reads
+(numpy, item, tolist, repr, float, bool, ...) wait for workers.
+"""
+from __future__ import annotations
+
+import numbers
+from collections import namedtuple
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..ops import infer
+from .dtypes import as_dtype
+from .runtime import current, runtime
+
+MinMax = namedtuple("MinMax", ["values", "indices"])
+_SCALARS = (bool, int, float, complex)
+
+
+class Tensor:
+    __slots__ = ("id", "_sig", "__weakref__")
+
+    def __init__(self, tensor_id: int, sig: tuple[torch.Size, torch.dtype]):
+        self.id = tensor_id
+        self._sig = sig
+
+    def __del__(self) -> None:
+        rt = current()
+        if rt is not None and not rt.closed:
+            rt.dispatcher.frees.append(self.id)
+
+    # metadata, known without asking a worker ----------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._sig[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._sig[1]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._sig[0])
+
+    def dim(self) -> int:
+        return len(self._sig[0])
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    @property
+    def data(self) -> "Tensor":
+        return self
+
+    # reads: these wait ------------------------------------------------------------------------
+
+    def cpu_torch(self) -> torch.Tensor:
+        """The value as a plain CPU torch tensor."""
+        return runtime().read(self.id, self.shape, self.dtype)
+
+    def numpy(self) -> np.ndarray:
+        return self.cpu_torch().numpy()
+
+    def item(self) -> Any:
+        if self.numel() != 1:
+            raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
+        return self.cpu_torch().item()
+
+    def tolist(self) -> Any:
+        return self.cpu_torch().tolist()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __repr__(self) -> str:
+        return repr(self.cpu_torch())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __index__(self) -> int:
+        if self.dtype.is_floating_point or self.dtype.is_complex or self.numel() != 1:
+            raise TypeError("only integer tensors of a single element can be converted to an index")
+        return int(self.item())
+
+    def __bool__(self) -> bool:
+        if self.numel() != 1:
+            raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+        return bool(self.item())
+
+    def __iter__(self) -> Iterator["Tensor"]:
+        return (self[i] for i in range(len(self)))
+
+    __hash__ = object.__hash__
+
+    # arithmetic (the reflected forms put the scalar first: the kernel is Python's operator) --
+
+    def __add__(self, o): return apply("add", self, o)
+    def __radd__(self, o): return apply("add", o, self)
+    def __sub__(self, o): return apply("sub", self, o)
+    def __rsub__(self, o): return apply("sub", o, self)
+    def __mul__(self, o): return apply("mul", self, o)
+    def __rmul__(self, o): return apply("mul", o, self)
+    def __truediv__(self, o): return apply("truediv", self, o)
+    def __rtruediv__(self, o): return apply("truediv", o, self)
+    def __floordiv__(self, o): return apply("floordiv", self, o)
+    def __rfloordiv__(self, o): return apply("floordiv", o, self)
+    def __mod__(self, o): return apply("mod", self, o)
+    def __rmod__(self, o): return apply("mod", o, self)
+    def __pow__(self, o): return apply("pow", self, o)
+    def __rpow__(self, o): return apply("pow", o, self)
+    def __matmul__(self, o): return apply("matmul", self, o)
+    def __rmatmul__(self, o): return apply("matmul", o, self)
+    def __and__(self, o): return apply("and", self, o)
+    def __rand__(self, o): return apply("and", o, self)
+    def __or__(self, o): return apply("or", self, o)
+    def __ror__(self, o): return apply("or", o, self)
+    def __xor__(self, o): return apply("xor", self, o)
+    def __rxor__(self, o): return apply("xor", o, self)
+    def __lt__(self, o): return apply("lt", self, o)
+    def __le__(self, o): return apply("le", self, o)
+    def __gt__(self, o): return apply("gt", self, o)
+    def __ge__(self, o): return apply("ge", self, o)
+    def __eq__(self, o): return apply("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o): return apply("ne", self, o)  # type: ignore[override]
+    def __neg__(self): return apply("neg", self)
+    def __pos__(self): return self
+    def __abs__(self): return apply("abs", self)
+    def __invert__(self): return apply("invert", self)
+
+    def __iadd__(self, o): return apply("iadd", self, o)
+    def __isub__(self, o): return apply("isub", self, o)
+    def __imul__(self, o): return apply("imul", self, o)
+    def __itruediv__(self, o): return apply("itruediv", self, o)
+
+    def add(self, o): return apply("add", self, o)
+    def sub(self, o): return apply("sub", self, o)
+    def mul(self, o): return apply("mul", self, o)
+    def div(self, o): return apply("truediv", self, o)
+    def pow(self, o): return apply("pow", self, o)
+    def matmul(self, o): return apply("matmul", self, o)
+    def maximum(self, o): return apply("maximum", self, o)
+    def minimum(self, o): return apply("minimum", self, o)
+    def abs(self): return apply("abs", self)
+    def neg(self): return apply("neg", self)
+    def exp(self): return apply("exp", self)
+    def log(self): return apply("log", self)
+    def sqrt(self): return apply("sqrt", self)
+    def rsqrt(self): return apply("rsqrt", self)
+    def sin(self): return apply("sin", self)
+    def cos(self): return apply("cos", self)
+    def tanh(self): return apply("tanh", self)
+    def sigmoid(self): return apply("sigmoid", self)
+    def relu(self): return apply("relu", self)
+    def softmax(self, dim: int): return apply("softmax", self, dim)
+    def log_softmax(self, dim: int): return apply("log_softmax", self, dim)
+
+    def clamp(self, min=None, max=None):
+        return apply("clamp", self, min, max)
+
+    clip = clamp
+
+    def where(self, condition, other):
+        return apply("where", condition, self, other)
+
+    # dtype ------------------------------------------------------------------------------------
+
+    def to(self, dtype) -> "Tensor":
+        return apply("to", self, as_dtype(dtype))
+
+    def type(self, dtype) -> "Tensor":
+        return self.to(dtype)
+
+    def float(self): return self.to(torch.float32)
+    def double(self): return self.to(torch.float64)
+    def half(self): return self.to(torch.float16)
+    def bfloat16(self): return self.to(torch.bfloat16)
+    def int(self): return self.to(torch.int32)
+    def long(self): return self.to(torch.int64)
+    def bool(self): return self.to(torch.bool)
+
+    # reductions: torch's dim/keepdim and GT's axis/keepdims -----------------------------------
+
+    def sum(self, dim=None, keepdim=False, **kw): return _reduce("sum", self, dim, keepdim, kw)
+    def mean(self, dim=None, keepdim=False, **kw): return _reduce("mean", self, dim, keepdim, kw)
+    def argmax(self, dim=None, keepdim=False, **kw): return _reduce("argmax", self, dim, keepdim, kw)
+    def argmin(self, dim=None, keepdim=False, **kw): return _reduce("argmin", self, dim, keepdim, kw)
+
+    def max(self, dim=None, keepdim=False, **kw):
+        return _extreme("max", self, dim, keepdim, kw)
+
+    def min(self, dim=None, keepdim=False, **kw):
+        return _extreme("min", self, dim, keepdim, kw)
+
+    def amax(self, dim=None, keepdim=False, **kw): return _reduce("amax", self, dim, keepdim, kw)
+    def amin(self, dim=None, keepdim=False, **kw): return _reduce("amin", self, dim, keepdim, kw)
+
+    def var(self, dim=None, unbiased=None, keepdim=False, *, correction=None, ddof=None, **kw):
+        return _spread("var", self, dim, unbiased, keepdim, correction, ddof, kw)
+
+    def std(self, dim=None, unbiased=None, keepdim=False, *, correction=None, ddof=None, **kw):
+        return _spread("std", self, dim, unbiased, keepdim, correction, ddof, kw)
+
+    # shape ------------------------------------------------------------------------------------
+
+    def reshape(self, *shape): return apply("reshape", self, _sizes(shape))
+    def view(self, *shape): return apply("view", self, _sizes(shape))
+    def permute(self, *dims): return apply("permute", self, _sizes(dims))
+    def unsqueeze(self, dim: int): return apply("unsqueeze", self, dim)
+    def flatten(self, start_dim: int = 0, end_dim: int = -1): return apply("flatten", self, start_dim, end_dim)
+    def expand(self, *sizes): return apply("expand", self, _sizes(sizes))
+    def expand_as(self, other): return apply("expand", self, tuple(other.shape))
+    def contiguous(self): return apply("contiguous", self)
+    def clone(self): return apply("clone", self)
+    def split(self, split_size_or_sections, dim: int = 0): return apply("split", self, split_size_or_sections, dim)
+    def chunk(self, chunks: int, dim: int = 0): return apply("chunk", self, chunks, dim)
+
+    def squeeze(self, dim=None):
+        return apply("squeeze", self, tuple(dim) if isinstance(dim, list) else dim)
+
+    def transpose(self, *dims):
+        """transpose(d0, d1) as torch; transpose() with no argument reverses the dims, as GT."""
+        if not dims:
+            return apply("permute", self, tuple(range(self.ndim - 1, -1, -1)))
+        return apply("transpose", self, *dims)
+
+    @property
+    def T(self) -> "Tensor":
+        return self if self.ndim < 2 else self.transpose()
+
+    # indexing -----------------------------------------------------------------------------------
+
+    def __getitem__(self, key):
+        template, tensors, shape_as = _index(key)
+        return apply("getitem", self, *tensors, key=template, shape_as=shape_as)
+
+    def __setitem__(self, key, value):
+        template, tensors, shape_as = _index(key)
+        apply("setitem", self, value, *tensors, key=template, shape_as=shape_as)
+
+    # in place -----------------------------------------------------------------------------------
+
+    def zero_(self): return apply("zero_", self)
+    def fill_(self, value): return apply("fill_", self, value)
+    def copy_(self, src): return apply("copy_", self, src)
+
+
+# the one path every op takes -------------------------------------------------------------------
+
+def apply(name: str, *args, key=None, shape_as=None, **kw):
+    """Infer, issue, return handles. ``kw`` holds keyword constants of the kernel.
+
+    ``shape_as`` = (n, template, sigs): for shape inference only, the last n tensor operands
+    and the index ``key`` are replaced (a boolean mask becomes index vectors of its true count).
+    """
+    rt = runtime()
+    tmask = 0
+    wire = []
+    sigs = []
+    for i, a in enumerate(args):
+        if type(a) is not Tensor and not isinstance(a, _SCALARS) and a is not None:
+            a = _operand(a)
+        if isinstance(a, Tensor):
+            tmask |= 1 << i
+            wire.append(a.id)
+            sigs.append(a._sig)
+        else:
+            wire.append(a)
+            sigs.append(a)
+    if key is not None:
+        kw["key"] = key
+    kw = kw or None
+    if shape_as is None:
+        outs, multi = infer(name, tuple(sigs), tmask, kw)
+    else:
+        n, template, index_sigs = shape_as
+        lead = len(sigs) - n
+        outs, multi = infer(name, tuple(sigs[:lead]) + index_sigs,
+                            tmask & ((1 << lead) - 1) | ((1 << len(index_sigs)) - 1) << lead,
+                            {**kw, "key": template})
+    if name in _INPLACE:
+        rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw))
+        rt.note_site(args[0].id)
+        return args[0]
+    if multi:
+        ids = tuple(rt.new_id() for _ in outs)
+        rt.dispatcher.submit((name, ids, tuple(wire), tmask, kw))
+        for i in ids:
+            rt.note_site(i)
+        return tuple(Tensor(i, s) for i, s in zip(ids, outs))
+    out = rt.new_id()
+    rt.dispatcher.submit((name, out, tuple(wire), tmask, kw))
+    rt.note_site(out)
+    return Tensor(out, outs[0])
+
+
+_INPLACE = frozenset(["setitem", "iadd", "isub", "imul", "itruediv", "zero_", "fill_", "copy_"])
+
+
+def _operand(a) -> Any:
+    """Numpy arrays and torch tensors become gtmpi tensors; numpy scalars Python scalars."""
+    if isinstance(a, (np.ndarray, torch.Tensor)):
+        from .creation import tensor
+        return tensor(a)
+    if isinstance(a, numbers.Number):
+        return a.item() if hasattr(a, "item") else a
+    return a
+
+
+def _sizes(args: tuple) -> tuple:
+    """Accept f(2, 3), f((2, 3)) and f([2, 3]) alike."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        return tuple(args[0])
+    return tuple(args)
+
+
+def _axis(dim, kw: dict):
+    if "axis" in kw:
+        dim = kw.pop("axis")
+    return tuple(dim) if isinstance(dim, list) else dim
+
+
+def _keepdim(keepdim: bool, kw: dict) -> bool:
+    keepdim = kw.pop("keepdims", keepdim)
+    if kw:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(kw)}")
+    return bool(keepdim)
+
+
+def _reduce(name: str, x: Tensor, dim, keepdim, kw: dict):
+    dim = _axis(dim, kw)
+    return apply(name, x, dim, _keepdim(keepdim, kw))
+
+
+def _extreme(which: str, x: Tensor, dim, keepdim, kw: dict):
+    """torch's max/min: all elements, (values, indices) along an int dim, or the elementwise
+    maximum with another tensor. GT's axis= (and a tuple of dims) gives the values only."""
+    if isinstance(dim, Tensor):
+        return apply("maximum" if which == "max" else "minimum", x, dim)
+    by_axis = "axis" in kw
+    dim = _axis(dim, kw)
+    keepdim = _keepdim(keepdim, kw)
+    if isinstance(dim, int) and not by_axis:
+        return MinMax(*apply(f"{which}_dim", x, dim, keepdim))
+    return apply("amax" if which == "max" else "amin", x, dim, keepdim)
+
+
+def _spread(name, x, dim, unbiased, keepdim, correction, ddof, kw):
+    dim = _axis(dim, kw)
+    if correction is None:
+        correction = ddof if ddof is not None else (0 if unbiased is False else 1)
+    return apply(name, x, dim, correction, _keepdim(keepdim, kw))
+
+
+def _index(key) -> tuple[tuple, list, tuple | None]:
+    """Split an index key into a picklable template ("T" marks each tensor) and its tensors.
+
+    With boolean masks present, also return what shape inference uses instead: each k-dim
+    mask stands as k int64 index vectors of its true count (read from the worker, as torch
+    itself must synchronise for boolean indexing).
+    """
+    items = key if isinstance(key, tuple) else (key,)
+    template, tensors, meta_template, meta_sigs, has_mask = [], [], [], [], False
+    for item in items:
+        if isinstance(item, (np.ndarray, torch.Tensor)):
+            item = _operand(item)
+        if isinstance(item, Tensor):
+            template.append("T")
+            tensors.append(item)
+            if item.dtype == torch.bool:
+                has_mask = True
+                count = int(apply("sum", item, None, False).item())
+                k = max(item.ndim, 1)
+                meta_template.extend(["T"] * k)
+                meta_sigs.extend([(torch.Size([count]), torch.int64)] * k)
+            else:
+                meta_template.append("T")
+                meta_sigs.append(item._sig)
+        else:
+            if isinstance(item, Sequence) and not isinstance(item, str):
+                item = list(item)
+            template.append(item)
+            meta_template.append(item)
+    shape_as = (len(tensors), tuple(meta_template), tuple(meta_sigs)) if has_mask else None
+    return tuple(template), tensors, shape_as

@@ -1,0 +1,119 @@
+"""Turns the client's instruction stream into batches for workers.
+
+Where each tensor lives is decided here. Until placements by signals exist, every tensor
+lives on the home worker (the first one), as a one-device program expects.
+
+Batching is the whole cost model: one MPI message carries up to BATCH_MAX instructions.
+A batch is sent early while its worker is idle (latency: a GPU must never wait for the
+client) and held back while the worker is busy (throughput: fewer, larger messages).
+Workers acknowledge executed batches; at most MAX_INFLIGHT batches are unacknowledged per
+worker, so a client that runs ahead of its workers blocks instead of growing memory.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from ..errors import Fault
+from ..transport.poll import wait_for
+from ..transport.tags import Tag
+
+BATCH_MAX = 256
+MAX_INFLIGHT = 64
+ACK_POLL_S = 5e-5  # how often a busy worker's acks are polled while ops are issued
+
+
+class Link(Protocol):
+    """Rank 0's end of a worker link (transport.mpi.WorkerLink or transport.local.LocalLink)."""
+
+    def send(self, batch: list, seq: int) -> None: ...
+    def upload(self, data: np.ndarray) -> None: ...
+    def start_read(self, buf: np.ndarray) -> Any: ...
+    def finish_read(self, handle: Any, watchdog: Callable[[], None]) -> Fault | None: ...
+    def poll_ack(self) -> int | None: ...
+    def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any: ...
+    def shutdown(self) -> None: ...
+    def wait_bye(self, deadline: float) -> bool: ...
+
+
+class Dispatcher:
+    def __init__(self, links: dict[int, Link], watchdog: Callable[[], None]):
+        self.links = links
+        self.watchdog = watchdog
+        self.home = min(links)
+        self._batch: dict[int, list] = {r: [] for r in links}
+        self._seq = dict.fromkeys(links, 0)
+        self._acked = dict.fromkeys(links, 0)
+        self._last_poll = 0.0
+        # Tensor.__del__ appends here; frees travel at the end of the home worker's next batch,
+        # after every instruction that could still use them.
+        self.frees: list[int] = []
+
+    def submit(self, ins: tuple) -> None:
+        """A tensor instruction; routed to the worker that holds its operands."""
+        batch = self._batch[self.home]
+        batch.append(ins)
+        if len(batch) >= BATCH_MAX or self._idle(self.home):
+            self.flush(self.home)
+
+    def upload(self, ins: tuple, data: np.ndarray) -> None:
+        self.links[self.home].upload(data)
+        self.submit(ins)
+
+    def read(self, tensor_id: int, buf: np.ndarray) -> Fault | None:
+        """Fill ``buf`` with the raw bytes of a tensor, or return why it could not be made."""
+        link = self.links[self.home]
+        handle = link.start_read(buf)
+        self._batch[self.home].append(("read", None, (tensor_id,), 0, None))
+        self.flush(self.home)
+        return link.finish_read(handle, self.watchdog)
+
+    def ask_all(self, word: str, tag: Tag) -> dict[int, Any]:
+        """Send a control word to every worker, in stream order, and gather their replies."""
+        for rank in self.links:
+            self._batch[rank].append((word, None, (), 0, None))
+            self.flush(rank)
+        return {rank: link.wait_reply(tag, self.watchdog) for rank, link in self.links.items()}
+
+    def flush(self, rank: int) -> None:
+        batch = self._batch[rank]
+        if self.frees and rank == self.home:
+            frees, self.frees = self.frees, []
+            batch.append(("free", None, tuple(frees), 0, None))
+        if not batch:
+            return
+        self._batch[rank] = []
+        if self._seq[rank] - self._acked[rank] >= MAX_INFLIGHT:
+            wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None, self.watchdog)
+        self._seq[rank] += 1
+        self.links[rank].send(batch, self._seq[rank])
+
+    def flush_all(self) -> None:
+        for rank in self.links:
+            self.flush(rank)
+
+    def shutdown(self, timeout_s: float) -> list[int]:
+        """Stop every worker; return the ranks that did not confirm within the timeout."""
+        self.flush_all()
+        for link in self.links.values():
+            link.shutdown()
+        deadline = time.monotonic() + timeout_s
+        return [rank for rank, link in self.links.items() if not link.wait_bye(deadline)]
+
+    def _poll(self, rank: int) -> int:
+        """Collect acks; return the number of batches still unacknowledged."""
+        acked = self.links[rank].poll_ack()
+        if acked is not None:
+            self._acked[rank] = acked
+        return self._seq[rank] - self._acked[rank]
+
+    def _idle(self, rank: int) -> bool:
+        if self._seq[rank] == self._acked[rank]:
+            return True
+        now = time.perf_counter()
+        if now - self._last_poll < ACK_POLL_S:
+            return False
+        self._last_poll = now
+        return self._poll(rank) == 0

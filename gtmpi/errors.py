@@ -1,0 +1,22 @@
+"""Errors that cross process boundaries, and the exception a user sees."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Fault(NamedTuple):
+    """Why a tensor could not be computed on a worker. Travels worker -> client (pickled)."""
+    tensor_id: int  # the first result id of the instruction that failed
+    op: str
+    rank: int
+    error: str      # "ExceptionType: message" from the worker
+
+
+class WorkerError(RuntimeError):
+    """An op failed on a worker; raised at the read of a tensor that depends on it."""
+
+    def __init__(self, fault: Fault, site: str | None):
+        self.fault = fault
+        self.site = site
+        where = f" issued at {site}" if site else ""
+        super().__init__(f"op '{fault.op}'{where} failed on worker rank {fault.rank}: {fault.error}")

@@ -1,0 +1,142 @@
+"""Who does what: rank 0 runs the user's program as client and dispatcher; every other rank
+becomes a worker and never returns to the user's program.
+
+Three ways to start:
+  mpiexec/srun -n N   ranks 1..N-1 turn into workers when gtmpi is imported (start_role)
+  plain python        the embedded default: one executor inside the process, no MPI at all
+  gtmpi.workers(n)    a plain process spawns n workers (MPI Spawn) and merges with them
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import traceback
+
+import torch
+
+from .client import runtime as session
+from .client.runtime import Runtime
+from .transport.local import LocalLink
+from .transport.tags import Tag
+from .worker.device import local_worker_index, select_device
+from .worker.executor import Executor
+
+# Set by every launcher we know of (MPICH/hydra, Open MPI, PMIx, SLURM's srun).
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_STEP_ID")
+
+
+def verbose(message: str) -> None:
+    if os.environ.get("GTMPI_VERBOSE", "0") not in ("", "0"):
+        print(f"gtmpi: {message}", file=sys.stderr, flush=True)
+
+
+def start_role() -> None:
+    """Called when gtmpi is imported: under an MPI launcher, ranks > 0 serve until shutdown."""
+    if session.current() is not None or not any(k in os.environ for k in _MPI_ENV):
+        return
+    from mpi4py import MPI
+    if MPI.Comm.Get_parent() != MPI.COMM_NULL:
+        return  # a spawned worker: gtmpi.worker's __main__ joins explicitly
+    if MPI.COMM_WORLD.Get_size() > 1:
+        join(MPI.COMM_WORLD.Dup())
+
+
+def join(base) -> None:
+    """Collective over ``base``: rank 0 becomes the session, the others serve as workers."""
+    from mpi4py import MPI
+    from .transport.mpi import Comms, WorkerLink
+
+    comms = Comms.dup(base)
+    rank, size = base.Get_rank(), base.Get_size()
+    shm = base.Split_type(MPI.COMM_TYPE_SHARED)
+    node_ranks = shm.allgather(rank)
+    shm.Free()
+    host0 = base.bcast((socket.gethostname(), os.getpid()) if rank == 0 else None, root=0)
+    if rank != 0:
+        _serve(comms, node_ranks, host0)
+        return
+    links = {r: WorkerLink(comms, r) for r in range(1, size)}
+    workers = {r: links[r].wait_reply(Tag.HELLO) for r in links}
+    for w in workers.values():
+        verbose(f"worker rank {w['rank']} on {w['host']} (pid {w['pid']}): {w['device']}")
+
+    def abort(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        base.Abort(1)
+
+    session.set_runtime(Runtime(links, workers, abort))
+    sys.excepthook = _abort_on_uncaught(base)
+    atexit.register(_close)
+
+
+def _serve(comms, node_ranks: list[int], host0: tuple[str, int]) -> None:
+    """Run a worker until rank 0 says stop, then leave the process with status 0."""
+    from mpi4py import MPI
+    from .worker.loop import serve
+    try:
+        rank = comms.base.Get_rank()
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = select_device(os.environ, local_worker_index(os.environ, rank, node_ranks), cuda)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        serve(comms, device, host0)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        comms.base.Abort(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(0)  # never run the rest of the user's program
+
+
+def _abort_on_uncaught(comm):
+    def hook(kind, value, tb):
+        traceback.print_exception(kind, value, tb)
+        sys.stderr.flush()
+        comm.Abort(1)  # otherwise the workers would wait for a shutdown that never comes
+    return hook
+
+
+def _close() -> None:
+    rt = session.current()
+    if rt is not None:
+        missing = rt.close()
+        if missing:
+            print(f"gtmpi: workers {missing} did not confirm shutdown", file=sys.stderr)
+
+
+def start_embedded() -> Runtime:
+    """One worker executor inside this process."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = select_device(os.environ, 0, cuda)
+    link = LocalLink()
+    link.executor = Executor(1, device, link)
+    info = {"rank": 1, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
+            "torch": torch.__version__, "embedded": True}
+    verbose(f"embedded worker in this process: {device}")
+    return Runtime({1: link}, {1: info})
+
+
+def spawn_workers(n: int) -> None:
+    """Start n worker processes from a plain (non-mpiexec) process and join them."""
+    if n < 1:
+        raise ValueError(f"gtmpi.workers(n) needs n >= 1, got {n}")
+    rt = session.current()
+    if rt is not None:
+        have = len(rt.workers)
+        if have == n:
+            return
+        raise RuntimeError(f"gtmpi: this session already has {have} worker(s); gtmpi.workers({n}) "
+                           "must come before the first tensor op, and under mpiexec the job size "
+                           "decides the number of workers")
+    # MPI Spawn goes through the launcher of the MPI that mpi4py uses; a different mpiexec
+    # first on PATH makes it hang, so put the one beside this Python first.
+    bindir = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(bindir, "mpiexec")):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    from mpi4py import MPI
+    inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "gtmpi.worker"], maxprocs=n)
+    join(inter.Merge(high=False))

@@ -1,0 +1,145 @@
+"""The op vocabulary: every tensor op gtmpi knows, one row each.
+
+Each layer reads this one table. The client infers shapes by running a row's kernel on meta
+tensors (ops/shapes.py); the worker runs the same kernel on real tensors (worker/executor.py).
+Gradient and placement rules join the table as further columns, keyed by the same names.
+
+A kernel takes torch tensors and plain constants positionally (plus keyword constants) and
+returns a tensor or a tuple of tensors. Kernels of kind CREATE also get ``device=``.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+
+class Kind(Enum):
+    CREATE = "create"            # no tensor inputs; needs the worker's device
+    ELEMENTWISE = "elementwise"  # broadcasting pointwise math
+    REDUCE = "reduce"            # reduces or normalises along dims
+    MATMUL = "matmul"
+    SHAPE = "shape"              # moves or views data without arithmetic
+    INDEX = "index"
+    INPLACE = "inplace"          # writes into its first operand; result id is that operand's
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    kind: Kind
+    kernel: Callable[..., Any]
+    # Python scalar operands change only the result dtype, never its shape, so the shape cache
+    # may key them by type rather than value (x * 2.0 and x * 3.0 share one entry).
+    scalar_by_type: bool = False
+    # Evaluated on meta tensors instead of the kernel, where the kernel cannot run on meta.
+    meta: Callable[..., Any] | None = None
+
+
+def _seeded(sample: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A random op whose values depend only on (seed, shape, dtype): the same on every run,
+    whatever the number of workers, because each op carries its own seed."""
+    def kernel(shape, dtype, seed, device):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return sample(shape, dtype=dtype, device=device, generator=gen)
+    return kernel
+
+
+def _meta_empty(shape, dtype, seed, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def index_key(template: tuple, tensors: tuple) -> tuple:
+    """Rebuild an index key: the string "T" stands for the next index tensor, in order."""
+    it = iter(tensors)
+    return tuple(next(it) if item == "T" else item for item in template)
+
+
+def _getitem(x, *tensors, key):
+    return x[index_key(key, tensors)]
+
+
+def _setitem(x, value, *tensors, key):
+    x[index_key(key, tensors)] = value
+    return x
+
+
+def _copy(x, src):
+    return x.copy_(src)
+
+
+_ops = [
+    # creation
+    Op("zeros", Kind.CREATE, lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device)),
+    Op("ones", Kind.CREATE, lambda shape, dtype, device: torch.ones(shape, dtype=dtype, device=device)),
+    Op("full", Kind.CREATE, lambda shape, value, dtype, device: torch.full(shape, value, dtype=dtype, device=device)),
+    Op("arange", Kind.CREATE,
+       lambda start, end, step, dtype, device: torch.arange(start, end, step, dtype=dtype, device=device)),
+    Op("eye", Kind.CREATE, lambda n, m, dtype, device: torch.eye(n, m, dtype=dtype, device=device)),
+    Op("randn", Kind.CREATE, _seeded(torch.randn), meta=_meta_empty),
+    Op("rand", Kind.CREATE, _seeded(torch.rand), meta=_meta_empty),
+    # elementwise: Python operators so that a scalar may stand on either side (2.0 - x)
+    *(Op(name, Kind.ELEMENTWISE, fn, scalar_by_type=True) for name, fn in [
+        ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
+        ("truediv", operator.truediv), ("floordiv", operator.floordiv), ("mod", operator.mod),
+        ("pow", operator.pow), ("lt", operator.lt), ("le", operator.le), ("gt", operator.gt),
+        ("ge", operator.ge), ("eq", operator.eq), ("ne", operator.ne), ("and", operator.and_),
+        ("or", operator.or_), ("xor", operator.xor), ("invert", operator.invert),
+        ("neg", operator.neg), ("abs", torch.abs), ("exp", torch.exp), ("log", torch.log),
+        ("sqrt", torch.sqrt), ("rsqrt", torch.rsqrt), ("sin", torch.sin), ("cos", torch.cos),
+        ("tanh", torch.tanh), ("sigmoid", torch.sigmoid), ("relu", torch.relu),
+        ("gelu", F.gelu), ("silu", F.silu), ("where", torch.where), ("clamp", torch.clamp),
+        ("maximum", torch.maximum), ("minimum", torch.minimum),
+    ]),
+    Op("to", Kind.ELEMENTWISE, lambda x, dtype: x.to(dtype)),
+    Op("matmul", Kind.MATMUL, operator.matmul),
+    # reductions over all elements (dim=None) or over dims
+    Op("sum", Kind.REDUCE, lambda x, dim, keepdim: x.sum(dim=dim, keepdim=keepdim)),
+    Op("mean", Kind.REDUCE, lambda x, dim, keepdim: x.mean(dim=dim, keepdim=keepdim)),
+    Op("amax", Kind.REDUCE, lambda x, dim, keepdim: x.amax(dim=() if dim is None else dim, keepdim=keepdim)),
+    Op("amin", Kind.REDUCE, lambda x, dim, keepdim: x.amin(dim=() if dim is None else dim, keepdim=keepdim)),
+    Op("max_dim", Kind.REDUCE, lambda x, dim, keepdim: tuple(torch.max(x, dim, keepdim))),
+    Op("min_dim", Kind.REDUCE, lambda x, dim, keepdim: tuple(torch.min(x, dim, keepdim))),
+    Op("argmax", Kind.REDUCE, lambda x, dim, keepdim: torch.argmax(x, dim, keepdim)),
+    Op("argmin", Kind.REDUCE, lambda x, dim, keepdim: torch.argmin(x, dim, keepdim)),
+    Op("var", Kind.REDUCE,
+       lambda x, dim, correction, keepdim: torch.var(x, dim, correction=correction, keepdim=keepdim)),
+    Op("std", Kind.REDUCE,
+       lambda x, dim, correction, keepdim: torch.std(x, dim, correction=correction, keepdim=keepdim)),
+    Op("softmax", Kind.REDUCE, lambda x, dim: torch.softmax(x, dim)),
+    Op("log_softmax", Kind.REDUCE, lambda x, dim: torch.log_softmax(x, dim)),
+    # shape
+    Op("reshape", Kind.SHAPE, torch.reshape),
+    Op("view", Kind.SHAPE, lambda x, shape: x.view(shape)),
+    Op("permute", Kind.SHAPE, torch.permute),
+    Op("transpose", Kind.SHAPE, torch.transpose),
+    Op("squeeze", Kind.SHAPE, lambda x, dim: x.squeeze() if dim is None else x.squeeze(dim)),
+    Op("unsqueeze", Kind.SHAPE, torch.unsqueeze),
+    Op("flatten", Kind.SHAPE, torch.flatten),
+    Op("expand", Kind.SHAPE, lambda x, shape: x.expand(shape)),
+    Op("contiguous", Kind.SHAPE, lambda x: x.contiguous()),
+    Op("clone", Kind.SHAPE, torch.clone),
+    Op("cat", Kind.SHAPE, lambda *xs, dim: torch.cat(xs, dim)),
+    Op("stack", Kind.SHAPE, lambda *xs, dim: torch.stack(xs, dim)),
+    Op("split", Kind.SHAPE, lambda x, sections, dim: tuple(torch.split(x, sections, dim))),
+    Op("chunk", Kind.SHAPE, lambda x, chunks, dim: tuple(torch.chunk(x, chunks, dim))),
+    # indexing
+    Op("getitem", Kind.INDEX, _getitem),
+    # in place: the result is the first operand, mutated (views on a worker alias as in torch)
+    Op("setitem", Kind.INPLACE, _setitem),
+    Op("iadd", Kind.INPLACE, operator.iadd, scalar_by_type=True),
+    Op("isub", Kind.INPLACE, operator.isub, scalar_by_type=True),
+    Op("imul", Kind.INPLACE, operator.imul, scalar_by_type=True),
+    Op("itruediv", Kind.INPLACE, operator.itruediv, scalar_by_type=True),
+    Op("zero_", Kind.INPLACE, torch.Tensor.zero_),
+    Op("fill_", Kind.INPLACE, torch.Tensor.fill_, scalar_by_type=True),
+    Op("copy_", Kind.INPLACE, _copy),
+]
+
+OPS: dict[str, Op] = {op.name: op for op in _ops}
+assert len(OPS) == len(_ops), "duplicate op name in the table"

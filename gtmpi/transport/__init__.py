@@ -1,0 +1,1 @@
+"""How rank 0 and the workers talk: MPI point-to-point (mpi.py) or in-process (local.py)."""

@@ -1,0 +1,131 @@
+"""MPI point-to-point between rank 0 and each worker.
+
+Three communicators, each duplicated from the runtime's base communicator in the same order
+on every rank, keep the three kinds of traffic from ever matching each other's receives:
+  ctrl   rank 0 -> worker: pickled batches of instructions, shutdown
+  reply  worker -> rank 0: small pickled objects (hello, acks, sync, stats, faults)
+  data   both ways: raw tensor bytes (uploads and reads), never pickled
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import Fault
+from .poll import wait_for
+from .tags import Tag
+
+_EMPTY = np.empty(0, np.uint8)
+
+
+class Comms(NamedTuple):
+    base: MPI.Intracomm
+    ctrl: MPI.Intracomm
+    reply: MPI.Intracomm
+    data: MPI.Intracomm
+
+    @classmethod
+    def dup(cls, base: MPI.Intracomm) -> "Comms":
+        """Collective over ``base``: every rank must call it at the same point."""
+        return cls(base, base.Dup(), base.Dup(), base.Dup())
+
+
+class _Sends:
+    """Outstanding non-blocking sends, with the buffers they must keep alive."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[MPI.Request, Any]] = []
+
+    def keep(self, req: MPI.Request, buf: Any = None) -> None:
+        self._pending.append((req, buf))
+        if len(self._pending) > 32:
+            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+
+    def drain(self) -> None:
+        for req, _ in self._pending:
+            wait_for(lambda: True if req.Test() else None)
+        self._pending.clear()
+
+
+class WorkerLink:
+    """Rank 0's end of the conversation with one worker."""
+
+    def __init__(self, comms: Comms, rank: int):
+        self.comms = comms
+        self.rank = rank
+        self._sends = _Sends()
+
+    def send(self, batch: list, seq: int) -> None:
+        self._sends.keep(self.comms.ctrl.isend(batch, self.rank, Tag.BATCH))
+
+    def upload(self, data: np.ndarray) -> None:
+        """Raw bytes for the next 'upload' instruction this worker executes."""
+        self._sends.keep(self.comms.data.Isend([data, MPI.BYTE], self.rank, Tag.UPLOAD), data)
+
+    def start_read(self, buf: np.ndarray) -> MPI.Request:
+        """Post the receive before the 'read' instruction is sent, so the worker never waits."""
+        return self.comms.data.Irecv([buf, MPI.BYTE], self.rank, MPI.ANY_TAG)
+
+    def finish_read(self, req: MPI.Request, watchdog: Callable[[], None]) -> Fault | None:
+        status = MPI.Status()
+        wait_for(lambda: True if req.Test(status) else None, watchdog)
+        if status.Get_tag() == Tag.READ_FAULT:
+            return self.wait_reply(Tag.FAULT, watchdog)
+        return None
+
+    def poll_ack(self) -> int | None:
+        latest = None
+        while (msg := self.comms.reply.improbe(self.rank, Tag.ACK)) is not None:
+            latest = msg.recv()
+        return latest
+
+    def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
+        msg = wait_for(lambda: self.comms.reply.improbe(self.rank, tag), watchdog)
+        return msg.recv()
+
+    def shutdown(self) -> None:
+        self._sends.drain()
+        self.comms.ctrl.send(None, self.rank, Tag.SHUTDOWN)
+
+    def wait_bye(self, deadline: float) -> bool:
+        def bye() -> bool | None:
+            msg = self.comms.reply.improbe(self.rank, Tag.BYE)
+            if msg is not None:
+                msg.recv()
+                return True
+            return False if time.monotonic() > deadline else None
+        return wait_for(bye)
+
+
+class HostLink:
+    """A worker's end of the conversation with rank 0 (see worker.executor.HostLink)."""
+
+    def __init__(self, comms: Comms):
+        self.comms = comms
+        self._sends = _Sends()
+
+    def next_message(self, status: MPI.Status) -> MPI.Message | None:
+        return self.comms.ctrl.improbe(0, MPI.ANY_TAG, status)
+
+    def more_waiting(self) -> bool:
+        return self.comms.ctrl.iprobe(0, MPI.ANY_TAG)
+
+    def recv_upload(self, buf: np.ndarray) -> None:
+        req = self.comms.data.Irecv([buf, MPI.BYTE], 0, Tag.UPLOAD)
+        wait_for(lambda: True if req.Test() else None)
+
+    def send_read(self, data: np.ndarray) -> None:
+        self.comms.data.Send([data, MPI.BYTE], 0, Tag.READ_OK)
+
+    def send_read_fault(self, fault: Fault) -> None:
+        self.comms.data.Send([_EMPTY, MPI.BYTE], 0, Tag.READ_FAULT)
+        self.comms.reply.send(fault, 0, Tag.FAULT)
+
+    def reply(self, tag: int, obj: Any) -> None:
+        self.comms.reply.send(obj, 0, tag)
+
+    def ack(self, seq: int) -> None:
+        self._sends.keep(self.comms.reply.isend(seq, 0, Tag.ACK))

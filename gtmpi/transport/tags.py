@@ -1,0 +1,20 @@
+"""MPI tags. Each purpose also has its own communicator (see transport/mpi.py), so a tag
+only has to be unique within its communicator; they are all distinct anyway, for traces."""
+from enum import IntEnum
+
+
+class Tag(IntEnum):
+    # ctrl communicator, rank 0 -> worker: pickled lists of instructions
+    BATCH = 1
+    SHUTDOWN = 2
+    # reply communicator, worker -> rank 0: small pickled objects
+    HELLO = 10
+    ACK = 11      # payload: the sequence number of the last batch executed
+    SYNC = 12
+    STATS = 13
+    FAULT = 14    # follows a READ_FAULT on the data communicator
+    BYE = 15
+    # data communicator: raw tensor bytes, never pickled
+    UPLOAD = 20      # rank 0 -> worker
+    READ_OK = 21     # worker -> rank 0
+    READ_FAULT = 22  # worker -> rank 0, empty; the Fault follows on the reply communicator

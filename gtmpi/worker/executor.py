@@ -1,0 +1,129 @@
+"""Runs placed instructions with torch on one device.
+
+An instruction is a 5-tuple ``(name, out, args, tmask, kw)``:
+  name   an op of ops.table.OPS, or a control word (upload, read, free, sync, stats)
+  out    the result id, or a tuple of ids for ops that return several tensors
+  args   positional operands; bit i of ``tmask`` set means args[i] is a tensor id
+  kw     keyword constants or None
+Plain ints and a bitmask keep a batch of thousands of instructions cheap to pickle.
+
+A failing op poisons its result ids with a Fault instead of stopping the stream; every op
+that consumes a poisoned id is skipped and passes the same Fault on, so the error surfaces
+at the first read of any dependent tensor, and unrelated work carries on.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..errors import Fault
+from ..ops.table import OPS, Kind
+from ..transport.tags import Tag
+
+
+class HostLink(Protocol):
+    """The worker's side of its conversation with rank 0 (MPI or in-process)."""
+
+    def recv_upload(self, buf: np.ndarray) -> None: ...
+    def send_read(self, data: np.ndarray) -> None: ...
+    def send_read_fault(self, fault: Fault) -> None: ...
+    def reply(self, tag: int, obj: Any) -> None: ...
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a contiguous CPU tensor (works for bfloat16 and 0-d tensors)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Executor:
+    def __init__(self, rank: int, device: torch.device, link: HostLink):
+        self.rank = rank
+        self.device = device
+        self.link = link
+        self.env: dict[int, torch.Tensor] = {}
+        self.poison: dict[int, Fault] = {}
+        self.stats = {"ops": 0, "faults": 0, "bytes_received": 0, "bytes_sent": 0}
+        self._control = {"upload": self._upload, "read": self._read, "free": self._free,
+                         "sync": self._sync, "stats": self._stats}
+
+    def run(self, batch: list[tuple]) -> None:
+        env, poison = self.env, self.poison
+        for ins in batch:
+            name, out, args, tmask, kw = ins
+            op = OPS.get(name)
+            if op is None:
+                self._control[name](out, args)
+                continue
+            if poison and tmask and self._propagate(out, args, tmask):
+                continue
+            try:
+                if tmask:
+                    args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
+                if op.kind is Kind.CREATE:
+                    res = op.kernel(*args, **(kw or {}), device=self.device)
+                else:
+                    res = op.kernel(*args, **kw) if kw else op.kernel(*args)
+            except Exception as e:  # the op's own failure (bad index, out of memory, ...)
+                self._fail(out, Fault(out if type(out) is int else out[0], name, self.rank,
+                                      f"{type(e).__name__}: {e}"))
+                continue
+            if type(out) is int:
+                env[out] = res
+            else:
+                env.update(zip(out, res))
+        self.stats["ops"] += len(batch)
+
+    def _propagate(self, out, args, tmask) -> bool:
+        for i, a in enumerate(args):
+            if tmask >> i & 1 and a in self.poison:
+                self._fail(out, self.poison[a])
+                return True
+        return False
+
+    def _fail(self, out, fault: Fault) -> None:
+        self.stats["faults"] += 1
+        for o in ((out,) if type(out) is int else out):
+            self.env.pop(o, None)
+            self.poison[o] = fault
+
+    # control words ------------------------------------------------------------------------
+
+    def _upload(self, out: int, args: tuple) -> None:
+        shape, dtype = args
+        host = torch.empty(shape, dtype=dtype)
+        self.link.recv_upload(as_bytes(host))
+        self.stats["bytes_received"] += host.nbytes
+        self.env[out] = host if self.device.type == "cpu" else host.to(self.device)
+
+    def _read(self, out, args: tuple) -> None:
+        (tid,) = args
+        if tid in self.poison:
+            self.link.send_read_fault(self.poison[tid])
+            return
+        host = self.env[tid].detach().contiguous().cpu()
+        self.stats["bytes_sent"] += host.nbytes
+        self.link.send_read(as_bytes(host))
+
+    def _free(self, out, ids: tuple) -> None:
+        env, poison = self.env, self.poison
+        for i in ids:
+            if env.pop(i, None) is None:
+                poison.pop(i, None)
+
+    def _sync(self, out, args) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.link.reply(Tag.SYNC, None)
+
+    def _stats(self, out, args) -> None:
+        self.link.reply(Tag.STATS, {**self.stats, "rank": self.rank, "device": str(self.device),
+                                    "tensors": len(self.env), "memory_bytes": self.memory_in_use()})
+
+    def memory_in_use(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self.env.values()}
+        return sum(storages.values())
