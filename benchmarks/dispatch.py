@@ -1,0 +1,123 @@
+"""Dispatch overhead: gtmpi beside plain torch on the same device, in one run.
+
+    mpiexec -n 3 python benchmarks/dispatch.py          # 2 workers
+    python benchmarks/dispatch.py --matmuls 20          # embedded worker
+
+(a) tiny-op throughput: 10,000 adds of 64x64 tensors issued, then one read (ops/s)
+(b) read latency: .item() of a fresh scalar (µs, median)
+(c) a loop of 4096x4096 float32 matmuls: gtmpi time / torch time
+
+torch runs in rank 0's process on the device of gtmpi's first worker. Prints a table, then one
+JSON line with the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+import gtmpi
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tiny_ops(n: int, make, read) -> float:
+    x = make()
+    start = time.perf_counter()
+    for _ in range(n):
+        x = x + 1.0
+    read(x)
+    return n / (time.perf_counter() - start)
+
+
+def read_latency(n: int, v, read) -> float:
+    times = []
+    for i in range(n):
+        start = time.perf_counter()
+        read((v * float(i)).sum())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def matmul_loop(n: int, a, b, read) -> float:
+    start = time.perf_counter()
+    c = a
+    for _ in range(n):
+        c = a @ b
+    read(c)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", type=int, default=10_000, help="adds in the tiny-op loop")
+    p.add_argument("--reads", type=int, default=300, help="reads timed for the latency")
+    p.add_argument("--matmuls", type=int, default=None, help="matmuls per loop (default: 3 on CPU, 50 on GPU)")
+    p.add_argument("--size", type=int, default=4096, help="matmul size")
+    p.add_argument("--repeat", type=int, default=3, help="repeats of (a) and (c); the best is kept")
+    args = p.parse_args()
+
+    world = gtmpi.info()
+    device = torch.device(world["workers"][min(world["workers"])]["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    n_mm = args.matmuls or (50 if device.type == "cuda" else 3)
+    first_item = lambda t: t.reshape(-1)[0].item()  # noqa: E731
+
+    def torch_read(t):
+        return first_item(t)
+
+    res: dict[str, dict[str, float]] = {"torch": {}, "gtmpi": {}}
+    for name, make, read in [
+        ("torch", lambda: torch.zeros(64, 64, device=device), torch_read),
+        ("gtmpi", lambda: gtmpi.zeros(64, 64), first_item),
+    ]:
+        tiny_ops(1000, make, read)  # warm-up: first-use imports and shape-cache entries
+        res[name]["ops_per_s"] = max(tiny_ops(args.ops, make, read) for _ in range(args.repeat))
+        v = make()
+        read_latency(20, v, read)
+        res[name]["read_us"] = read_latency(args.reads, v, read)
+
+    torch.manual_seed(0)
+    a_t = torch.randn(args.size, args.size, device=device)
+    b_t = torch.randn(args.size, args.size, device=device)
+    a_g, b_g = gtmpi.tensor(a_t.cpu()), gtmpi.tensor(b_t.cpu())
+    for name, a, b, read in [("torch", a_t, b_t, torch_read), ("gtmpi", a_g, b_g, first_item)]:
+        matmul_loop(1, a, b, read)
+        res[name]["matmul_s"] = min(matmul_loop(n_mm, a, b, read) for _ in range(args.repeat))
+    del a_t, b_t
+    sync(device)
+
+    ratio = res["gtmpi"]["matmul_s"] / res["torch"]["matmul_s"]
+    workers = len(world["workers"])
+    print(f"device {device} ({platform.node()}), {workers} worker(s)"
+          f"{' (embedded)' if world['embedded'] else ''}, torch {torch.__version__}")
+    print(f"{'measure':<38} {'torch':>12} {'gtmpi':>12} {'gtmpi/torch':>12}")
+    rows = [
+        (f"(a) {args.ops} adds 64x64 + read, ops/s", "ops_per_s", "{:12.0f}"),
+        ("(b) .item() of a fresh scalar, µs", "read_us", "{:12.1f}"),
+        (f"(c) {n_mm} matmuls {args.size}² fp32, s", "matmul_s", "{:12.4f}"),
+    ]
+    for label, key, fmt in rows:
+        t, g = res["torch"][key], res["gtmpi"][key]
+        print(f"{label:<38} {fmt.format(t)} {fmt.format(g)} {g / t:12.3f}")
+    print(json.dumps({"benchmark": "dispatch", "device": str(device), "workers": workers,
+                      "embedded": world["embedded"], "host": platform.node(),
+                      "torch_ops_per_s": round(res["torch"]["ops_per_s"]),
+                      "gtmpi_ops_per_s": round(res["gtmpi"]["ops_per_s"]),
+                      "torch_read_us": round(res["torch"]["read_us"], 1),
+                      "gtmpi_read_us": round(res["gtmpi"]["read_us"], 1),
+                      "torch_matmul_s": round(res["torch"]["matmul_s"], 5),
+                      "gtmpi_matmul_s": round(res["gtmpi"]["matmul_s"], 5),
+                      "matmul_ratio": round(ratio, 4)}))
+
+
+if __name__ == "__main__":
+    main()
