@@ -75,13 +75,17 @@ def _serve(comms, node_ranks: list[int], host0: tuple[str, int]) -> None:
     """Run a worker until rank 0 says stop, then leave the process with status 0."""
     from mpi4py import MPI
     from .worker.loop import serve
+    from .worker.watcher import DeathNotice
     try:
         rank = comms.base.Get_rank()
+        notice = DeathNotice(rank)
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        device = select_device(os.environ, local_worker_index(os.environ, rank, node_ranks), cuda)
+        local_index = local_worker_index(os.environ, rank, node_ranks)
+        device = select_device(os.environ, local_index, cuda)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        serve(comms, device, host0)
+        serve(comms, device, local_index, host0)
+        notice.clean_exit()
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
@@ -89,7 +93,22 @@ def _serve(comms, node_ranks: list[int], host0: tuple[str, int]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     MPI.Finalize()
+    if os.environ.get("GTMPI_SPAWNED"):
+        _wait_gone(host0[1])
     os._exit(0)  # never run the rest of the user's program
+
+
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    """Spawned workers outlive their parent: MPICH's spawn helper kills the parent's whole
+    process group (the user's shell included) once all spawned processes have exited."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
 
 
 def _abort_on_uncaught(comm):
@@ -115,7 +134,7 @@ def start_embedded() -> Runtime:
     link = LocalLink()
     link.executor = Executor(1, device, link)
     info = {"rank": 1, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
-            "torch": torch.__version__, "embedded": True}
+            "local_index": 0, "torch": torch.__version__, "embedded": True}
     verbose(f"embedded worker in this process: {device}")
     return Runtime({1: link}, {1: info})
 
@@ -137,6 +156,7 @@ def spawn_workers(n: int) -> None:
     bindir = os.path.dirname(sys.executable)
     if os.path.exists(os.path.join(bindir, "mpiexec")):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    os.environ["GTMPI_SPAWNED"] = "1"  # inherited by the workers
     from mpi4py import MPI
     inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "gtmpi.worker"], maxprocs=n)
     join(inter.Merge(high=False))

@@ -100,7 +100,10 @@ class Dispatcher:
         for link in self.links.values():
             link.shutdown()
         deadline = time.monotonic() + timeout_s
-        return [rank for rank, link in self.links.items() if not link.wait_bye(deadline)]
+        missing = [rank for rank, link in self.links.items() if not link.wait_bye(deadline)]
+        for link in self.links.values():
+            link.poll_ack()  # acks sent before the goodbye: receive them, leave nothing unmatched
+        return missing
 
     def _poll(self, rank: int) -> int:
         """Collect acks; return the number of batches still unacknowledged."""

@@ -20,7 +20,10 @@ _cache: dict[tuple, tuple[tuple[Sig, ...], bool]] = {}
 
 
 def _freeze(v: Any) -> Any:
-    """A hashable stand-in for a constant (slices and lists are not hashable)."""
+    """A hashable stand-in for a constant (slices and lists are not hashable). Scalars carry
+    their type: 4 == 4.0 == True as dict keys, but not as torch arguments."""
+    if type(v) in _SCALARS:
+        return (type(v), v)
     if isinstance(v, slice):
         return ("slice", v.start, v.stop, v.step)
     if isinstance(v, (list, tuple)):
@@ -44,8 +47,37 @@ def signature_key(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple:
     return (name, *parts)
 
 
+def _check_broadcast(shapes: list) -> None:
+    """torch's eager message for incompatible operands (its meta kernels word it differently)."""
+    out: list[int] = []
+    for n, shape in enumerate(shapes):
+        for i in range(1, max(len(out), len(shape)) + 1):
+            a = out[-i] if i <= len(out) else 1
+            b = shape[-i] if i <= len(shape) else 1
+            if a != b and a != 1 and b != 1:
+                dim = max(len(out), len(shape)) - i
+                raise RuntimeError(f"The size of tensor a ({a}) must match the size of tensor b "
+                                   f"({b}) at non-singleton dimension {dim}")
+        width = max(len(out), len(shape))
+        out = [max(out[-i] if i <= len(out) else 1, shape[-i] if i <= len(shape) else 1)
+               for i in range(width, 0, -1)]
+
+
+def _check_matmul(a: torch.Size, b: torch.Size) -> None:
+    """torch's eager message for mismatched inner dimensions."""
+    if a and b and a[-1] != b[-2 if len(b) > 1 else 0]:
+        rows = a.numel() // a[-1] if a[-1] else 0
+        k = b[-2] if len(b) > 1 else b[0]
+        cols = b[-1] if len(b) > 1 else 1
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({rows}x{a[-1]} and {k}x{cols})")
+
+
 def _evaluate(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tuple[Sig, ...], bool]:
     op = OPS[name]
+    if op.scalar_by_type:
+        _check_broadcast([a[0] for i, a in enumerate(args) if tmask >> i & 1])
+    elif op.kind is Kind.MATMUL and tmask == 3:
+        _check_matmul(args[0][0], args[1][0])
     margs = [torch.empty(a[0], dtype=a[1], device=META) if tmask >> i & 1 else a
              for i, a in enumerate(args)]
     kwargs = dict(kw or {})

@@ -129,3 +129,6 @@ class HostLink:
 
     def ack(self, seq: int) -> None:
         self._sends.keep(self.comms.reply.isend(seq, 0, Tag.ACK))
+
+    def drain(self) -> None:
+        self._sends.drain()

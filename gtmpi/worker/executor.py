@@ -44,7 +44,7 @@ class Executor:
         self.link = link
         self.env: dict[int, torch.Tensor] = {}
         self.poison: dict[int, Fault] = {}
-        self.stats = {"ops": 0, "faults": 0, "bytes_received": 0, "bytes_sent": 0}
+        self.stats = {"ops": 0, "batches": 0, "faults": 0, "bytes_received": 0, "bytes_sent": 0}
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats}
 
@@ -74,6 +74,7 @@ class Executor:
             else:
                 env.update(zip(out, res))
         self.stats["ops"] += len(batch)
+        self.stats["batches"] += 1
 
     def _propagate(self, out, args, tmask) -> bool:
         for i, a in enumerate(args):

@@ -21,12 +21,12 @@ from .executor import Executor
 ACK_EVERY = 8  # while more batches wait, acknowledge every this many
 
 
-def serve(comms: Comms, device: torch.device, host0: tuple[str, int]) -> None:
+def serve(comms: Comms, device: torch.device, local_index: int, host0: tuple[str, int]) -> None:
     rank = comms.base.Get_rank()
     link = HostLink(comms)
     executor = Executor(rank, device, link)
     link.reply(Tag.HELLO, {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
-                           "device": str(device), "torch": torch.__version__,
+                           "device": str(device), "local_index": local_index, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None})
     status = MPI.Status()
     seq = 0
@@ -47,6 +47,7 @@ def serve(comms: Comms, device: torch.device, host0: tuple[str, int]) -> None:
             continue
         if status.Get_tag() == Tag.SHUTDOWN:
             msg.recv()
+            link.drain()
             link.reply(Tag.BYE, executor.stats)
             return
         executor.run(msg.recv())

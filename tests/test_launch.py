@@ -1,0 +1,164 @@
+"""Whole jobs as a user starts them: mpiexec, python -m gtmpi, plain python, gtmpi.workers(n),
+and how they end: clean exit codes, uncaught exceptions, killed workers. Each job is bounded."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import UNDER_MPI, mpiexec
+
+MPIEXEC = mpiexec()
+pytestmark = [
+    pytest.mark.skipif(UNDER_MPI, reason="starts its own jobs; run once, from the serial suite"),
+    pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"),
+]
+LIMIT_S = 90
+
+
+def run(tmp_path, body: str, *, n: int | None = 3, args=(), env=None, module=False):
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(body))
+    cmd = [sys.executable] + (["-m", "gtmpi"] if module else []) + [str(script), *args]
+    if n is not None:
+        cmd = [MPIEXEC, "-n", str(n)] + cmd
+    full_env = {**os.environ, "UCX_NET_DEVICES": "lo", "GTMPI_DEVICE": "cpu", **(env or {})}
+    full_env.pop("GTMPI_VERBOSE", None) if env is None or "GTMPI_VERBOSE" not in env else None
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=full_env,
+                          start_new_session=True)
+    return proc, time.monotonic() - start
+
+
+def test_mpiexec_rank0_runs_the_program_workers_exit_zero(tmp_path):
+    proc, _ = run(tmp_path, """
+        import os, json, gtmpi
+        x = gtmpi.arange(6.0).reshape(2, 3)
+        print("PROGRAM", json.dumps({"pid": os.getpid(), "value": (x @ x.T).tolist(),
+              "workers": sorted(gtmpi.info()["workers"])}))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("PROGRAM")]
+    assert len(lines) == 1  # workers never run the rest of the program
+    out = json.loads(lines[0].split(" ", 1)[1])
+    assert out["value"] == [[5.0, 14.0], [14.0, 50.0]] and out["workers"] == [1, 2]
+    assert proc.stderr == ""  # nothing printed by default
+
+
+def test_python_m_gtmpi_with_a_late_import_and_arguments(tmp_path):
+    proc, _ = run(tmp_path, """
+        import sys
+        def main():
+            import gtmpi
+            print("ARGS", sys.argv[1:], len(gtmpi.info()["workers"]), gtmpi.ones(3).sum().item())
+        main()
+    """, module=True, args=("--lr", "0.1"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("ARGS") == 1 and "ARGS ['--lr', '0.1'] 2 3.0" in proc.stdout
+
+
+def test_plain_python_is_the_embedded_default(tmp_path):
+    proc, _ = run(tmp_path, """
+        import gtmpi
+        info = gtmpi.info()
+        print(info["embedded"], len(info["workers"]), (gtmpi.ones(2) * 3).tolist())
+    """, n=None)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True 1 [3.0, 3.0]"
+
+
+def test_workers_n_spawns_processes_from_plain_python(tmp_path):
+    proc, _ = run(tmp_path, """
+        import os, gtmpi
+        gtmpi.workers(2)
+        info = gtmpi.info()
+        pids = {w["pid"] for w in info["workers"].values()}
+        x = gtmpi.arange(4.0)
+        print(info["embedded"], len(pids), os.getpid() in pids, (x * x).sum().item())
+    """, n=None)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False 2 False 14.0"
+
+
+def test_workers_after_first_op_is_an_error(tmp_path):
+    proc, _ = run(tmp_path, """
+        import gtmpi
+        gtmpi.ones(1)
+        try:
+            gtmpi.workers(3)
+        except RuntimeError as e:
+            print("ERR", e)
+    """, n=None)
+    assert "ERR" in proc.stdout and "before the first tensor op" in proc.stdout
+
+
+def test_uncaught_exception_ends_every_rank_nonzero(tmp_path):
+    proc, elapsed = run(tmp_path, """
+        import gtmpi
+        x = gtmpi.ones(3) + 1
+        x.tolist()
+        raise ValueError("boom in the user program")
+    """)
+    assert proc.returncode != 0
+    assert "ValueError: boom in the user program" in proc.stderr
+    assert elapsed < 30
+
+
+def test_killed_worker_ends_the_job_naming_its_rank(tmp_path):
+    proc, elapsed = run(tmp_path, """
+        import os, signal, time, gtmpi
+        x = gtmpi.ones(3)
+        x.sum().item()
+        os.kill(gtmpi.info()["workers"][1]["pid"], signal.SIGKILL)
+        time.sleep(1)
+        print((x + 1).sum().item())
+        time.sleep(60)
+    """)
+    assert proc.returncode != 0
+    assert "worker rank 1" in proc.stderr
+    assert elapsed < 30
+
+
+def test_same_random_numbers_whatever_the_worker_count(tmp_path):
+    body = """
+        import gtmpi
+        gtmpi.manual_seed(42)
+        a = gtmpi.randn(4)
+        print("R", [round(v, 6) for v in (a + gtmpi.rand(4)).tolist()])
+    """
+    outs = []
+    for n in (None, 2, 3):
+        proc, _ = run(tmp_path, body, n=n)
+        assert proc.returncode == 0, proc.stderr
+        outs.append([l for l in proc.stdout.splitlines() if l.startswith("R")])
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 1
+
+
+def test_verbose_prints_start_up(tmp_path):
+    proc, _ = run(tmp_path, "import gtmpi\ngtmpi.ones(1).item()\n", env={"GTMPI_VERBOSE": "1"})
+    assert proc.returncode == 0
+    assert "gtmpi: worker rank 1" in proc.stderr and "gtmpi: worker rank 2" in proc.stderr
+
+
+def test_slurm_variables_choose_the_local_index(tmp_path):
+    """As srun starts one dispatcher task and two worker tasks on one node."""
+    script = tmp_path / "prog.py"
+    script.write_text("import gtmpi\nprint('IDX', sorted((r, w['local_index']) for r, w in "
+                      "gtmpi.info()['workers'].items()))\n")
+    cmd = [MPIEXEC]
+    for local_id in range(3):
+        if local_id:
+            cmd.append(":")
+        cmd += ["-n", "1", "-env", "SLURM_LOCALID", str(local_id + 4 if local_id == 2 else local_id),
+                sys.executable, str(script)]
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "GTMPI_DEVICE": "cpu", "SLURM_STEP_ID": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=env,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    # SLURM_LOCALID wins over the MPI node split: 1 -> 0, and 6 -> 5 (dispatcher on the node)
+    assert "IDX [(1, 0), (2, 5)]" in proc.stdout
