@@ -4,7 +4,7 @@
     python benchmarks/dispatch.py --matmuls 20          # embedded worker
 
 (a) tiny-op throughput: 10,000 adds of 64x64 tensors issued, then one read (ops/s)
-(b) read latency: .item() of a fresh scalar (µs, median)
+(b) read latency: one op making a fresh scalar, then .item() (µs, median)
 (c) a loop of 4096x4096 float32 matmuls: gtmpi time / torch time
 
 torch runs in rank 0's process on the device of gtmpi's first worker. Prints a table, then one
@@ -37,11 +37,12 @@ def tiny_ops(n: int, make, read) -> float:
     return n / (time.perf_counter() - start)
 
 
-def read_latency(n: int, v, read) -> float:
+def read_latency(n: int, scalar, read) -> float:
+    """Issue one op making a fresh scalar, then .item() it: the time of both, median."""
     times = []
     for i in range(n):
         start = time.perf_counter()
-        read((v * float(i)).sum())
+        read(scalar + float(i))
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 
@@ -69,27 +70,25 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     n_mm = args.matmuls or (50 if device.type == "cuda" else 3)
-    first_item = lambda t: t.reshape(-1)[0].item()  # noqa: E731
+    def first_item(t):
+        return t.item() if t.numel() == 1 else t.reshape(-1)[0].item()
 
-    def torch_read(t):
-        return first_item(t)
 
     res: dict[str, dict[str, float]] = {"torch": {}, "gtmpi": {}}
-    for name, make, read in [
-        ("torch", lambda: torch.zeros(64, 64, device=device), torch_read),
-        ("gtmpi", lambda: gtmpi.zeros(64, 64), first_item),
+    for name, make, scalar, read in [
+        ("torch", lambda: torch.zeros(64, 64, device=device), torch.zeros((), device=device), first_item),
+        ("gtmpi", lambda: gtmpi.zeros(64, 64), gtmpi.zeros(()), first_item),
     ]:
         tiny_ops(1000, make, read)  # warm-up: first-use imports and shape-cache entries
         res[name]["ops_per_s"] = max(tiny_ops(args.ops, make, read) for _ in range(args.repeat))
-        v = make()
-        read_latency(20, v, read)
-        res[name]["read_us"] = read_latency(args.reads, v, read)
+        read_latency(50, scalar, read)
+        res[name]["read_us"] = read_latency(args.reads, scalar, read)
 
     torch.manual_seed(0)
     a_t = torch.randn(args.size, args.size, device=device)
     b_t = torch.randn(args.size, args.size, device=device)
     a_g, b_g = gtmpi.tensor(a_t.cpu()), gtmpi.tensor(b_t.cpu())
-    for name, a, b, read in [("torch", a_t, b_t, torch_read), ("gtmpi", a_g, b_g, first_item)]:
+    for name, a, b, read in [("torch", a_t, b_t, first_item), ("gtmpi", a_g, b_g, first_item)]:
         matmul_loop(1, a, b, read)
         res[name]["matmul_s"] = min(matmul_loop(n_mm, a, b, read) for _ in range(args.repeat))
     del a_t, b_t

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import UNDER_MPI, mpiexec
+from conftest import UNDER_MPI, is_open_mpi, launcher_env, mpiexec
 
 MPIEXEC = mpiexec()
 pytestmark = [
@@ -27,8 +27,8 @@ def run(tmp_path, body: str, *, n: int | None = 3, args=(), env=None, module=Fal
     cmd = [sys.executable] + (["-m", "gtmpi"] if module else []) + [str(script), *args]
     if n is not None:
         cmd = [MPIEXEC, "-n", str(n)] + cmd
-    full_env = {**os.environ, "UCX_NET_DEVICES": "lo", "GTMPI_DEVICE": "cpu", **(env or {})}
-    full_env.pop("GTMPI_VERBOSE", None) if env is None or "GTMPI_VERBOSE" not in env else None
+    full_env = {k: v for k, v in os.environ.items() if k != "GTMPI_VERBOSE"}
+    full_env.update({**launcher_env(), "GTMPI_DEVICE": "cpu", **(env or {})})
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=full_env,
                           start_new_session=True)
@@ -151,12 +151,13 @@ def test_slurm_variables_choose_the_local_index(tmp_path):
     script.write_text("import gtmpi\nprint('IDX', sorted((r, w['local_index']) for r, w in "
                       "gtmpi.info()['workers'].items()))\n")
     cmd = [MPIEXEC]
-    for local_id in range(3):
+    for local_id in (0, 1, 6):
         if local_id:
             cmd.append(":")
-        cmd += ["-n", "1", "-env", "SLURM_LOCALID", str(local_id + 4 if local_id == 2 else local_id),
-                sys.executable, str(script)]
-    env = {**os.environ, "UCX_NET_DEVICES": "lo", "GTMPI_DEVICE": "cpu", "SLURM_STEP_ID": "0"}
+        setenv = (["-x", f"SLURM_LOCALID={local_id}"] if is_open_mpi(MPIEXEC)
+                  else ["-env", "SLURM_LOCALID", str(local_id)])
+        cmd += ["-n", "1", *setenv, sys.executable, str(script)]
+    env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu", "SLURM_STEP_ID": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=env,
                           start_new_session=True)
     assert proc.returncode == 0, proc.stderr

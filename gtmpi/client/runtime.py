@@ -67,13 +67,13 @@ class Runtime:
 
     # reads and waits -----------------------------------------------------------------------
 
-    def read(self, tensor_id: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """The whole value of a tensor, as a CPU torch tensor; waits for the work it depends on."""
-        host = torch.empty(shape, dtype=dtype)
-        fault = self.dispatcher.read(tensor_id, host.reshape(-1).view(torch.uint8).numpy())
+    def read(self, tensor_id: int, nbytes: int) -> np.ndarray:
+        """The raw bytes of a tensor's whole value; waits for the work it depends on."""
+        buf = np.empty(nbytes, np.uint8)
+        fault = self.dispatcher.read(tensor_id, buf)
         if fault is not None:
             raise self.error(fault)
-        return host
+        return buf
 
     def error(self, fault: Fault) -> WorkerError:
         return WorkerError(fault, self.site(fault.tensor_id))

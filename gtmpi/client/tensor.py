@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..ops import infer
-from .dtypes import as_dtype
+from .dtypes import NUMPY_DTYPES, as_dtype
 from .runtime import current, runtime
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
@@ -73,17 +73,29 @@ class Tensor:
 
     # reads: these wait ------------------------------------------------------------------------
 
+    def _bytes(self) -> np.ndarray:
+        return runtime().read(self.id, self.numel() * self.dtype.itemsize)
+
     def cpu_torch(self) -> torch.Tensor:
         """The value as a plain CPU torch tensor."""
-        return runtime().read(self.id, self.shape, self.dtype)
+        buf = self._bytes()
+        if not buf.size:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
 
     def numpy(self) -> np.ndarray:
-        return self.cpu_torch().numpy()
+        np_dtype = NUMPY_DTYPES.get(self.dtype)
+        if np_dtype is None:
+            return self.cpu_torch().numpy()  # raises torch's own error (bfloat16)
+        return self._bytes().view(np_dtype).reshape(self.shape)
 
     def item(self) -> Any:
         if self.numel() != 1:
             raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
-        return self.cpu_torch().item()
+        np_dtype = NUMPY_DTYPES.get(self.dtype)
+        if np_dtype is None:
+            return self.cpu_torch().item()
+        return self._bytes().view(np_dtype)[0].item()
 
     def tolist(self) -> Any:
         return self.cpu_torch().tolist()
