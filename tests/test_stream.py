@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gtmpi
-from conftest import UNDER_MPI, assert_same
+from conftest import HOME_DEVICE, UNDER_MPI, assert_same
 from gtmpi.dispatcher import dispatcher as dmod
 
 
@@ -21,11 +21,12 @@ def test_many_ops_one_read():
 
 @pytest.mark.skipif(not UNDER_MPI, reason="the embedded worker executes inline")
 def test_ops_return_before_the_work_is_done():
-    a = gtmpi.randn(1024, 1024)
+    gpu = HOME_DEVICE.type == "cuda"
+    a = gtmpi.randn(4096 if gpu else 1024, 4096 if gpu else 1024)
     a.sum().item()
     start = time.perf_counter()
     c = a
-    for _ in range(6):
+    for _ in range(40 if gpu else 6):
         c = (c @ a) * 1e-3
     issued = time.perf_counter() - start
     c.sum().item()

@@ -324,11 +324,13 @@ def apply(name: str, *args, key=None, shape_as=None, **kw):
             rt.note_site(i)
         return tuple(Tensor(i, s) for i, s in zip(ids, outs))
     out = rt.new_id()
-    rt.dispatcher.submit((name, out, tuple(wire), tmask, kw))
+    rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
+                         name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL)
     rt.note_site(out)
     return Tensor(out, outs[0])
 
 
+_URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker
 _INPLACE = frozenset(["setitem", "iadd", "isub", "imul", "itruediv", "zero_", "fill_", "copy_"])
 
 

@@ -5,7 +5,9 @@ lives on the home worker (the first one), as a one-device program expects.
 
 Batching is the whole cost model: one MPI message carries up to BATCH_MAX instructions.
 A batch is sent early while its worker is idle (latency: a GPU must never wait for the
-client) and held back while the worker is busy (throughput: fewer, larger messages).
+client) and held back while the worker is busy (throughput: fewer, larger messages). A lone
+cheap op waits for one more instruction even then: it usually comes at once (often the read
+that wants its result), and sharing one message saves the worker a whole receive cycle.
 Workers acknowledge executed batches; at most MAX_INFLIGHT batches are unacknowledged per
 worker, so a client that runs ahead of its workers blocks instead of growing memory.
 """
@@ -51,11 +53,12 @@ class Dispatcher:
         # after every instruction that could still use them.
         self.frees: list[int] = []
 
-    def submit(self, ins: tuple) -> None:
-        """A tensor instruction; routed to the worker that holds its operands."""
+    def submit(self, ins: tuple, urgent: bool = True) -> None:
+        """A tensor instruction; routed to the worker that holds its operands. ``urgent`` marks
+        work big enough that an idle worker should start on it now."""
         batch = self._batch[self.home]
         batch.append(ins)
-        if len(batch) >= BATCH_MAX or self._idle(self.home):
+        if len(batch) >= BATCH_MAX or ((urgent or len(batch) > 1) and self._idle(self.home)):
             self.flush(self.home)
 
     def upload(self, ins: tuple, data: np.ndarray) -> None:
