@@ -163,3 +163,30 @@ def test_slurm_variables_choose_the_local_index(tmp_path):
     assert proc.returncode == 0, proc.stderr
     # SLURM_LOCALID wins over the MPI node split: 1 -> 0, and 6 -> 5 (dispatcher on the node)
     assert "IDX [(1, 0), (2, 5)]" in proc.stdout
+
+
+def test_idle_ranks_do_not_spin(tmp_path):
+    """An idle worker, and rank 0 waiting on a long read, sleep instead of spinning a core."""
+    proc, _ = run(tmp_path, """
+        import os, time, gtmpi
+        def cpu_s(pid):
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        gtmpi.ones(1).item()
+        pids = [w["pid"] for w in gtmpi.info()["workers"].values()]
+        before = [cpu_s(p) for p in pids]
+        time.sleep(2.0)
+        idle = [cpu_s(p) - b for p, b in zip(pids, before)]
+        a = gtmpi.randn(1500, 1500)
+        ((a @ a) * 1e-3).sum().item()  # shapes inferred and cached before the timed wait
+        c = a
+        start, cpu0 = time.perf_counter(), time.process_time()
+        for _ in range(8):
+            c = (c @ a) * 1e-3
+        c.sum().item()
+        print("IDLE", max(idle), "WAIT", time.process_time() - cpu0, time.perf_counter() - start)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    idle, wait_cpu, wait_wall = map(float, proc.stdout.split("IDLE")[1].replace("WAIT", "").split())
+    assert idle < 0.3, f"an idle worker used {idle:.2f} s of CPU in 2 s"
+    assert wait_cpu < 0.25 * wait_wall + 0.05, (wait_cpu, wait_wall)

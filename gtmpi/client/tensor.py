@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numbers
 from collections import namedtuple
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from .dtypes import NUMPY_DTYPES, as_dtype
 from .runtime import current, runtime
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
+Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
 _SCALARS = (bool, int, float, complex)
 
 
@@ -29,9 +30,12 @@ class Tensor:
         self._sig = sig
 
     def __del__(self) -> None:
-        rt = current()
-        if rt is not None and not rt.closed:
-            rt.dispatcher.frees.append(self.id)
+        try:
+            rt = current()
+            if rt is not None and not rt.closed:
+                rt.dispatcher.frees.append(self.id)
+        except Exception:  # interpreter shutdown: modules half torn down, workers gone anyway
+            pass
 
     # metadata, known without asking a worker ----------------------------------------------
 
@@ -130,110 +134,112 @@ class Tensor:
 
     # arithmetic (the reflected forms put the scalar first: the kernel is Python's operator) --
 
-    def __add__(self, o): return apply("add", self, o)
-    def __radd__(self, o): return apply("add", o, self)
-    def __sub__(self, o): return apply("sub", self, o)
-    def __rsub__(self, o): return apply("sub", o, self)
-    def __mul__(self, o): return apply("mul", self, o)
-    def __rmul__(self, o): return apply("mul", o, self)
-    def __truediv__(self, o): return apply("truediv", self, o)
-    def __rtruediv__(self, o): return apply("truediv", o, self)
-    def __floordiv__(self, o): return apply("floordiv", self, o)
-    def __rfloordiv__(self, o): return apply("floordiv", o, self)
-    def __mod__(self, o): return apply("mod", self, o)
-    def __rmod__(self, o): return apply("mod", o, self)
-    def __pow__(self, o): return apply("pow", self, o)
-    def __rpow__(self, o): return apply("pow", o, self)
-    def __matmul__(self, o): return apply("matmul", self, o)
-    def __rmatmul__(self, o): return apply("matmul", o, self)
-    def __and__(self, o): return apply("and", self, o)
-    def __rand__(self, o): return apply("and", o, self)
-    def __or__(self, o): return apply("or", self, o)
-    def __ror__(self, o): return apply("or", o, self)
-    def __xor__(self, o): return apply("xor", self, o)
-    def __rxor__(self, o): return apply("xor", o, self)
-    def __lt__(self, o): return apply("lt", self, o)
-    def __le__(self, o): return apply("le", self, o)
-    def __gt__(self, o): return apply("gt", self, o)
-    def __ge__(self, o): return apply("ge", self, o)
-    def __eq__(self, o): return apply("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o): return apply("ne", self, o)  # type: ignore[override]
-    def __neg__(self): return apply("neg", self)
-    def __pos__(self): return self
-    def __abs__(self): return apply("abs", self)
-    def __invert__(self): return apply("invert", self)
+    def __add__(self, o: Operand) -> Tensor: return apply("add", self, o)
+    def __radd__(self, o: Operand) -> Tensor: return apply("add", o, self)
+    def __sub__(self, o: Operand) -> Tensor: return apply("sub", self, o)
+    def __rsub__(self, o: Operand) -> Tensor: return apply("sub", o, self)
+    def __mul__(self, o: Operand) -> Tensor: return apply("mul", self, o)
+    def __rmul__(self, o: Operand) -> Tensor: return apply("mul", o, self)
+    def __truediv__(self, o: Operand) -> Tensor: return apply("truediv", self, o)
+    def __rtruediv__(self, o: Operand) -> Tensor: return apply("truediv", o, self)
+    def __floordiv__(self, o: Operand) -> Tensor: return apply("floordiv", self, o)
+    def __rfloordiv__(self, o: Operand) -> Tensor: return apply("floordiv", o, self)
+    def __mod__(self, o: Operand) -> Tensor: return apply("mod", self, o)
+    def __rmod__(self, o: Operand) -> Tensor: return apply("mod", o, self)
+    def __pow__(self, o: Operand) -> Tensor: return apply("pow", self, o)
+    def __rpow__(self, o: Operand) -> Tensor: return apply("pow", o, self)
+    def __matmul__(self, o: Operand) -> Tensor: return apply("matmul", self, o)
+    def __rmatmul__(self, o: Operand) -> Tensor: return apply("matmul", o, self)
+    def __and__(self, o: Operand) -> Tensor: return apply("and", self, o)
+    def __rand__(self, o: Operand) -> Tensor: return apply("and", o, self)
+    def __or__(self, o: Operand) -> Tensor: return apply("or", self, o)
+    def __ror__(self, o: Operand) -> Tensor: return apply("or", o, self)
+    def __xor__(self, o: Operand) -> Tensor: return apply("xor", self, o)
+    def __rxor__(self, o: Operand) -> Tensor: return apply("xor", o, self)
+    def __lt__(self, o: Operand) -> Tensor: return apply("lt", self, o)
+    def __le__(self, o: Operand) -> Tensor: return apply("le", self, o)
+    def __gt__(self, o: Operand) -> Tensor: return apply("gt", self, o)
+    def __ge__(self, o: Operand) -> Tensor: return apply("ge", self, o)
+    def __eq__(self, o: Operand) -> Tensor: return apply("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o: Operand) -> Tensor: return apply("ne", self, o)  # type: ignore[override]
+    def __neg__(self) -> Tensor: return apply("neg", self)
+    def __pos__(self) -> Tensor: return self
+    def __abs__(self) -> Tensor: return apply("abs", self)
+    def __invert__(self) -> Tensor: return apply("invert", self)
 
-    def __iadd__(self, o): return apply("iadd", self, o)
-    def __isub__(self, o): return apply("isub", self, o)
-    def __imul__(self, o): return apply("imul", self, o)
-    def __itruediv__(self, o): return apply("itruediv", self, o)
+    def __iadd__(self, o: Operand) -> Tensor: return apply("iadd", self, o)
+    def __isub__(self, o: Operand) -> Tensor: return apply("isub", self, o)
+    def __imul__(self, o: Operand) -> Tensor: return apply("imul", self, o)
+    def __itruediv__(self, o: Operand) -> Tensor: return apply("itruediv", self, o)
 
-    def add(self, o): return apply("add", self, o)
-    def sub(self, o): return apply("sub", self, o)
-    def mul(self, o): return apply("mul", self, o)
-    def div(self, o): return apply("truediv", self, o)
-    def pow(self, o): return apply("pow", self, o)
-    def matmul(self, o): return apply("matmul", self, o)
-    def maximum(self, o): return apply("maximum", self, o)
-    def minimum(self, o): return apply("minimum", self, o)
-    def abs(self): return apply("abs", self)
-    def neg(self): return apply("neg", self)
-    def exp(self): return apply("exp", self)
-    def log(self): return apply("log", self)
-    def sqrt(self): return apply("sqrt", self)
-    def rsqrt(self): return apply("rsqrt", self)
-    def sin(self): return apply("sin", self)
-    def cos(self): return apply("cos", self)
-    def tanh(self): return apply("tanh", self)
-    def sigmoid(self): return apply("sigmoid", self)
-    def relu(self): return apply("relu", self)
+    def add(self, o: Operand) -> Tensor: return apply("add", self, o)
+    def sub(self, o: Operand) -> Tensor: return apply("sub", self, o)
+    def mul(self, o: Operand) -> Tensor: return apply("mul", self, o)
+    def div(self, o: Operand) -> Tensor: return apply("truediv", self, o)
+    def pow(self, o: Operand) -> Tensor: return apply("pow", self, o)
+    def matmul(self, o: Operand) -> Tensor: return apply("matmul", self, o)
+    def maximum(self, o: Operand) -> Tensor: return apply("maximum", self, o)
+    def minimum(self, o: Operand) -> Tensor: return apply("minimum", self, o)
+    def abs(self) -> Tensor: return apply("abs", self)
+    def neg(self) -> Tensor: return apply("neg", self)
+    def exp(self) -> Tensor: return apply("exp", self)
+    def log(self) -> Tensor: return apply("log", self)
+    def sqrt(self) -> Tensor: return apply("sqrt", self)
+    def rsqrt(self) -> Tensor: return apply("rsqrt", self)
+    def sin(self) -> Tensor: return apply("sin", self)
+    def cos(self) -> Tensor: return apply("cos", self)
+    def tanh(self) -> Tensor: return apply("tanh", self)
+    def sigmoid(self) -> Tensor: return apply("sigmoid", self)
+    def relu(self) -> Tensor: return apply("relu", self)
     def softmax(self, dim: int): return apply("softmax", self, dim)
     def log_softmax(self, dim: int): return apply("log_softmax", self, dim)
 
-    def clamp(self, min=None, max=None):
+    def clamp(self, min: Operand | None = None, max: Operand | None = None) -> Tensor:
         return apply("clamp", self, min, max)
 
     clip = clamp
 
-    def where(self, condition, other):
+    def where(self, condition: Operand, other: Operand) -> Tensor:
         return apply("where", condition, self, other)
 
     # dtype ------------------------------------------------------------------------------------
 
-    def to(self, dtype) -> "Tensor":
+    def to(self, dtype: Any) -> Tensor:
         return apply("to", self, as_dtype(dtype))
 
-    def type(self, dtype) -> "Tensor":
+    def type(self, dtype: Any) -> Tensor:
         return self.to(dtype)
 
-    def float(self): return self.to(torch.float32)
-    def double(self): return self.to(torch.float64)
-    def half(self): return self.to(torch.float16)
-    def bfloat16(self): return self.to(torch.bfloat16)
-    def int(self): return self.to(torch.int32)
-    def long(self): return self.to(torch.int64)
-    def bool(self): return self.to(torch.bool)
+    def float(self) -> Tensor: return self.to(torch.float32)
+    def double(self) -> Tensor: return self.to(torch.float64)
+    def half(self) -> Tensor: return self.to(torch.float16)
+    def bfloat16(self) -> Tensor: return self.to(torch.bfloat16)
+    def int(self) -> Tensor: return self.to(torch.int32)
+    def long(self) -> Tensor: return self.to(torch.int64)
+    def bool(self) -> Tensor: return self.to(torch.bool)
 
     # reductions: torch's dim/keepdim and GT's axis/keepdims -----------------------------------
 
-    def sum(self, dim=None, keepdim=False, **kw): return _reduce("sum", self, dim, keepdim, kw)
-    def mean(self, dim=None, keepdim=False, **kw): return _reduce("mean", self, dim, keepdim, kw)
-    def argmax(self, dim=None, keepdim=False, **kw): return _reduce("argmax", self, dim, keepdim, kw)
-    def argmin(self, dim=None, keepdim=False, **kw): return _reduce("argmin", self, dim, keepdim, kw)
+    def sum(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("sum", self, dim, keepdim, kw)
+    def mean(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("mean", self, dim, keepdim, kw)
+    def argmax(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("argmax", self, dim, keepdim, kw)
+    def argmin(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("argmin", self, dim, keepdim, kw)
 
-    def max(self, dim=None, keepdim=False, **kw):
+    def max(self, dim=None, keepdim: bool = False, **kw) -> Tensor | MinMax:
         return _extreme("max", self, dim, keepdim, kw)
 
-    def min(self, dim=None, keepdim=False, **kw):
+    def min(self, dim=None, keepdim: bool = False, **kw) -> Tensor | MinMax:
         return _extreme("min", self, dim, keepdim, kw)
 
-    def amax(self, dim=None, keepdim=False, **kw): return _reduce("amax", self, dim, keepdim, kw)
-    def amin(self, dim=None, keepdim=False, **kw): return _reduce("amin", self, dim, keepdim, kw)
+    def amax(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("amax", self, dim, keepdim, kw)
+    def amin(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("amin", self, dim, keepdim, kw)
 
-    def var(self, dim=None, unbiased=None, keepdim=False, *, correction=None, ddof=None, **kw):
+    def var(self, dim=None, unbiased: bool | None = None, keepdim: bool = False, *,
+            correction: int | None = None, ddof: int | None = None, **kw) -> Tensor:
         return _spread("var", self, dim, unbiased, keepdim, correction, ddof, kw)
 
-    def std(self, dim=None, unbiased=None, keepdim=False, *, correction=None, ddof=None, **kw):
+    def std(self, dim=None, unbiased: bool | None = None, keepdim: bool = False, *,
+            correction: int | None = None, ddof: int | None = None, **kw) -> Tensor:
         return _spread("std", self, dim, unbiased, keepdim, correction, ddof, kw)
 
     # shape ------------------------------------------------------------------------------------
@@ -245,15 +251,15 @@ class Tensor:
     def flatten(self, start_dim: int = 0, end_dim: int = -1): return apply("flatten", self, start_dim, end_dim)
     def expand(self, *sizes): return apply("expand", self, _sizes(sizes))
     def expand_as(self, other): return apply("expand", self, tuple(other.shape))
-    def contiguous(self): return apply("contiguous", self)
-    def clone(self): return apply("clone", self)
+    def contiguous(self) -> Tensor: return apply("contiguous", self)
+    def clone(self) -> Tensor: return apply("clone", self)
     def split(self, split_size_or_sections, dim: int = 0): return apply("split", self, split_size_or_sections, dim)
     def chunk(self, chunks: int, dim: int = 0): return apply("chunk", self, chunks, dim)
 
-    def squeeze(self, dim=None):
+    def squeeze(self, dim: int | Sequence[int] | None = None) -> Tensor:
         return apply("squeeze", self, tuple(dim) if isinstance(dim, list) else dim)
 
-    def transpose(self, *dims):
+    def transpose(self, *dims: int) -> Tensor:
         """transpose(d0, d1) as torch; transpose() with no argument reverses the dims, as GT."""
         if not dims:
             return apply("permute", self, tuple(range(self.ndim - 1, -1, -1)))
@@ -265,24 +271,25 @@ class Tensor:
 
     # indexing -----------------------------------------------------------------------------------
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: Any) -> Tensor:
         template, tensors, shape_as = _index(key)
         return apply("getitem", self, *tensors, key=template, shape_as=shape_as)
 
-    def __setitem__(self, key, value):
+    def __setitem__(self, key: Any, value: Operand) -> None:
         template, tensors, shape_as = _index(key)
         apply("setitem", self, value, *tensors, key=template, shape_as=shape_as)
 
     # in place -----------------------------------------------------------------------------------
 
-    def zero_(self): return apply("zero_", self)
+    def zero_(self) -> Tensor: return apply("zero_", self)
     def fill_(self, value): return apply("fill_", self, value)
     def copy_(self, src): return apply("copy_", self, src)
 
 
 # the one path every op takes -------------------------------------------------------------------
 
-def apply(name: str, *args, key=None, shape_as=None, **kw):
+def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | None = None,
+          **kw: Any) -> Any:
     """Infer, issue, return handles. ``kw`` holds keyword constants of the kernel.
 
     ``shape_as`` = (n, template, sigs): for shape inference only, the last n tensor operands

@@ -1,8 +1,10 @@
 """Shape and dtype inference on the client, with torch's exact semantics and error messages.
 
 The oracle is the op's own kernel run on meta tensors (no data, no device). That costs
-10-170 µs an op, so results are cached by (op, operand shapes and dtypes, constants): a
-training loop repeats the same signatures and pays a dict lookup per op after its first step.
+10-170 µs an op (and about a second of imports at the first one), so pointwise ops take a
+cheaper exact rule (_probe), and all results are cached by (op, operand shapes and dtypes,
+constants): a training loop repeats the same signatures and pays a dict lookup per op after
+its first step.
 """
 from __future__ import annotations
 
@@ -47,20 +49,39 @@ def signature_key(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple:
     return (name, *parts)
 
 
-def _check_broadcast(shapes: list) -> None:
-    """torch's eager message for incompatible operands (its meta kernels word it differently)."""
+def broadcast_shape(shapes: list) -> torch.Size:
+    """The broadcast of several shapes, or torch's eager message where they do not fit."""
     out: list[int] = []
-    for n, shape in enumerate(shapes):
-        for i in range(1, max(len(out), len(shape)) + 1):
+    for shape in shapes:
+        width = max(len(out), len(shape))
+        merged = []
+        for i in range(width, 0, -1):
             a = out[-i] if i <= len(out) else 1
             b = shape[-i] if i <= len(shape) else 1
             if a != b and a != 1 and b != 1:
-                dim = max(len(out), len(shape)) - i
                 raise RuntimeError(f"The size of tensor a ({a}) must match the size of tensor b "
-                                   f"({b}) at non-singleton dimension {dim}")
-        width = max(len(out), len(shape))
-        out = [max(out[-i] if i <= len(out) else 1, shape[-i] if i <= len(shape) else 1)
-               for i in range(width, 0, -1)]
+                                   f"({b}) at non-singleton dimension {width - i}")
+            merged.append(b if a == 1 else a)
+        out = merged
+    return torch.Size(out)
+
+
+def _probe(op, args: tuple, tmask: int, kw: dict | None) -> tuple[Sig, ...] | None:
+    """Pointwise ops: the shape is the broadcast; the dtype comes from running the kernel on
+    one-element CPU tensors of the operands' ranks and dtypes (rank matters: 0-d tensors
+    promote like scalars). A few µs instead of meta's 30-170. None where the CPU kernel lacks
+    that dtype (a GPU may have it): then meta decides."""
+    shape = broadcast_shape([a[0] for i, a in enumerate(args) if tmask >> i & 1])
+    if op.kind is Kind.INPLACE and shape != args[0][0]:
+        raise RuntimeError(f"output with shape {list(args[0][0])} doesn't match the broadcast "
+                           f"shape {list(shape)}")
+    probes = [torch.ones((1,) * len(a[0]), dtype=a[1]) if tmask >> i & 1 else a
+              for i, a in enumerate(args)]
+    try:
+        out = op.kernel(*probes, **(kw or {}))
+    except Exception:
+        return None
+    return ((shape, out.dtype),)
 
 
 def _check_matmul(a: torch.Size, b: torch.Size) -> None:
@@ -74,8 +95,10 @@ def _check_matmul(a: torch.Size, b: torch.Size) -> None:
 
 def _evaluate(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tuple[Sig, ...], bool]:
     op = OPS[name]
-    if op.scalar_by_type:
-        _check_broadcast([a[0] for i, a in enumerate(args) if tmask >> i & 1])
+    if op.kind is Kind.ELEMENTWISE or op.scalar_by_type:
+        fast = _probe(op, args, tmask, kw)
+        if fast is not None:
+            return fast, False
     elif op.kind is Kind.MATMUL and tmask == 3:
         _check_matmul(args[0][0], args[1][0])
     margs = [torch.empty(a[0], dtype=a[1], device=META) if tmask >> i & 1 else a

@@ -1,0 +1,96 @@
+"""Client-side shape inference: the fast pointwise rule agrees with torch's meta tensors (the
+oracle) on shapes and dtype promotion; the cache never confuses constants of different types."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from gtmpi.ops import OPS, Kind, infer
+from gtmpi.ops.shapes import _evaluate, broadcast_shape
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+          torch.bool]
+SHAPES = [(), (3,), (2, 3), (2, 1, 3)]
+POINTWISE = [op for op in OPS.values() if op.kind is Kind.ELEMENTWISE and op.name != "to"]
+
+
+def meta_oracle(op, args, tmask, kw=None):
+    margs = [torch.empty(a[0], dtype=a[1], device="meta") if tmask >> i & 1 else a
+             for i, a in enumerate(args)]
+    out = op.kernel(*margs, **(kw or {}))
+    return out.shape, out.dtype
+
+
+def arity(op) -> int:
+    return {"where": 3, "clamp": 3}.get(op.name, 1 if op.name in _UNARY else 2)
+
+
+_UNARY = {"invert", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid",
+          "relu", "gelu", "silu"}
+
+
+@pytest.mark.parametrize("op", POINTWISE, ids=lambda o: o.name)
+def test_pointwise_rule_matches_meta(op):
+    checked = 0
+    for dtypes in itertools.product(DTYPES, repeat=min(arity(op), 2)):
+        for shapes in itertools.product(SHAPES, repeat=len(dtypes)):
+            args = tuple((torch.Size(s), d) for s, d in zip(shapes, dtypes))
+            if op.name == "where":
+                args = ((args[0][0], torch.bool),) + args
+            elif op.name == "clamp":
+                args = args + (None,)
+            tmask = (1 << sum(isinstance(a, tuple) for a in args)) - 1
+            try:
+                want = meta_oracle(op, args, tmask)
+            except Exception:
+                with pytest.raises(Exception):
+                    _evaluate(op.name, args, tmask, None)
+                continue
+            (got,), multi = _evaluate(op.name, args, tmask, None)
+            assert not multi and got == want, (op.name, args, got, want)
+            checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize("scalar", [2, 2.5, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scalar_promotion_matches_meta(scalar, dtype):
+    for name in ("add", "mul", "truediv", "lt"):
+        args = ((torch.Size([4]), dtype), scalar)
+        try:
+            want = meta_oracle(OPS[name], args, 0b1)
+        except Exception:
+            continue
+        assert infer(name, args, 0b1, None)[0][0] == want
+
+
+def test_broadcast_shape_and_message():
+    assert broadcast_shape([torch.Size([2, 1, 3]), torch.Size([4, 1])]) == (2, 4, 3)
+    assert broadcast_shape([torch.Size([]), torch.Size([5])]) == (5,)
+    with pytest.raises(RuntimeError, match=r"tensor a \(3\) must match the size of tensor b "
+                                           r"\(4\) at non-singleton dimension 1"):
+        broadcast_shape([torch.Size([2, 3]), torch.Size([4])])
+
+
+def test_cache_keys_keep_constant_types_apart():
+    f32 = (torch.Size([3]), torch.float32)
+    assert infer("arange", (0, 4, 1, None), 0, None)[0][0][1] == torch.int64
+    assert infer("arange", (0, 4.0, 1, None), 0, None)[0][0][1] == torch.float32
+    assert infer("full", ((2,), True, None), 0, None)[0][0][1] == torch.bool
+    assert infer("full", ((2,), 1, None), 0, None)[0][0][1] == torch.int64
+    assert infer("add", (f32, 1), 0b1, None)[0][0] == (torch.Size([3]), torch.float32)
+    i64 = (torch.Size([3]), torch.int64)
+    assert infer("add", (i64, 1), 0b1, None)[0][0][1] == torch.int64
+    assert infer("add", (i64, 1.5), 0b1, None)[0][0][1] == torch.float32
+
+
+def test_meta_ops_give_torch_shapes():
+    x = (torch.Size([2, 3, 4]), torch.float32)
+    assert infer("sum", (x, (0, 2), True), 0b1, None)[0][0][0] == (1, 3, 1)
+    assert infer("max_dim", (x, 1, False), 0b1, None) == (((torch.Size([2, 4]), torch.float32),
+                                                           (torch.Size([2, 4]), torch.int64)), True)
+    outs, multi = infer("split", (x, [1, 3], 2), 0b1, None)
+    assert multi and [o[0] for o in outs] == [(2, 3, 1), (2, 3, 3)]
+    assert infer("matmul", (x, (torch.Size([4, 5]), torch.float32)), 0b11, None)[0][0][0] == (2, 3, 5)
