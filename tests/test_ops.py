@@ -376,3 +376,4 @@ def test_operands_from_numpy_and_torch(gen):
     assert_same(g + np.ones(3, dtype=np.float32), x + 1)
     assert_same(g * torch.full((3,), 2.0), x * 2)
     assert_same(g * np.float32(3.0), x * 3.0)
+    assert_same(np.ones(3, dtype=np.float32) + g, x + 1)   # numpy defers to gtmpi

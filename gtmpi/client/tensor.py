@@ -14,16 +14,17 @@ import numpy as np
 import torch
 
 from ..ops import infer
+from ..ops.shapes import SCALARS
 from .dtypes import NUMPY_DTYPES, as_dtype
 from .runtime import current, runtime
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
 Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
-_SCALARS = (bool, int, float, complex)
 
 
 class Tensor:
     __slots__ = ("id", "_sig", "__weakref__")
+    __array_priority__ = 1000  # numpy defers to our reflected operators instead of reading us
 
     def __init__(self, tensor_id: int, sig: tuple[torch.Size, torch.dtype]):
         self.id = tensor_id
@@ -300,7 +301,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     wire = []
     sigs = []
     for i, a in enumerate(args):
-        if type(a) is not Tensor and not isinstance(a, _SCALARS) and a is not None:
+        if type(a) is not Tensor and not isinstance(a, SCALARS) and a is not None:
             a = _operand(a)
         if isinstance(a, Tensor):
             tmask |= 1 << i

@@ -16,7 +16,7 @@ from .table import OPS, Kind
 
 Sig = tuple  # (torch.Size, torch.dtype) of one tensor
 META = torch.device("meta")
-_SCALARS = (bool, int, float, complex)
+SCALARS = (bool, int, float, complex)
 _CACHE_LIMIT = 65536
 _cache: dict[tuple, tuple[tuple[Sig, ...], bool]] = {}
 
@@ -24,7 +24,7 @@ _cache: dict[tuple, tuple[tuple[Sig, ...], bool]] = {}
 def _freeze(v: Any) -> Any:
     """A hashable stand-in for a constant (slices and lists are not hashable). Scalars carry
     their type: 4 == 4.0 == True as dict keys, but not as torch arguments."""
-    if type(v) in _SCALARS:
+    if type(v) in SCALARS:
         return (type(v), v)
     if isinstance(v, slice):
         return ("slice", v.start, v.stop, v.step)
@@ -40,7 +40,7 @@ def signature_key(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple:
     for i, a in enumerate(args):
         if tmask >> i & 1:
             parts.append(a)
-        elif by_type and type(a) in _SCALARS:
+        elif by_type and type(a) in SCALARS:
             parts.append(type(a))
         else:
             parts.append(_freeze(a))
