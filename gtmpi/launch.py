@@ -43,8 +43,13 @@ def start_role() -> None:
         join(MPI.COMM_WORLD.Dup())
 
 
-def join(base) -> None:
-    """Collective over ``base``: rank 0 becomes the session, the others serve as workers."""
+def join(base, spawn_comm=None) -> None:
+    """Collective over ``base``: rank 0 becomes the session, the others serve as workers.
+
+    ``spawn_comm`` is the intercommunicator of gtmpi.workers(n). Processes joined by Spawn are
+    disconnected from each other before MPI_Finalize (Open MPI's finalize otherwise waits on,
+    and can hang on, the other side).
+    """
     from mpi4py import MPI
     from .transport.mpi import Comms, WorkerLink
 
@@ -54,8 +59,9 @@ def join(base) -> None:
     node_ranks = shm.allgather(rank)
     shm.Free()
     host0 = base.bcast((socket.gethostname(), os.getpid()) if rank == 0 else None, root=0)
+    detach = [*comms[1:], base, spawn_comm] if spawn_comm is not None else []
     if rank != 0:
-        _serve(comms, node_ranks, host0)
+        _serve(comms, node_ranks, host0, detach)
         return
     links = {r: WorkerLink(comms, r) for r in range(1, size)}
     workers = {r: links[r].wait_reply(Tag.HELLO) for r in links}
@@ -68,10 +74,10 @@ def join(base) -> None:
 
     session.set_runtime(Runtime(links, workers, abort))
     sys.excepthook = _abort_on_uncaught(base)
-    atexit.register(_close)
+    atexit.register(_close, detach)
 
 
-def _serve(comms, node_ranks: list[int], host0: tuple[str, int]) -> None:
+def _serve(comms, node_ranks: list[int], host0: tuple[str, int], detach: list) -> None:
     """Run a worker until rank 0 says stop, then leave the process with status 0."""
     from mpi4py import MPI
     from .worker.loop import serve
@@ -92,8 +98,10 @@ def _serve(comms, node_ranks: list[int], host0: tuple[str, int]) -> None:
         comms.base.Abort(1)
     sys.stdout.flush()
     sys.stderr.flush()
+    for comm in detach:
+        comm.Disconnect()
     MPI.Finalize()
-    if os.environ.get("GTMPI_SPAWNED"):
+    if detach:
         _wait_gone(host0[1])
     os._exit(0)  # never run the rest of the user's program
 
@@ -119,12 +127,15 @@ def _abort_on_uncaught(comm):
     return hook
 
 
-def _close() -> None:
+def _close(detach: list) -> None:
     rt = session.current()
     if rt is not None:
         missing = rt.close()
         if missing:
             print(f"gtmpi: workers {missing} did not confirm shutdown", file=sys.stderr)
+        elif detach:
+            for comm in detach:
+                comm.Disconnect()
 
 
 def start_embedded() -> Runtime:
@@ -156,7 +167,6 @@ def spawn_workers(n: int) -> None:
     bindir = os.path.dirname(sys.executable)
     if os.path.exists(os.path.join(bindir, "mpiexec")):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    os.environ["GTMPI_SPAWNED"] = "1"  # inherited by the workers
     from mpi4py import MPI
     inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "gtmpi.worker"], maxprocs=n)
-    join(inter.Merge(high=False))
+    join(inter.Merge(high=False), inter)

@@ -100,11 +100,13 @@ class Runtime:
             except PermissionError:
                 pass
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop every worker, waiting (bounded) for each to say goodbye."""
-        if not self.closed:
-            self.closed = True
-            self.dispatcher.shutdown(timeout_s)
+    def close(self, timeout_s: float = 30.0) -> list[int]:
+        """Stop every worker, waiting (bounded) for each to say goodbye; return the ranks that
+        did not."""
+        if self.closed:
+            return []
+        self.closed = True
+        return self.dispatcher.shutdown(timeout_s)
 
 
 _current: Runtime | None = None

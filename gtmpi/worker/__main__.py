@@ -6,4 +6,4 @@ from ..launch import join
 parent = MPI.Comm.Get_parent()
 if parent == MPI.COMM_NULL:
     raise SystemExit("python -m gtmpi.worker is started by gtmpi.workers(n), not by hand")
-join(parent.Merge(high=True))
+join(parent.Merge(high=True), parent)
