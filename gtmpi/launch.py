@@ -46,9 +46,10 @@ def start_role() -> None:
 def join(base, spawn_comm=None) -> None:
     """Collective over ``base``: rank 0 becomes the session, the others serve as workers.
 
-    ``spawn_comm`` is the intercommunicator of gtmpi.workers(n). Processes joined by Spawn are
-    disconnected from each other before MPI_Finalize (Open MPI's finalize otherwise waits on,
-    and can hang on, the other side).
+    ``spawn_comm`` is the intercommunicator of gtmpi.workers(n). Processes joined by Spawn
+    part before MPI_Finalize: the intracommunicators made from it are freed and it is
+    disconnected (Open MPI 4 hangs in Disconnect of the merged intracommunicators, and in
+    Finalize without any parting; MPICH is content either way).
     """
     from mpi4py import MPI
     from .transport.mpi import Comms, WorkerLink
@@ -98,12 +99,18 @@ def _serve(comms, node_ranks: list[int], host0: tuple[str, int], detach: list) -
         comms.base.Abort(1)
     sys.stdout.flush()
     sys.stderr.flush()
-    for comm in detach:
-        comm.Disconnect()
+    _part(detach)
     MPI.Finalize()
     if detach:
         _wait_gone(host0[1])
     os._exit(0)  # never run the rest of the user's program
+
+
+def _part(detach: list) -> None:
+    if detach:
+        for comm in detach[:-1]:
+            comm.Free()
+        detach[-1].Disconnect()
 
 
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
@@ -134,8 +141,7 @@ def _close(detach: list) -> None:
         if missing:
             print(f"gtmpi: workers {missing} did not confirm shutdown", file=sys.stderr)
         elif detach:
-            for comm in detach:
-                comm.Disconnect()
+            _part(detach)
 
 
 def start_embedded() -> Runtime:
