@@ -43,13 +43,13 @@ def start_role() -> None:
         join(MPI.COMM_WORLD.Dup())
 
 
-def join(base, spawn_comm=None) -> None:
+def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> None:
     """Collective over ``base``: rank 0 becomes the session, the others serve as workers.
 
     ``spawn_comm`` is the intercommunicator of gtmpi.workers(n). Processes joined by Spawn
     part before MPI_Finalize: the intracommunicators made from it are freed and it is
     disconnected (Open MPI 4 hangs in Disconnect of the merged intracommunicators, and in
-    Finalize without any parting; MPICH is content either way).
+    Finalize without any parting).
     """
     from mpi4py import MPI
     from .transport.mpi import Comms, WorkerLink
