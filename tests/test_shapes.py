@@ -28,7 +28,7 @@ def arity(op) -> int:
 
 
 _UNARY = {"invert", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid",
-          "relu", "gelu", "silu"}
+          "relu", "gelu", "silu", "sign"}
 
 
 @pytest.mark.parametrize("op", POINTWISE, ids=lambda o: o.name)

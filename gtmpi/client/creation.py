@@ -6,16 +6,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..autograd import no_grad
 from .dtypes import as_dtype
 from .runtime import runtime
 from .tensor import Tensor, _sizes, apply
 
 
-def tensor(data: Any, dtype=None) -> Tensor:
+def _grad(t: Tensor, requires_grad: bool) -> Tensor:
+    return t.requires_grad_() if requires_grad else t
+
+
+def tensor(data: Any, dtype=None, requires_grad: bool = False) -> Tensor:
     """Like torch.tensor: copies ``data`` (nested lists, scalars, numpy, torch, gtmpi)."""
     dtype = as_dtype(dtype)
     if isinstance(data, Tensor):
-        return data.clone() if dtype is None or dtype == data.dtype else data.to(dtype)
+        with no_grad():
+            copy = data.clone() if dtype is None or dtype == data.dtype else data.to(dtype)
+        return _grad(copy, requires_grad)
     if isinstance(data, torch.Tensor):
         host = data.detach().to("cpu", dtype or data.dtype)
     elif isinstance(data, np.ndarray):
@@ -23,7 +30,7 @@ def tensor(data: Any, dtype=None) -> Tensor:
         host = host.to(dtype) if dtype is not None else host
     else:
         host = torch.tensor(data, dtype=dtype)
-    return upload(host)
+    return _grad(upload(host), requires_grad)
 
 
 def from_numpy(array: np.ndarray) -> Tensor:
@@ -49,39 +56,39 @@ def _default(dtype) -> torch.dtype:
     return torch.get_default_dtype() if dtype is None else dtype
 
 
-def zeros(*size, dtype=None) -> Tensor:
-    return apply("zeros", _sizes(size), _default(dtype))
+def zeros(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+    return _grad(apply("zeros", _sizes(size), _default(dtype)), requires_grad)
 
 
-def ones(*size, dtype=None) -> Tensor:
-    return apply("ones", _sizes(size), _default(dtype))
+def ones(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+    return _grad(apply("ones", _sizes(size), _default(dtype)), requires_grad)
 
 
-def empty(*size, dtype=None) -> Tensor:
+def empty(*size, dtype=None, requires_grad: bool = False) -> Tensor:
     """Zero-filled: a worker never hands out uninitialised memory."""
-    return zeros(*size, dtype=dtype)
+    return zeros(*size, dtype=dtype, requires_grad=requires_grad)
 
 
-def full(size, fill_value, dtype=None) -> Tensor:
-    return apply("full", _sizes((size,)), fill_value, as_dtype(dtype))
+def full(size, fill_value, dtype=None, requires_grad: bool = False) -> Tensor:
+    return _grad(apply("full", _sizes((size,)), fill_value, as_dtype(dtype)), requires_grad)
 
 
-def arange(start, end=None, step=1, dtype=None) -> Tensor:
+def arange(start, end=None, step=1, dtype=None, requires_grad: bool = False) -> Tensor:
     if end is None:
         start, end = 0, start
-    return apply("arange", start, end, step, as_dtype(dtype))
+    return _grad(apply("arange", start, end, step, as_dtype(dtype)), requires_grad)
 
 
-def eye(n: int, m: int | None = None, dtype=None) -> Tensor:
-    return apply("eye", n, n if m is None else m, _default(dtype))
+def eye(n: int, m: int | None = None, dtype=None, requires_grad: bool = False) -> Tensor:
+    return _grad(apply("eye", n, n if m is None else m, _default(dtype)), requires_grad)
 
 
-def randn(*size, dtype=None) -> Tensor:
-    return apply("randn", _sizes(size), _default(dtype), runtime().next_seed())
+def randn(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+    return _grad(apply("randn", _sizes(size), _default(dtype), runtime().next_seed()), requires_grad)
 
 
-def rand(*size, dtype=None) -> Tensor:
-    return apply("rand", _sizes(size), _default(dtype), runtime().next_seed())
+def rand(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+    return _grad(apply("rand", _sizes(size), _default(dtype), runtime().next_seed()), requires_grad)
 
 
 def zeros_like(t: Tensor, dtype=None) -> Tensor:

@@ -16,6 +16,7 @@ import torch
 from ..ops import infer
 from ..ops.shapes import SCALARS
 from .dtypes import NUMPY_DTYPES, as_dtype
+from .. import autograd
 from .runtime import current, runtime
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
@@ -23,12 +24,16 @@ Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
 
 
 class Tensor:
-    __slots__ = ("id", "_sig", "__weakref__")
+    __slots__ = ("id", "_sig", "requires_grad", "grad", "_node", "_slot", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our reflected operators instead of reading us
 
     def __init__(self, tensor_id: int, sig: tuple[torch.Size, torch.dtype]):
         self.id = tensor_id
         self._sig = sig
+        self.requires_grad = False
+        self.grad: Tensor | None = None
+        self._node = None  # the autograd Node that made this tensor; None for leaves
+        self._slot = 0     # which of that Node's results this is
 
     def __del__(self) -> None:
         try:
@@ -73,8 +78,34 @@ class Tensor:
         return self.shape[0]
 
     @property
-    def data(self) -> "Tensor":
+    def data(self) -> Tensor:
+        return self.detach()
+
+    # autograd ---------------------------------------------------------------------------------
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._node is None
+
+    @property
+    def grad_fn(self) -> Any:
+        return self._node
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        if self._node is not None and not requires_grad:
+            raise RuntimeError("you can only change requires_grad flags of leaf variables.")
+        if requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise RuntimeError("only Tensors of floating point and complex dtype can require gradients")
+        self.requires_grad = requires_grad
         return self
+
+    def detach(self) -> Tensor:
+        """The same worker tensor under a second id, outside any graph (shares storage)."""
+        with autograd.no_grad():
+            return apply("alias", self)
+
+    def backward(self, gradient: Any = None, retain_graph: bool = False) -> None:
+        autograd.backward(self, gradient, retain_graph)
 
     # reads: these wait ------------------------------------------------------------------------
 
@@ -300,10 +331,14 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     tmask = 0
     wire = []
     sigs = []
+    operands = []
+    grad = False
     for i, a in enumerate(args):
         if type(a) is not Tensor and not isinstance(a, SCALARS) and a is not None:
             a = _operand(a)
+        operands.append(a)
         if isinstance(a, Tensor):
+            grad = grad or a.requires_grad
             tmask |= 1 << i
             wire.append(a.id)
             sigs.append(a._sig)
@@ -321,6 +356,8 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         outs, multi = infer(name, tuple(sigs[:lead]) + index_sigs,
                             tmask & ((1 << lead) - 1) | ((1 << len(index_sigs)) - 1) << lead,
                             {**kw, "key": template})
+    if grad and autograd.is_grad_enabled() and name in _INPLACE:
+        autograd.engine.record(name, operands, kw, None)  # raises: in place needs no_grad()
     if name in _INPLACE:
         rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw))
         rt.note_site(args[0].id)
@@ -330,12 +367,16 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         rt.dispatcher.submit((name, ids, tuple(wire), tmask, kw))
         for i in ids:
             rt.note_site(i)
-        return tuple(Tensor(i, s) for i, s in zip(ids, outs))
-    out = rt.new_id()
-    rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
-                         name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL)
-    rt.note_site(out)
-    return Tensor(out, outs[0])
+        result = tuple(Tensor(i, s) for i, s in zip(ids, outs))
+    else:
+        out = rt.new_id()
+        rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
+                             name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL)
+        rt.note_site(out)
+        result = Tensor(out, outs[0])
+    if grad and autograd.is_grad_enabled():
+        autograd.engine.record(name, operands, kw, result)
+    return result
 
 
 _URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker

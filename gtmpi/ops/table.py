@@ -73,6 +73,14 @@ def _copy(x, src):
     return x.copy_(src)
 
 
+def _getitem_grad(g, *tensors, key, shape):
+    """The gradient of x[key] for x of ``shape``: g scattered back, repeated indices summed."""
+    base = torch.zeros(shape, dtype=g.dtype, device=g.device, requires_grad=True)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(base[index_key(key, tensors)], base, g)
+    return grad
+
+
 _ops = [
     # creation
     Op("zeros", Kind.CREATE, lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device)),
@@ -94,8 +102,10 @@ _ops = [
         ("sqrt", torch.sqrt), ("rsqrt", torch.rsqrt), ("sin", torch.sin), ("cos", torch.cos),
         ("tanh", torch.tanh), ("sigmoid", torch.sigmoid), ("relu", torch.relu),
         ("gelu", F.gelu), ("silu", F.silu), ("where", torch.where), ("clamp", torch.clamp),
-        ("maximum", torch.maximum), ("minimum", torch.minimum),
+        ("maximum", torch.maximum), ("minimum", torch.minimum), ("sign", torch.sign),
     ]),
+    Op("gelu_grad", Kind.ELEMENTWISE,
+       lambda g, x, approximate="none": torch.ops.aten.gelu_backward(g, x, approximate=approximate)),
     Op("to", Kind.ELEMENTWISE, lambda x, dtype: x.to(dtype)),
     Op("matmul", Kind.MATMUL, operator.matmul),
     # reductions over all elements (dim=None) or over dims
@@ -124,12 +134,16 @@ _ops = [
     Op("expand", Kind.SHAPE, lambda x, shape: x.expand(shape)),
     Op("contiguous", Kind.SHAPE, lambda x: x.contiguous()),
     Op("clone", Kind.SHAPE, torch.clone),
+    # a second id for the same worker tensor (detach: shares storage, as in torch)
+    Op("alias", Kind.SHAPE, lambda x: x),
     Op("cat", Kind.SHAPE, lambda *xs, dim: torch.cat(xs, dim)),
     Op("stack", Kind.SHAPE, lambda *xs, dim: torch.stack(xs, dim)),
     Op("split", Kind.SHAPE, lambda x, sections, dim: tuple(torch.split(x, sections, dim))),
     Op("chunk", Kind.SHAPE, lambda x, chunks, dim: tuple(torch.chunk(x, chunks, dim))),
     # indexing
     Op("getitem", Kind.INDEX, _getitem),
+    Op("getitem_grad", Kind.INDEX, _getitem_grad,
+       meta=lambda g, *tensors, key, shape: torch.empty(shape, dtype=g.dtype, device=g.device)),
     # in place: the result is the first operand, mutated (views on a worker alias as in torch)
     Op("setitem", Kind.INPLACE, _setitem),
     Op("iadd", Kind.INPLACE, operator.iadd, scalar_by_type=True),

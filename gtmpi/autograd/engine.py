@@ -1,0 +1,155 @@
+"""The graph and its backward pass.
+
+Every op on tensors that require grad records a Node holding its operands (the graph is the
+Nodes' links, so each forward pass has its own graph: interleaved micro-batches keep separate
+graphs until their own backward). backward() walks one graph in reverse topological order,
+calling each op's rule from grads.py with autograd off, and accumulates into the leaves' .grad.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import ContextDecorator
+from typing import Any, Sequence
+
+_state = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_state, "enabled", True)
+
+
+class _GradMode(ContextDecorator):
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self) -> None:
+        self.prev = is_grad_enabled()
+        _state.enabled = self.enabled
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.enabled = self.prev
+
+
+def no_grad() -> _GradMode:
+    """Context manager and decorator: ops inside record nothing (optimizer steps, evaluation)."""
+    return _GradMode(False)
+
+
+def enable_grad() -> _GradMode:
+    return _GradMode(True)
+
+
+class Node:
+    """One recorded op: its name, operands (tensors and constants), keyword constants and
+    what its rule saved; ``outputs`` is the number of results."""
+
+    __slots__ = ("op", "operands", "kw", "outputs", "saved", "freed")
+
+    def __init__(self, op: str, operands: tuple, kw: dict | None, outputs: int, saved: Any):
+        self.op, self.operands, self.kw, self.outputs, self.saved = op, operands, kw, outputs, saved
+        self.freed = False
+
+    def parents(self):
+        for a in self.operands:
+            node = getattr(a, "_node", None)
+            if node is not None:
+                yield node
+
+
+def record(op: str, operands: Sequence, kw: dict | None, result: Any) -> None:
+    """Called by every op: link the result into the graph if an operand requires grad."""
+    from ..client.tensor import Tensor
+    from .grads import GRADS, INPLACE, needs_output
+    if not any(isinstance(a, Tensor) and a.requires_grad for a in operands):
+        return
+    if op in INPLACE:
+        target = operands[0]
+        if target.requires_grad and target._node is None:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                               "operation.")
+        raise RuntimeError(f"gtmpi: in-place '{op}' on a tensor that requires grad is not "
+                           "supported; use an out-of-place op or gtmpi.no_grad()")
+    if op not in GRADS:
+        return  # not differentiable (comparisons, argmax, ...): results do not require grad
+    outs = result if isinstance(result, tuple) else (result,)
+    saved = None
+    if needs_output(op):
+        with no_grad():
+            saved = tuple(o.detach() for o in outs)
+    node = Node(op, tuple(operands), kw, len(outs), saved)
+    for slot, o in enumerate(outs):
+        if o.dtype.is_floating_point or o.dtype.is_complex:
+            o.requires_grad = True
+            o._node = node
+            o._slot = slot
+
+
+def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> None:
+    from ..client.creation import ones_like
+    from ..client.tensor import Tensor
+    from .grads import GRADS
+    if not root.requires_grad:
+        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+    with no_grad():
+        if gradient is None:
+            if root.numel() != 1:
+                raise RuntimeError("grad can be implicitly created only for scalar outputs")
+            gradient = ones_like(root)
+        elif not isinstance(gradient, Tensor):
+            from ..client.creation import tensor
+            gradient = tensor(gradient, dtype=root.dtype)
+        if gradient.shape != root.shape:
+            raise RuntimeError(f"Mismatch in shape: grad_output[0] has a shape of {gradient.shape} "
+                               f"and output[0] has a shape of {root.shape}.")
+        if root._node is None:
+            _accumulate(root, gradient)
+            return
+        order = _topological(root._node)
+        pending: dict[int, list] = {id(root._node): [None] * root._node.outputs}
+        pending[id(root._node)][root._slot] = gradient
+        for node in order:
+            grads = pending.pop(id(node), None)
+            if grads is None:
+                continue
+            if node.freed:
+                raise RuntimeError("Trying to backward through the graph a second time (or directly "
+                                   "access saved tensors after they have already been freed). "
+                                   "Specify retain_graph=True if you need to backward a second time.")
+            results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
+            for operand, g in zip(node.operands, results):
+                if g is None or not isinstance(operand, Tensor) or not operand.requires_grad:
+                    continue
+                if operand._node is None:
+                    _accumulate(operand, g)
+                else:
+                    slots = pending.setdefault(id(operand._node), [None] * operand._node.outputs)
+                    prev = slots[operand._slot]
+                    slots[operand._slot] = g if prev is None else prev + g
+            if not retain_graph:
+                node.freed = True
+                node.saved = None
+
+
+def _accumulate(leaf: Any, g: Any) -> None:
+    if g.dtype != leaf.dtype:
+        g = g.to(leaf.dtype)
+    leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+
+def _topological(root: Node) -> list[Node]:
+    """Nodes reachable from root, each after every node that consumes its results."""
+    order: list[Node] = []
+    seen = {id(root)}
+    stack = [(root, iter(list(root.parents())))]
+    while stack:
+        node, parents = stack[-1]
+        for parent in parents:
+            if id(parent) not in seen:
+                seen.add(id(parent))
+                stack.append((parent, iter(list(parent.parents()))))
+                break
+        else:
+            stack.pop()
+            order.append(node)
+    order.reverse()
+    return order

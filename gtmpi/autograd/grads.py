@@ -1,0 +1,373 @@
+"""Gradient rules, one per differentiable op of ops/table.py, keyed by the same names.
+
+A rule takes the Node (its operands, keyword constants, saved outputs) and the gradient of
+its output (a tuple of them for ops with several results, None where a result got none) and
+returns one gradient per operand (None for constants and for operands that need none). Rules
+run with autograd off and are written with gtmpi's own ops, so they execute on the workers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ..client.creation import zeros
+from ..client.functions import cat, where
+from ..client.tensor import Tensor, apply
+from .engine import Node
+
+Rule = Callable[[Node, Any], tuple]
+GRADS: dict[str, Rule] = {}
+INPLACE = frozenset(["setitem", "iadd", "isub", "imul", "itruediv", "zero_", "fill_", "copy_"])
+_USES_OUTPUT = {"exp", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "softmax", "log_softmax",
+                "amax", "amin", "std", "pow", "max_dim", "min_dim"}
+
+
+def needs_output(op: str) -> bool:
+    return op in _USES_OUTPUT
+
+
+def rule(*names: str):
+    def register(fn: Rule) -> Rule:
+        for name in names:
+            GRADS[name] = fn
+        return fn
+    return register
+
+
+def sum_to(g: Tensor, shape) -> Tensor:
+    """Undo broadcasting: sum g over the dims that broadcasting added or stretched."""
+    lead = g.ndim - len(shape)
+    if lead:
+        g = g.sum(tuple(range(lead)))
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if dims:
+        g = g.sum(dims, keepdim=True)
+    return g
+
+
+def _t(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.requires_grad
+
+
+def _each(node: Node, *grads: Any) -> tuple:
+    """Gradients for tensor operands that require grad, broadcasting undone; None elsewhere."""
+    return tuple(sum_to(g, x.shape) if _t(x) and g is not None else None
+                 for x, g in zip(node.operands, grads))
+
+
+def _out(node: Node) -> Tensor:
+    return node.saved[0]
+
+
+# elementwise --------------------------------------------------------------------------------
+
+@rule("add")
+def _add(node, g):
+    return _each(node, g, g)
+
+
+@rule("sub")
+def _sub(node, g):
+    return _each(node, g, -g)
+
+
+@rule("mul")
+def _mul(node, g):
+    a, b = node.operands
+    return _each(node, g * b if _t(a) else None, g * a if _t(b) else None)
+
+
+@rule("truediv")
+def _truediv(node, g):
+    a, b = node.operands
+    return _each(node, g / b if _t(a) else None, -g * a / (b * b) if _t(b) else None)
+
+
+@rule("pow")
+def _pow(node, g):
+    a, b = node.operands
+    ga = g * b * a ** (b - 1) if _t(a) else None
+    log_a = apply("log", a) if isinstance(a, Tensor) else math.log(a)
+    gb = g * _out(node) * log_a if _t(b) else None
+    return _each(node, ga, gb)
+
+
+@rule("neg")
+def _neg(node, g):
+    return (-g,)
+
+
+@rule("abs")
+def _abs(node, g):
+    return (g * apply("sign", node.operands[0]),)
+
+
+@rule("exp")
+def _exp(node, g):
+    return (g * _out(node),)
+
+
+@rule("log")
+def _log(node, g):
+    return (g / node.operands[0],)
+
+
+@rule("sqrt")
+def _sqrt(node, g):
+    return (g / (2 * _out(node)),)
+
+
+@rule("rsqrt")
+def _rsqrt(node, g):
+    return (-0.5 * g * _out(node) ** 3,)
+
+
+@rule("sin")
+def _sin(node, g):
+    return (g * apply("cos", node.operands[0]),)
+
+
+@rule("cos")
+def _cos(node, g):
+    return (-g * apply("sin", node.operands[0]),)
+
+
+@rule("tanh")
+def _tanh(node, g):
+    y = _out(node)
+    return (g * (1 - y * y),)
+
+
+@rule("sigmoid")
+def _sigmoid(node, g):
+    y = _out(node)
+    return (g * y * (1 - y),)
+
+
+@rule("relu")
+def _relu(node, g):
+    return (g * (_out(node) > 0),)
+
+
+@rule("gelu")
+def _gelu(node, g):
+    return (apply("gelu_grad", g, node.operands[0], **(node.kw or {})),)
+
+
+@rule("silu")
+def _silu(node, g):
+    x = node.operands[0]
+    s = apply("sigmoid", x)
+    return (g * s * (1 + x * (1 - s)),)
+
+
+@rule("to")
+def _to(node, g):
+    return (g.to(node.operands[0].dtype), None)
+
+
+@rule("where")
+def _where(node, g):
+    c, x, y = node.operands
+    return _each(node, None, where(c, g, 0.0) if _t(x) else None, where(c, 0.0, g) if _t(y) else None)
+
+
+@rule("clamp")
+def _clamp(node, g):
+    x, lo, hi = node.operands
+    inside = g
+    if lo is not None:
+        inside = where(x >= lo, inside, 0.0)
+    if hi is not None:
+        inside = where(x <= hi, inside, 0.0)
+    g_lo = where(x < lo, g, 0.0) if _t(lo) else None
+    g_hi = where(x > hi, g, 0.0) if _t(hi) else None
+    return _each(node, inside, g_lo, g_hi)
+
+
+@rule("maximum", "minimum")
+def _extremum(node, g):
+    a, b = node.operands
+    a_wins = a > b if node.op == "maximum" else a < b
+    tie = (a == b) * 0.5
+    return _each(node, g * (a_wins + tie) if _t(a) else None, g * ((~a_wins) * 1.0 - tie) if _t(b) else None)
+
+
+# matmul -------------------------------------------------------------------------------------
+
+@rule("matmul")
+def _matmul(node, g):
+    a, b = node.operands
+    a2 = a.unsqueeze(0) if a.ndim == 1 else a
+    b2 = b.unsqueeze(-1) if b.ndim == 1 else b
+    if a.ndim == 1:
+        g = g.unsqueeze(-2)
+    if b.ndim == 1:
+        g = g.unsqueeze(-1)
+    ga = sum_to(g @ b2.transpose(-1, -2), a2.shape).reshape(a.shape) if _t(a) else None
+    gb = sum_to(a2.transpose(-1, -2) @ g, b2.shape).reshape(b.shape) if _t(b) else None
+    return ga, gb
+
+
+# reductions ---------------------------------------------------------------------------------
+
+def _dims(dim, ndim: int) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(ndim))
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return tuple(sorted(d % ndim for d in dims)) if ndim else ()
+
+
+def _unreduce(g: Tensor, x: Tensor, dim, keepdim: bool) -> Tensor:
+    """g of a reduction over ``dim``, reshaped so it broadcasts against x."""
+    if not keepdim:
+        for d in _dims(dim, x.ndim):
+            g = g.unsqueeze(d)
+    return g
+
+
+@rule("sum")
+def _sum(node, g):
+    x, dim, keepdim = node.operands
+    return (_unreduce(g, x, dim, keepdim).expand(x.shape), None, None)
+
+
+@rule("mean")
+def _mean(node, g):
+    x, dim, keepdim = node.operands
+    count = 1
+    for d in _dims(dim, x.ndim):
+        count *= x.shape[d]
+    return (_unreduce(g, x, dim, keepdim).expand(x.shape) / count, None, None)
+
+
+@rule("amax", "amin")
+def _amax(node, g):
+    x, dim, keepdim = node.operands
+    dims = _dims(dim, x.ndim)
+    hit = x == _unreduce(_out(node), x, dim, keepdim)
+    share = hit / hit.sum(dims, keepdim=True) if dims else hit * 1.0
+    return (_unreduce(g, x, dim, keepdim) * share, None, None)
+
+
+@rule("max_dim", "min_dim")
+def _max_dim(node, grads):
+    x, dim, keepdim = node.operands
+    g, _ = grads
+    if g is None:
+        return (None, None, None)
+    indices = _unreduce(node.saved[1], x, dim, keepdim)
+    positions = apply("arange", 0, x.shape[dim], 1, None).reshape(
+        [x.shape[dim] if d == dim % x.ndim else 1 for d in range(x.ndim)])
+    return (_unreduce(g, x, dim, keepdim) * (positions == indices), None, None)
+
+
+@rule("var")
+def _var(node, g):
+    x, dim, correction, keepdim = node.operands
+    dims = _dims(dim, x.ndim)
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    centred = x - x.mean(dims, keepdim=True)
+    return (_unreduce(g, x, dim, keepdim) * centred * (2.0 / max(count - correction, 0)),
+            None, None, None)
+
+
+@rule("std")
+def _std(node, g):
+    x, dim, correction, keepdim = node.operands
+    g_var = g / (2 * _out(node))
+    return _var(node, g_var)
+
+
+@rule("softmax")
+def _softmax(node, g):
+    y = _out(node)
+    dim = node.operands[1]
+    return (y * (g - (g * y).sum(dim, keepdim=True)), None)
+
+
+@rule("log_softmax")
+def _log_softmax(node, g):
+    dim = node.operands[1]
+    return (g - apply("exp", _out(node)) * g.sum(dim, keepdim=True), None)
+
+
+# shape ----------------------------------------------------------------------------------------
+
+@rule("reshape", "view", "flatten", "squeeze", "unsqueeze", "contiguous", "clone", "alias")
+def _reshape(node, g):
+    x = node.operands[0]
+    return (g.reshape(x.shape),) + (None,) * (len(node.operands) - 1)
+
+
+@rule("permute")
+def _permute(node, g):
+    dims = node.operands[1]
+    inverse = [0] * len(dims)
+    for i, d in enumerate(dims):
+        inverse[d % len(dims)] = i
+    return (g.permute(inverse), None)
+
+
+@rule("transpose")
+def _transpose(node, g):
+    _, d0, d1 = node.operands
+    return (g.transpose(d0, d1), None, None)
+
+
+@rule("expand")
+def _expand(node, g):
+    return (sum_to(g, node.operands[0].shape), None)
+
+
+@rule("cat")
+def _cat(node, g):
+    dim = node.kw["dim"]
+    sizes = [x.shape[dim] for x in node.operands]
+    return tuple(p if _t(x) else None for x, p in zip(node.operands, g.split(sizes, dim)))
+
+
+@rule("stack")
+def _stack(node, g):
+    dim = node.kw["dim"]
+    parts = g.split(1, dim)
+    return tuple(p.squeeze(dim) if _t(x) else None for x, p in zip(node.operands, parts))
+
+
+@rule("split", "chunk")
+def _split(node, grads):
+    x, _, dim = node.operands
+    pieces = [g for g in grads]
+    if any(p is None for p in pieces):
+        sizes = _piece_sizes(node)
+        pieces = [p if p is not None else zeros(_with(x.shape, dim, n), dtype=x.dtype)
+                  for p, n in zip(pieces, sizes)]
+    return (cat(pieces, dim), None, None)
+
+
+def _piece_sizes(node: Node) -> list[int]:
+    x, sections, dim = node.operands
+    total = x.shape[dim]
+    if node.op == "chunk":
+        step = -(-total // sections)
+        return [min(step, total - i) for i in range(0, total, step)]
+    if isinstance(sections, int):
+        return [min(sections, total - i) for i in range(0, total, sections)]
+    return list(sections)
+
+
+def _with(shape, dim: int, n: int) -> tuple:
+    s = list(shape)
+    s[dim] = n
+    return tuple(s)
+
+
+# indexing -------------------------------------------------------------------------------------
+
+@rule("getitem")
+def _getitem(node, g):
+    x, *index = node.operands
+    gx = apply("getitem_grad", g, *index, key=node.kw["key"], shape=tuple(x.shape))
+    return (gx,) + (None,) * len(index)
