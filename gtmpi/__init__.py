@@ -6,7 +6,8 @@ worker inside the process, or n spawned ones after ``gtmpi.workers(n)``.
 """
 from __future__ import annotations
 
-from . import debug
+from . import debug, nn, optim
+from .checkpoint import load, save
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, full_like,
                               manual_seed, ones, ones_like, rand, rand_like, randn, randn_like,

@@ -16,7 +16,8 @@ def lib(t):
 def grad_check(fn, *inputs, dtype=torch.float64, rtol=None, atol=None):
     """fn(*leaves) in torch and in gtmpi; the gradients of a random weighting of its outputs agree."""
     gen = torch.Generator().manual_seed(99)
-    t_leaves = [x.to(dtype).requires_grad_() if x.is_floating_point() else x for x in inputs]
+    t_leaves = [x.detach().to(dtype).clone().requires_grad_() if x.is_floating_point() else x
+                for x in inputs]
     t_out = fn(*t_leaves)
     t_outs = t_out if isinstance(t_out, tuple) else (t_out,)
     weights = [torch.rand(o.shape, generator=gen, dtype=o.dtype) if o.is_floating_point() else None

@@ -38,7 +38,7 @@ class Tensor:
     def __del__(self) -> None:
         try:
             rt = current()
-            if rt is not None and not rt.closed:
+            if rt is not None and not rt.closed and self.id is not None:
                 rt.dispatcher.frees.append(self.id)
         except Exception:  # interpreter shutdown: modules half torn down, workers gone anyway
             pass
@@ -334,7 +334,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     operands = []
     grad = False
     for i, a in enumerate(args):
-        if type(a) is not Tensor and not isinstance(a, SCALARS) and a is not None:
+        if not isinstance(a, (Tensor, *SCALARS)) and a is not None:
             a = _operand(a)
         operands.append(a)
         if isinstance(a, Tensor):

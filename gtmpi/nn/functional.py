@@ -1,0 +1,129 @@
+"""Layers and losses as functions of gtmpi tensors, written with the op vocabulary (so their
+gradients come from the ops' rules). Semantics and defaults follow torch.nn.functional."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..client.creation import arange, rand
+from ..client.functions import gelu, log_softmax, relu, silu, softmax, where
+from ..client.tensor import Tensor
+
+__all__ = ["linear", "relu", "gelu", "silu", "softmax", "log_softmax", "dropout", "layer_norm",
+           "rms_norm", "embedding", "scaled_dot_product_attention", "mse_loss", "nll_loss",
+           "cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    keep = rand(x.shape, dtype=x.dtype) >= p
+    return x * keep * (1.0 / (1.0 - p))
+
+
+def _last_dims(n: int) -> tuple[int, ...]:
+    return tuple(range(-n, 0))
+
+
+def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    dims = _last_dims(len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1)
+    mean = x.mean(dims, keepdim=True)
+    centred = x - mean
+    y = centred * ((centred * centred).mean(dims, keepdim=True) + eps).rsqrt()
+    if weight is not None:
+        y = y * weight
+    return y if bias is None else y + bias
+
+
+def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
+             eps: float | None = None) -> Tensor:
+    dims = _last_dims(len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1)
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    y = x * ((x * x).mean(dims, keepdim=True) + eps).rsqrt()
+    return y if weight is None else y * weight
+
+
+def embedding(indices: Tensor, weight: Tensor) -> Tensor:
+    return weight[indices]
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale: float | None = None) -> Tensor:
+    """softmax(q kᵀ · scale + mask) v over the last two dims; ``is_causal`` masks the future."""
+    L, S = q.shape[-2], k.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if is_causal:
+        allowed = arange(L).unsqueeze(1) >= arange(S).unsqueeze(0)
+        scores = where(allowed, scores, float("-inf"))
+    if attn_mask is not None:
+        scores = where(attn_mask, scores, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask
+    weights = softmax(scores, -1)
+    if dropout_p:
+        weights = dropout(weights, dropout_p)
+    return weights @ v
+
+
+def _reduce(loss: Tensor, reduction: str) -> Tensor:
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "none":
+        return loss
+    raise ValueError(f"{reduction} is not a valid value for reduction")
+
+
+def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    d = input - target
+    return _reduce(d * d, reduction)
+
+
+def nll_loss(log_probs: Tensor, target: Tensor, ignore_index: int = -100,
+             reduction: str = "mean") -> Tensor:
+    """log_probs (N, C), target (N,) class indices."""
+    keep = target != ignore_index
+    safe = where(keep, target, 0)
+    picked = log_probs[arange(log_probs.shape[0]), safe]
+    loss = -(picked * keep)
+    if reduction == "mean":
+        return loss.sum() / keep.sum()
+    return _reduce(loss, reduction)
+
+
+def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+    """input (N, C) logits; target (N,) class indices."""
+    logp = log_softmax(input, -1)
+    nll = nll_loss(logp, target, ignore_index, "none")
+    if label_smoothing:
+        keep = target != ignore_index
+        smooth = -(logp.mean(-1) * keep)
+        nll = nll * (1.0 - label_smoothing) + smooth * label_smoothing
+        if reduction == "mean":
+            return nll.sum() / keep.sum()
+    elif reduction == "mean":
+        return nll.sum() / (target != ignore_index).sum()
+    return _reduce(nll, reduction)
+
+
+def binary_cross_entropy(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    log_p = input.log().clamp(min=-100.0)
+    log_q = (1 - input).log().clamp(min=-100.0)
+    return _reduce(-(target * log_p + (1 - target) * log_q), reduction)
+
+
+def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    # max(x, 0) - x t + log(1 + exp(-|x|)): never overflows
+    loss = input.clamp(min=0.0) - input * target + (1 + (-abs(input)).exp()).log()
+    return _reduce(loss, reduction)

@@ -1,0 +1,24 @@
+"""Parameters: leaf tensors that require grad and that Modules collect."""
+from __future__ import annotations
+
+from ..autograd import no_grad
+from ..client.tensor import Tensor
+
+
+class Parameter(Tensor):
+    __slots__ = ()
+
+    def __new__(cls, data: Tensor, requires_grad: bool = True) -> "Parameter":
+        with no_grad():
+            alias = data.detach()
+        param = object.__new__(cls)
+        Tensor.__init__(param, alias.id, alias._sig)
+        alias.id = None  # the parameter now owns the worker tensor: only it frees it
+        param.requires_grad = requires_grad
+        return param
+
+    def __init__(self, data: Tensor, requires_grad: bool = True) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + super().__repr__()
