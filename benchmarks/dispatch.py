@@ -6,6 +6,8 @@
 (a) tiny-op throughput: 10,000 adds of 64x64 tensors issued, then one read (ops/s)
 (b) read latency: one op making a fresh scalar, then .item() (µs, median)
 (c) a loop of 4096x4096 float32 matmuls: gtmpi time / torch time
+(d) an MLP training step (batch 256, 3 Linear layers of width 1024, cross-entropy, AdamW):
+    gtmpi step time / torch step time
 
 torch runs in rank 0's process on the device of gtmpi's first worker. Prints a table, then one
 JSON line with the figures.
@@ -56,13 +58,37 @@ def matmul_loop(n: int, a, b, read) -> float:
     return time.perf_counter() - start
 
 
+def mlp_steps(n: int, nn, F, optim, make_batch, read) -> float:
+    """Seconds per training step, the mean over n steps after two warm-up steps."""
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 1024))
+    opt = optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = make_batch()
+
+    def step():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(2):
+        read(step())
+    start = time.perf_counter()
+    for _ in range(n):
+        loss = step()
+    read(loss)
+    return (time.perf_counter() - start) / n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", type=int, default=10_000, help="adds in the tiny-op loop")
     p.add_argument("--reads", type=int, default=300, help="reads timed for the latency")
     p.add_argument("--matmuls", type=int, default=None, help="matmuls per loop (default: 3 on CPU, 50 on GPU)")
     p.add_argument("--size", type=int, default=4096, help="matmul size")
-    p.add_argument("--repeat", type=int, default=3, help="repeats of (a) and (c); the best is kept")
+    p.add_argument("--repeat", type=int, default=3, help="repeats of (a), (c) and (d); the best is kept")
+    p.add_argument("--mlp-steps", type=int, default=None, help="training steps timed in (d) (default: 5 on CPU, 50 on GPU)")
     args = p.parse_args()
 
     world = gtmpi.info()
@@ -91,8 +117,25 @@ def main() -> None:
     for name, a, b, read in [("torch", a_t, b_t, first_item), ("gtmpi", a_g, b_g, first_item)]:
         matmul_loop(1, a, b, read)
         res[name]["matmul_s"] = min(matmul_loop(n_mm, a, b, read) for _ in range(args.repeat))
-    del a_t, b_t
+    del a_t, b_t, a_g, b_g
     sync(device)
+
+    n_steps = args.mlp_steps or (50 if device.type == "cuda" else 5)
+    gen = torch.Generator().manual_seed(0)
+    x_host, y_host = torch.randn(256, 1024, generator=gen), torch.randint(0, 1024, (256,), generator=gen)
+    import gtmpi.nn.functional as GF
+    for name, nn_mod, F, optim, batch in [
+        ("torch", torch.nn, torch.nn.functional, torch.optim, lambda: (x_host.to(device), y_host.to(device))),
+        ("gtmpi", gtmpi.nn, GF, gtmpi.optim, lambda: (gtmpi.tensor(x_host), gtmpi.tensor(y_host))),
+    ]:
+        torch.manual_seed(0)
+        if name == "torch":
+            with torch.device(device):
+                res[name]["step_s"] = min(mlp_steps(n_steps, nn_mod, F, optim, batch, first_item)
+                                          for _ in range(args.repeat))
+        else:
+            res[name]["step_s"] = min(mlp_steps(n_steps, nn_mod, F, optim, batch, first_item)
+                                      for _ in range(args.repeat))
 
     ratio = res["gtmpi"]["matmul_s"] / res["torch"]["matmul_s"]
     workers = len(world["workers"])
@@ -103,7 +146,10 @@ def main() -> None:
         (f"(a) {args.ops} adds 64x64 + read, ops/s", "ops_per_s", "{:12.0f}"),
         ("(b) .item() of a fresh scalar, µs", "read_us", "{:12.1f}"),
         (f"(c) {n_mm} matmuls {args.size}² fp32, s", "matmul_s", "{:12.4f}"),
+        ("(d) MLP train step (AdamW), ms", "step_ms", "{:12.2f}"),
     ]
+    for r in res.values():
+        r["step_ms"] = r["step_s"] * 1e3
     for label, key, fmt in rows:
         t, g = res["torch"][key], res["gtmpi"][key]
         print(f"{label:<38} {fmt.format(t)} {fmt.format(g)} {g / t:12.3f}")
@@ -115,7 +161,10 @@ def main() -> None:
                       "gtmpi_read_us": round(res["gtmpi"]["read_us"], 1),
                       "torch_matmul_s": round(res["torch"]["matmul_s"], 5),
                       "gtmpi_matmul_s": round(res["gtmpi"]["matmul_s"], 5),
-                      "matmul_ratio": round(ratio, 4)}))
+                      "matmul_ratio": round(ratio, 4),
+                      "torch_step_ms": round(res["torch"]["step_ms"], 3),
+                      "gtmpi_step_ms": round(res["gtmpi"]["step_ms"], 3),
+                      "step_ratio": round(res["gtmpi"]["step_s"] / res["torch"]["step_s"], 4)}))
 
 
 if __name__ == "__main__":

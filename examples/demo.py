@@ -5,6 +5,8 @@ Rank 0 runs this file; the other ranks became workers when gtmpi was imported.
 import time
 
 import gtmpi
+import gtmpi.nn as nn
+import gtmpi.nn.functional as F
 
 world = gtmpi.info()
 print(f"{len(world['workers'])} worker(s):",
@@ -13,7 +15,7 @@ print(f"{len(world['workers'])} worker(s):",
 # Tensors look like torch's. Shapes are known here at once; the data lives on a worker.
 gtmpi.manual_seed(0)
 x = gtmpi.randn(4, 3)
-w = gtmpi.tensor([[1.0, -1.0], [0.5, 2.0], [0.0, 1.0]])
+w = gtmpi.tensor([[1.0, -1.0], [0.5, 2.0], [0.0, 1.0]], requires_grad=True)
 y = (x @ w).relu() + 1
 print("y.shape", y.shape, y.dtype)   # no waiting: nothing has been read yet
 print(y)                              # a read: waits for the worker, prints like torch
@@ -25,10 +27,21 @@ for _ in range(10_000):
     acc = acc + 1.0
 print(f"10,000 adds issued and read back in {time.perf_counter() - start:.3f} s:", acc[0, 0].item())
 
-# Reductions, indexing, in-place updates.
-print("column means", y.mean(dim=0).tolist())
-y[y > 2] = 2.0
-print("clipped max", y.max().item(), "argmax per row", y.argmax(dim=1).tolist())
+# Autograd: a tape per forward pass in the client; gradient ops run on the worker.
+y.sum().backward()
+print("dy/dw", w.grad.tolist())
+
+# A few training steps of a small model.
+model = nn.Sequential(nn.Linear(3, 16), nn.GELU(), nn.Linear(16, 1))
+opt = gtmpi.optim.AdamW(model.parameters(), lr=0.05)
+target = (x * gtmpi.tensor([1.0, -2.0, 0.5])).sum(dim=1, keepdim=True)
+for step in range(1, 31):
+    loss = F.mse_loss(model(x), target)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step % 10 == 0:
+        print(f"step {step}: loss {loss.item():.5f}")
 
 # A shape error is raised right here, at this line, like torch:
 try:
@@ -41,7 +54,7 @@ huge = gtmpi.zeros(1 << 40)           # 4 TiB: no worker can hold it
 try:
     (huge + 1).sum().item()
 except gtmpi.WorkerError as e:
-    print("worker error:", str(e).splitlines()[0][:160])
+    print("worker error:", str(e)[:120], "...")
 print("the session carries on:", (gtmpi.arange(5) * 2).tolist())
 
 gtmpi.debug.print_worker_stats()

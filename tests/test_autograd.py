@@ -205,6 +205,13 @@ def test_inplace_rules():
     assert x.tolist() == [0.5, 0.5, 0.5] and x.requires_grad and x.is_leaf
 
 
+def test_repr_shows_grad_state_like_torch():
+    t = torch.ones(2, 2, requires_grad=True)
+    g = gtmpi.ones(2, 2, requires_grad=True)
+    assert repr(g) == repr(t)
+    assert repr((g * 2).sum()) == repr((t * 2).sum())
+
+
 def test_requires_grad_errors_and_messages():
     with pytest.raises(RuntimeError, match="floating point"):
         gtmpi.arange(3).requires_grad_()

@@ -190,3 +190,19 @@ def test_idle_ranks_do_not_spin(tmp_path):
     idle, wait_cpu, wait_wall = map(float, proc.stdout.split("IDLE")[1].replace("WAIT", "").split())
     assert idle < 0.3, f"an idle worker used {idle:.2f} s of CPU in 2 s"
     assert wait_cpu < 0.25 * wait_wall + 0.05, (wait_cpu, wait_wall)
+
+
+@pytest.mark.parametrize("n", [None, 3])
+def test_examples_run(n):
+    """The README's demo and the MLP example (≥ 95% test accuracy) under plain python and mpiexec."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "GTMPI_VERBOSE"}
+    env.update({**launcher_env(), "GTMPI_DEVICE": "cpu"})
+    for script in ("examples/demo.py", "examples/train_mlp.py"):
+        cmd = [sys.executable, os.path.join(root, script)]
+        if n is not None:
+            cmd = [MPIEXEC, "-n", str(n)] + cmd
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=env,
+                              start_new_session=True)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "test accuracy" in proc.stdout

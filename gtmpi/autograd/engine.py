@@ -59,10 +59,11 @@ class Node:
 def record(op: str, operands: Sequence, kw: dict | None, result: Any) -> None:
     """Called by every op: link the result into the graph if an operand requires grad."""
     from ..client.tensor import Tensor
-    from .grads import GRADS, INPLACE, needs_output
+    from ..ops import OPS, Kind
+    from .grads import GRADS, needs_output
     if not any(isinstance(a, Tensor) and a.requires_grad for a in operands):
         return
-    if op in INPLACE:
+    if OPS[op].kind is Kind.INPLACE:
         target = operands[0]
         if target.requires_grad and target._node is None:
             raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "

@@ -17,7 +17,6 @@ from .engine import Node
 
 Rule = Callable[[Node, Any], tuple]
 GRADS: dict[str, Rule] = {}
-INPLACE = frozenset(["setitem", "iadd", "isub", "imul", "itruediv", "zero_", "fill_", "copy_"])
 _USES_OUTPUT = {"exp", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "softmax", "log_softmax",
                 "amax", "amin", "std", "pow", "max_dim", "min_dim"}
 

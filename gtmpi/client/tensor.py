@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence, Union
 import numpy as np
 import torch
 
-from ..ops import infer
+from ..ops import OPS, Kind, infer
 from ..ops.shapes import SCALARS
 from .dtypes import NUMPY_DTYPES, as_dtype
 from .. import autograd
@@ -141,7 +141,13 @@ class Tensor:
         return arr if dtype is None else arr.astype(dtype)
 
     def __repr__(self) -> str:
-        return repr(self.cpu_torch())
+        if not self.requires_grad:
+            return repr(self.cpu_torch())
+        text = repr(self.cpu_torch().requires_grad_())  # torch's layout of the suffix
+        if self._node is None:
+            return text
+        name = self._node.op.replace("true", "").title().replace("_", "")
+        return text.replace("requires_grad=True", f"grad_fn=<{name}Backward0>")
 
     def __float__(self) -> float:
         return float(self.item())
@@ -380,7 +386,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
 
 
 _URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker
-_INPLACE = frozenset(["setitem", "iadd", "isub", "imul", "itruediv", "zero_", "fill_", "copy_"])
+_INPLACE = frozenset(name for name, op in OPS.items() if op.kind is Kind.INPLACE)
 
 
 def _operand(a) -> Any:

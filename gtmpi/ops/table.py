@@ -9,6 +9,7 @@ returns a tensor or a tuple of tensors. Kernels of kind CREATE also get ``device
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from enum import Enum
@@ -71,6 +72,31 @@ def _setitem(x, value, *tensors, key):
 
 def _copy(x, src):
     return x.copy_(src)
+
+
+def _sgd_step(p, g, buf, lr, momentum, dampening, weight_decay, nesterov, first):
+    """torch.optim.SGD's update of one parameter, in place (buf: the momentum buffer)."""
+    if weight_decay:
+        g = g.add(p, alpha=weight_decay)
+    if momentum:
+        if first:
+            buf.copy_(g)
+        else:
+            buf.mul_(momentum).add_(g, alpha=1 - dampening)
+        g = g.add(buf, alpha=momentum) if nesterov else buf
+    return p.add_(g, alpha=-lr)
+
+
+def _adam_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, decoupled, step):
+    """torch.optim.Adam's (decoupled: AdamW's) update of one parameter, in place."""
+    if weight_decay and decoupled:
+        p.mul_(1 - lr * weight_decay)
+    elif weight_decay:
+        g = g.add(p, alpha=weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+    return p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
 
 
 def _getitem_grad(g, *tensors, key, shape):
@@ -153,6 +179,10 @@ _ops = [
     Op("zero_", Kind.INPLACE, torch.Tensor.zero_),
     Op("fill_", Kind.INPLACE, torch.Tensor.fill_, scalar_by_type=True),
     Op("copy_", Kind.INPLACE, _copy),
+    # optimizer updates: one instruction per parameter; hyper-parameters and the step count
+    # change every step, so the shape cache keys them by type
+    Op("sgd_step", Kind.INPLACE, _sgd_step, scalar_by_type=True),
+    Op("adam_step", Kind.INPLACE, _adam_step, scalar_by_type=True),
 ]
 
 OPS: dict[str, Op] = {op.name: op for op in _ops}

@@ -1,13 +1,13 @@
 """Optimizers with torch's update rules, applied in place on the workers under no_grad (never
-recorded on a graph; no tensor data reaches the client)."""
+recorded on a graph; no tensor data reaches the client): one fused instruction per parameter
+(ops/table.py: sgd_step, adam_step)."""
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 from ..autograd import no_grad
 from ..client.creation import zeros_like
-from ..client.tensor import Tensor
+from ..client.tensor import Tensor, apply
 
 
 class Optimizer:
@@ -52,18 +52,15 @@ class SGD(Optimizer):
                                       weight_decay=weight_decay, nesterov=nesterov))
 
     def update(self, p, g, state, group):
-        if group["weight_decay"]:
-            g = g + group["weight_decay"] * p
-        momentum = group["momentum"]
-        if momentum:
+        buf = None
+        first = False
+        if group["momentum"]:
             buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = g.clone()
-            else:
-                buf *= momentum
-                buf += (1 - group["dampening"]) * g
-            g = g + momentum * buf if group["nesterov"] else buf
-        p -= group["lr"] * g
+            first = buf is None
+            if first:
+                buf = state["momentum_buffer"] = zeros_like(p)
+        apply("sgd_step", p, g, buf, group["lr"], group["momentum"], group["dampening"],
+              group["weight_decay"], group["nesterov"], first)
 
 
 class Adam(Optimizer):
@@ -74,24 +71,14 @@ class Adam(Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def update(self, p, g, state, group):
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if wd and self.decoupled:
-            p *= 1 - lr * wd
-        elif wd:
-            g = g + wd * p
         if not state:
             state["step"] = 0
             state["exp_avg"] = zeros_like(p)
             state["exp_avg_sq"] = zeros_like(p)
         state["step"] += 1
-        m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-        m *= b1
-        m += (1 - b1) * g
-        v *= b2
-        v += (1 - b2) * (g * g)
-        step_size = lr / (1 - b1 ** t)
-        denom = v.sqrt() / math.sqrt(1 - b2 ** t) + eps
-        p -= step_size * (m / denom)
+        b1, b2 = group["betas"]
+        apply("adam_step", p, g, state["exp_avg"], state["exp_avg_sq"], group["lr"], b1, b2,
+              group["eps"], group["weight_decay"], self.decoupled, state["step"])
 
 
 class AdamW(Adam):
