@@ -50,7 +50,7 @@ except RuntimeError as e:
     print("shape error:", e)
 
 # A failure on a worker is raised at the next read that depends on it, naming this line:
-huge = gtmpi.zeros(1 << 40)           # 4 TiB: no worker can hold it
+huge = gtmpi.zeros(1 << 48)           # 1 PiB: no worker can hold it
 try:
     (huge + 1).sum().item()
 except gtmpi.WorkerError as e:

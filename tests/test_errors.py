@@ -36,8 +36,9 @@ def test_shape_error_points_at_the_callers_line():
 
 
 def test_worker_out_of_memory_raises_at_read_and_session_survives():
-    huge = gtmpi.zeros(1 << 40)         # 4 TiB: a valid shape, an impossible allocation
-    line = _line_of("huge = gtmpi.zeros(1 << 40)")
+    huge = gtmpi.zeros(1 << 48)         # 1 PiB: a valid shape, an allocation that fails at once
+                                        # (4 TiB could be overcommitted, then OOM-killed)
+    line = _line_of("huge = gtmpi.zeros(1 << 48)")
     dependent = (huge + 1).sum()
     with pytest.raises(gtmpi.WorkerError) as info:
         dependent.item()
@@ -68,7 +69,7 @@ def test_worker_index_error_names_op_and_line():
 
 def test_faults_are_counted_in_worker_stats():
     before = sum(s["faults"] for s in gtmpi.debug.worker_stats().values())
-    bad = gtmpi.zeros(1 << 40) + 1
+    bad = gtmpi.zeros(1 << 48) + 1
     gtmpi.synchronize()
     after = sum(s["faults"] for s in gtmpi.debug.worker_stats().values())
     assert after == before + 2  # the failed op and the one that consumed its result

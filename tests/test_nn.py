@@ -226,3 +226,16 @@ def test_checkpoints_round_trip_with_plain_torch(tmp_path):
     fresh, _ = mlp_pair(8)
     fresh.load_state_dict(blob["model"])
     assert_same(g_model(gtmpi.tensor(x)), fresh(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_linear_and_cross_entropy_are_single_instructions_with_torch_grads():
+    """Fused forward and backward (fewer instructions per step) with torch's exact semantics."""
+    x, w, b = r(6, 4), r(3, 4), r(3)
+    grad_check(lambda x, w, b: TF.linear(x, w, b) if isinstance(x, torch.Tensor) else GF.linear(x, w, b), x, w, b)
+    grad_check(lambda x, w: TF.linear(x, w) if isinstance(x, torch.Tensor) else GF.linear(x, w), r(2, 5, 4), w)
+    grad_check(lambda x, w: TF.linear(x, w) if isinstance(x, torch.Tensor) else GF.linear(x, w), r(4), w)
+    before = gtmpi.debug.worker_stats()[min(gtmpi.info()["workers"])]["ops"]
+    logits = gtmpi.randn(5, 7, requires_grad=True)
+    GF.cross_entropy(logits, gtmpi.tensor([0, 6, 2, 2, 1]), label_smoothing=0.1).backward()
+    after = gtmpi.debug.worker_stats()[min(gtmpi.info()["workers"])]["ops"]
+    assert after - before <= 8   # randn, upload, forward, ones_like, grad, accumulate, stats

@@ -203,9 +203,33 @@ def _matmul(node, g):
         g = g.unsqueeze(-2)
     if b.ndim == 1:
         g = g.unsqueeze(-1)
-    ga = sum_to(g @ b2.transpose(-1, -2), a2.shape).reshape(a.shape) if _t(a) else None
-    gb = sum_to(a2.transpose(-1, -2) @ g, b2.shape).reshape(b.shape) if _t(b) else None
+    ga = _shaped(sum_to(g @ b2.transpose(-1, -2), a2.shape), a.shape) if _t(a) else None
+    gb = _shaped(sum_to(a2.transpose(-1, -2) @ g, b2.shape), b.shape) if _t(b) else None
     return ga, gb
+
+
+def _shaped(g: Tensor, shape) -> Tensor:
+    return g if g.shape == shape else g.reshape(shape)
+
+
+@rule("linear")
+def _linear(node, g):
+    x, w, b = node.operands
+    gx = g @ w if _t(x) else None
+    gw = None
+    if _t(w):
+        g2 = g if g.ndim == 2 else g.reshape(-1, g.shape[-1])
+        x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+        gw = g2.transpose(0, 1) @ x2 if x.ndim > 1 else g.unsqueeze(1) @ x.unsqueeze(0)
+    gb = sum_to(g, b.shape) if _t(b) else None
+    return gx, gw, gb
+
+
+@rule("cross_entropy")
+def _cross_entropy(node, g):
+    x, target, ignore_index, reduction, smoothing = node.operands
+    return (apply("cross_entropy_grad", g, x, target, ignore_index, reduction, smoothing),
+            None, None, None, None)
 
 
 # reductions ---------------------------------------------------------------------------------
@@ -297,8 +321,7 @@ def _log_softmax(node, g):
 
 @rule("reshape", "view", "flatten", "squeeze", "unsqueeze", "contiguous", "clone", "alias")
 def _reshape(node, g):
-    x = node.operands[0]
-    return (g.reshape(x.shape),) + (None,) * (len(node.operands) - 1)
+    return (_shaped(g, node.operands[0].shape),) + (None,) * (len(node.operands) - 1)
 
 
 @rule("permute")

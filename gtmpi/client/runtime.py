@@ -33,6 +33,7 @@ class Runtime:
         # Issue sites (file:line) by result id, for error messages; two generations bound it.
         self._sites: dict[int, tuple[str, int]] = {}
         self._old_sites: dict[int, tuple[str, int]] = {}
+        self._internal_code: dict = {}  # code object -> is it gtmpi's own (skipped for sites)
         self._seed = int.from_bytes(os.urandom(7), "little")
         self._random_ops = 0
         self.closed = False
@@ -44,7 +45,14 @@ class Runtime:
 
     def note_site(self, tensor_id: int) -> None:
         frame = sys._getframe(2)
-        while frame is not None and frame.f_code.co_filename.startswith(_PKG_DIR):
+        internal = self._internal_code
+        while frame is not None:
+            code = frame.f_code
+            inside = internal.get(code)
+            if inside is None:
+                inside = internal[code] = code.co_filename.startswith(_PKG_DIR)
+            if not inside:
+                break
             frame = frame.f_back
         if frame is None:
             return

@@ -8,7 +8,7 @@ import torch
 
 from ..client.creation import arange, rand
 from ..client.functions import gelu, log_softmax, relu, silu, softmax, where
-from ..client.tensor import Tensor
+from ..client.tensor import Tensor, apply
 
 __all__ = ["linear", "relu", "gelu", "silu", "softmax", "log_softmax", "dropout", "layer_norm",
            "rms_norm", "embedding", "scaled_dot_product_attention", "mse_loss", "nll_loss",
@@ -16,8 +16,8 @@ __all__ = ["linear", "relu", "gelu", "silu", "softmax", "log_softmax", "dropout"
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    y = x @ weight.T
-    return y if bias is None else y + bias
+    """x Wᵀ + b as one instruction (three as matmul, transpose and add)."""
+    return apply("linear", x, weight, bias)
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
@@ -103,18 +103,10 @@ def nll_loss(log_probs: Tensor, target: Tensor, ignore_index: int = -100,
 
 def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
-    """input (N, C) logits; target (N,) class indices."""
-    logp = log_softmax(input, -1)
-    nll = nll_loss(logp, target, ignore_index, "none")
-    if label_smoothing:
-        keep = target != ignore_index
-        smooth = -(logp.mean(-1) * keep)
-        nll = nll * (1.0 - label_smoothing) + smooth * label_smoothing
-        if reduction == "mean":
-            return nll.sum() / keep.sum()
-    elif reduction == "mean":
-        return nll.sum() / (target != ignore_index).sum()
-    return _reduce(nll, reduction)
+    """input (N, C) logits; target (N,) class indices. One instruction forward, one backward."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    return apply("cross_entropy", input, target, ignore_index, reduction, label_smoothing)
 
 
 def binary_cross_entropy(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:

@@ -99,7 +99,7 @@ def _evaluate(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tupl
         fast = _probe(op, args, tmask, kw)
         if fast is not None:
             return fast, False
-    elif op.kind is Kind.MATMUL and tmask == 3:
+    elif name == "matmul" and tmask == 3:
         _check_matmul(args[0][0], args[1][0])
     margs = [torch.empty(a[0], dtype=a[1], device=META) if tmask >> i & 1 else a
              for i, a in enumerate(args)]

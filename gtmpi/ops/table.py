@@ -99,6 +99,16 @@ def _adam_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, decoupled, step)
     return p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
 
 
+def _cross_entropy_grad(g, x, target, ignore_index, reduction, label_smoothing):
+    """d cross_entropy / d logits, by torch's own autograd on the worker (one instruction)."""
+    with torch.enable_grad():
+        logits = x.detach().requires_grad_()
+        loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+        (grad,) = torch.autograd.grad(loss, logits, g)
+    return grad
+
+
 def _getitem_grad(g, *tensors, key, shape):
     """The gradient of x[key] for x of ``shape``: g scattered back, repeated indices summed."""
     base = torch.zeros(shape, dtype=g.dtype, device=g.device, requires_grad=True)
@@ -134,6 +144,12 @@ _ops = [
        lambda g, x, approximate="none": torch.ops.aten.gelu_backward(g, x, approximate=approximate)),
     Op("to", Kind.ELEMENTWISE, lambda x, dtype: x.to(dtype)),
     Op("matmul", Kind.MATMUL, operator.matmul),
+    Op("linear", Kind.MATMUL, F.linear),
+    Op("cross_entropy", Kind.REDUCE, lambda x, target, ignore_index, reduction, label_smoothing:
+       F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction,
+                       label_smoothing=label_smoothing)),
+    Op("cross_entropy_grad", Kind.REDUCE, _cross_entropy_grad,
+       meta=lambda g, x, *rest: torch.empty_like(x)),
     # reductions over all elements (dim=None) or over dims
     Op("sum", Kind.REDUCE, lambda x, dim, keepdim: x.sum(dim=dim, keepdim=keepdim)),
     Op("mean", Kind.REDUCE, lambda x, dim, keepdim: x.mean(dim=dim, keepdim=keepdim)),
