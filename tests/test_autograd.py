@@ -44,18 +44,22 @@ def r(*shape, low=-2.0, high=2.0, seed=[0]):
 
 BINARY = [
     ("add", lambda a, b: a + b), ("sub", lambda a, b: a - b), ("mul", lambda a, b: a * b),
-    ("div", lambda a, b: a / b), ("pow", lambda a, b: a.abs() ** b if False else abs(a) ** b),
+    ("div", lambda a, b: a / b), ("mod", lambda a, b: a % b), ("pow", lambda a, b: a.abs() ** b if False else abs(a) ** b),
     ("maximum", lambda a, b: lib(a).maximum(a, b)), ("minimum", lambda a, b: lib(a).minimum(a, b)),
     ("matmul", lambda a, b: a @ b.transpose(-1, -2)),
 ]
 
 
+TOL = {torch.float64: {}, torch.float32: {"rtol": 1e-4, "atol": 1e-5}}
+
+
+@pytest.mark.parametrize("dtype", TOL)
 @pytest.mark.parametrize("name,fn", BINARY, ids=[b[0] for b in BINARY])
 @pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((2, 3, 4), (3, 4)), ((3, 1), (1, 4))])
-def test_binary_grads_with_broadcasting(name, fn, shapes):
+def test_binary_grads_with_broadcasting(name, fn, shapes, dtype):
     if name == "matmul" and shapes[0][-1] != shapes[1][-1]:
         shapes = ((3, 4), (5, 4))
-    grad_check(fn, r(*shapes[0], low=0.5), r(*shapes[1], low=0.5, high=1.5))
+    grad_check(fn, r(*shapes[0], low=0.5), r(*shapes[1], low=0.5, high=1.5), dtype=dtype, **TOL[dtype])
 
 
 def test_scalar_operands_on_both_sides():
@@ -75,10 +79,11 @@ UNARY = [("exp", lambda x: x.exp()), ("log", lambda x: x.log()), ("sqrt", lambda
          ("to", lambda x: x.float() * 2)]
 
 
+@pytest.mark.parametrize("dtype", TOL)
 @pytest.mark.parametrize("name,fn", UNARY, ids=[u[0] for u in UNARY])
-def test_unary_grads(name, fn):
+def test_unary_grads(name, fn, dtype):
     positive = name in ("log", "sqrt", "rsqrt")
-    grad_check(fn, r(4, 5, low=0.2 if positive else -2))
+    grad_check(fn, r(4, 5, low=0.2 if positive else -2), dtype=dtype, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -82,6 +82,12 @@ def _truediv(node, g):
     return _each(node, g / b if _t(a) else None, -g * a / (b * b) if _t(b) else None)
 
 
+@rule("mod")
+def _mod(node, g):
+    a, b = node.operands
+    return _each(node, g if _t(a) else None, -g * apply("floordiv", a, b) if _t(b) else None)
+
+
 @rule("pow")
 def _pow(node, g):
     a, b = node.operands
