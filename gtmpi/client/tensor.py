@@ -340,7 +340,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     operands = []
     grad = False
     for i, a in enumerate(args):
-        if not isinstance(a, (Tensor, *SCALARS)) and a is not None:
+        if not isinstance(a, _PLAIN) and a is not None:
             a = _operand(a)
         operands.append(a)
         if isinstance(a, Tensor):
@@ -385,6 +385,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     return result
 
 
+_PLAIN = (Tensor, *SCALARS)  # operands that need no conversion
 _URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker
 _INPLACE = frozenset(name for name, op in OPS.items() if op.kind is Kind.INPLACE)
 
