@@ -19,8 +19,9 @@ import torch
 from .client import runtime as session
 from .client.runtime import Runtime
 from .transport.local import LocalLink
+from .transport.poll import alive
 from .transport.tags import Tag
-from .worker.device import local_worker_index, select_device
+from .worker.device import local_worker_index, select_device, visible_gpus
 from .worker.executor import Executor
 
 # Set by every launcher we know of (MPICH/hydra, Open MPI, PMIx, SLURM's srun).
@@ -86,9 +87,8 @@ def _serve(comms, node_ranks: list[int], host0: tuple[str, int], detach: list) -
     try:
         rank = comms.base.Get_rank()
         notice = DeathNotice(rank)
-        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         local_index = local_worker_index(os.environ, rank, node_ranks)
-        device = select_device(os.environ, local_index, cuda)
+        device = select_device(os.environ, local_index, visible_gpus())
         if device.type == "cuda":
             torch.cuda.set_device(device)
         serve(comms, device, local_index, host0)
@@ -118,11 +118,7 @@ def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
     process group (the user's shell included) once all spawned processes have exited."""
     import time
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -146,8 +142,7 @@ def _close(detach: list) -> None:
 
 def start_embedded() -> Runtime:
     """One worker executor inside this process."""
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = select_device(os.environ, 0, cuda)
+    device = select_device(os.environ, 0, visible_gpus())
     link = LocalLink()
     link.executor = Executor(1, device, link)
     info = {"rank": 1, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),

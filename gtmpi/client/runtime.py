@@ -17,6 +17,7 @@ import torch
 
 from ..dispatcher import Dispatcher
 from ..errors import Fault, WorkerError
+from ..transport.poll import alive
 from ..transport.tags import Tag
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,15 +99,11 @@ class Runtime:
         for rank, w in self.workers.items():
             if w["host"] != here or w["pid"] == os.getpid():
                 continue
-            try:
-                os.kill(w["pid"], 0)
-            except ProcessLookupError:
+            if not alive(w["pid"]):
                 message = f"gtmpi: worker rank {rank} (pid {w['pid']} on {w['host']}) died"
                 if self._abort is not None:
                     self._abort(message)
-                raise RuntimeError(message) from None
-            except PermissionError:
-                pass
+                raise RuntimeError(message)
 
     def close(self, timeout_s: float = 30.0) -> list[int]:
         """Stop every worker, waiting (bounded) for each to say goodbye; return the ranks that

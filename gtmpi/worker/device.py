@@ -22,6 +22,10 @@ def local_worker_index(env: Mapping[str, str], rank: int, node_ranks: Sequence[i
     return sorted(r for r in node_ranks if r != 0).index(rank)
 
 
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def select_device(env: Mapping[str, str], local_index: int, cuda_count: int) -> torch.device:
     """GTMPI_DEVICE=cpu forces the CPU; otherwise a GPU when the node has one.
 
