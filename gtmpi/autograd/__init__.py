@@ -1,6 +1,6 @@
 """Autograd in the client: a graph of Nodes per forward pass (engine.py), and one gradient
 rule per differentiable op of the op table (grads.py). Gradient ops are ordinary instructions:
 they run on the workers, and no tensor data comes to the client."""
-from .engine import backward, enable_grad, is_grad_enabled, no_grad
+from .engine import backward, enable_grad, is_grad_enabled, no_grad, zero_grads
 
-__all__ = ["backward", "enable_grad", "is_grad_enabled", "no_grad"]
+__all__ = ["backward", "enable_grad", "is_grad_enabled", "no_grad", "zero_grads"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import ContextDecorator
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 _state = threading.local()
 
@@ -37,6 +37,16 @@ def no_grad() -> _GradMode:
 
 def enable_grad() -> _GradMode:
     return _GradMode(True)
+
+
+def zero_grads(params: Iterable[Any], set_to_none: bool = True) -> None:
+    """Module.zero_grad and Optimizer.zero_grad: drop (or zero, on the worker) each .grad."""
+    for p in params:
+        if set_to_none or p.grad is None:
+            p.grad = None
+        else:
+            with no_grad():
+                p.grad.zero_()
 
 
 class Node:

@@ -255,6 +255,11 @@ def _unreduce(g: Tensor, x: Tensor, dim, keepdim: bool) -> Tensor:
     return g
 
 
+def _count(x: Tensor, dims: tuple[int, ...]) -> int:
+    """How many elements of x a reduction over ``dims`` folds into one."""
+    return math.prod(x.shape[d] for d in dims)
+
+
 @rule("sum")
 def _sum(node, g):
     x, dim, keepdim = node.operands
@@ -264,9 +269,7 @@ def _sum(node, g):
 @rule("mean")
 def _mean(node, g):
     x, dim, keepdim = node.operands
-    count = 1
-    for d in _dims(dim, x.ndim):
-        count *= x.shape[d]
+    count = _count(x, _dims(dim, x.ndim))
     return (_unreduce(g, x, dim, keepdim).expand(x.shape) / count, None, None)
 
 
@@ -295,9 +298,7 @@ def _max_dim(node, grads):
 def _var(node, g):
     x, dim, correction, keepdim = node.operands
     dims = _dims(dim, x.ndim)
-    count = 1
-    for d in dims:
-        count *= x.shape[d]
+    count = _count(x, dims)
     centred = x - x.mean(dims, keepdim=True)
     return (_unreduce(g, x, dim, keepdim) * centred * (2.0 / max(count - correction, 0)),
             None, None, None)
@@ -367,7 +368,7 @@ def _stack(node, g):
 @rule("split", "chunk")
 def _split(node, grads):
     x, _, dim = node.operands
-    pieces = [g for g in grads]
+    pieces = list(grads)
     if any(p is None for p in pieces):
         sizes = _piece_sizes(node)
         pieces = [p if p is not None else zeros(_with(x.shape, dim, n), dtype=x.dtype)

@@ -362,9 +362,9 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         outs, multi = infer(name, tuple(sigs[:lead]) + index_sigs,
                             tmask & ((1 << lead) - 1) | ((1 << len(index_sigs)) - 1) << lead,
                             {**kw, "key": template})
-    if grad and autograd.is_grad_enabled() and name in _INPLACE:
-        autograd.engine.record(name, operands, kw, None)  # raises: in place needs no_grad()
     if name in _INPLACE:
+        if grad and autograd.is_grad_enabled():
+            autograd.engine.record(name, operands, kw, None)  # raises: in place needs no_grad()
         rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw))
         rt.note_site(args[0].id)
         return args[0]

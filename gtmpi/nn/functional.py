@@ -29,13 +29,18 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     return x * keep * (1.0 / (1.0 - p))
 
 
-def _last_dims(n: int) -> tuple[int, ...]:
-    return tuple(range(-n, 0))
+def normalized(shape) -> tuple[int, ...]:
+    """A normalized_shape as a tuple (torch accepts an int for one dim)."""
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+def _last_dims(shape) -> tuple[int, ...]:
+    return tuple(range(-len(normalized(shape)), 0))
 
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
-    dims = _last_dims(len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1)
+    dims = _last_dims(normalized_shape)
     mean = x.mean(dims, keepdim=True)
     centred = x - mean
     y = centred * ((centred * centred).mean(dims, keepdim=True) + eps).rsqrt()
@@ -46,7 +51,7 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
 
 def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
              eps: float | None = None) -> Tensor:
-    dims = _last_dims(len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1)
+    dims = _last_dims(normalized_shape)
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     y = x * ((x * x).mean(dims, keepdim=True) + eps).rsqrt()
     return y if weight is None else y * weight

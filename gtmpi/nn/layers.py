@@ -48,7 +48,7 @@ class LayerNorm(Module):
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True) -> None:
         super().__init__()
-        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.normalized_shape = F.normalized(normalized_shape)
         self.eps = eps
         self.weight = Parameter(ones(self.normalized_shape)) if elementwise_affine else None
         self.bias = Parameter(zeros(self.normalized_shape)) if elementwise_affine and bias else None
@@ -60,7 +60,7 @@ class LayerNorm(Module):
 class RMSNorm(Module):
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True) -> None:
         super().__init__()
-        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.normalized_shape = F.normalized(normalized_shape)
         self.eps = eps
         self.weight = Parameter(ones(self.normalized_shape)) if elementwise_affine else None
 

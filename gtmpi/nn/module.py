@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..autograd import no_grad
+from ..autograd import no_grad, zero_grads
 from ..client.creation import tensor
 from ..client.dtypes import as_dtype
 from ..client.tensor import Tensor
@@ -110,12 +110,7 @@ class Module:
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            if set_to_none or p.grad is None:
-                p.grad = None
-            else:
-                with no_grad():
-                    p.grad.zero_()
+        zero_grads(self.parameters(), set_to_none)
 
     def state_dict(self) -> "OrderedDict[str, Tensor]":
         state = OrderedDict(self.named_parameters())

@@ -99,22 +99,26 @@ def _adam_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, decoupled, step)
     return p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
 
 
-def _cross_entropy_grad(g, x, target, ignore_index, reduction, label_smoothing):
-    """d cross_entropy / d logits, by torch's own autograd on the worker (one instruction)."""
+def _torch_grad(fn, x, g):
+    """g pulled back through fn at x by torch's own autograd on the worker: one instruction
+    for gradients torch computes better than a chain of ours."""
     with torch.enable_grad():
-        logits = x.detach().requires_grad_()
-        loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
-                               label_smoothing=label_smoothing)
-        (grad,) = torch.autograd.grad(loss, logits, g)
+        leaf = x.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(fn(leaf), leaf, g)
     return grad
+
+
+def _cross_entropy_grad(g, x, target, ignore_index, reduction, label_smoothing):
+    """d cross_entropy / d logits."""
+    return _torch_grad(lambda logits: F.cross_entropy(
+        logits, target, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing), x, g)
 
 
 def _getitem_grad(g, *tensors, key, shape):
     """The gradient of x[key] for x of ``shape``: g scattered back, repeated indices summed."""
-    base = torch.zeros(shape, dtype=g.dtype, device=g.device, requires_grad=True)
-    with torch.enable_grad():
-        (grad,) = torch.autograd.grad(base[index_key(key, tensors)], base, g)
-    return grad
+    return _torch_grad(lambda base: base[index_key(key, tensors)],
+                       torch.zeros(shape, dtype=g.dtype, device=g.device), g)
 
 
 _ops = [

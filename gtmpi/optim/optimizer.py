@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..autograd import no_grad
+from ..autograd import no_grad, zero_grads
 from ..client.creation import zeros_like
 from ..client.tensor import Tensor, apply
 
@@ -21,13 +21,7 @@ class Optimizer:
         self.state: dict[int, dict[str, Any]] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if set_to_none or p.grad is None:
-                    p.grad = None
-                else:
-                    with no_grad():
-                        p.grad.zero_()
+        zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     @no_grad()
     def step(self) -> None:

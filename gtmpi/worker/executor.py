@@ -70,8 +70,7 @@ class Executor:
                 else:
                     res = op.kernel(*args, **kw) if kw else op.kernel(*args)
             except Exception as e:  # the op's own failure (bad index, out of memory, ...)
-                self._fail(out, Fault(out if type(out) is int else out[0], name, self.rank,
-                                      f"{type(e).__name__}: {e}"))
+                self._fail(out, self._fault(out if type(out) is int else out[0], name, e))
                 continue
             if type(out) is int:
                 env[out] = res
@@ -86,6 +85,9 @@ class Executor:
                 self._fail(out, self.poison[a])
                 return True
         return False
+
+    def _fault(self, tensor_id: int, op: str, e: Exception) -> Fault:
+        return Fault(tensor_id, op, self.rank, f"{type(e).__name__}: {e}")
 
     def _fail(self, out, fault: Fault) -> None:
         self.stats["faults"] += 1
@@ -110,7 +112,7 @@ class Executor:
         try:  # on a GPU this waits for the work, so asynchronous device errors surface here
             host = self.env[tid].contiguous().cpu()
         except Exception as e:
-            self.link.send_read_fault(Fault(tid, "read", self.rank, f"{type(e).__name__}: {e}"))
+            self.link.send_read_fault(self._fault(tid, "read", e))
             return
         self.stats["bytes_sent"] += host.nbytes
         self.link.send_read(as_bytes(host))
