@@ -6,7 +6,7 @@ worker inside the process, or n spawned ones after ``gtmpi.workers(n)``.
 """
 from __future__ import annotations
 
-from . import debug, nn, optim
+from . import debug, nn, optim, trace
 from .checkpoint import load, save
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, full_like,

@@ -74,9 +74,9 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
         print(message, file=sys.stderr, flush=True)
         base.Abort(1)
 
-    session.set_runtime(Runtime(links, workers, abort))
-    sys.excepthook = _abort_on_uncaught(base)
+    sys.excepthook = _abort_on_uncaught(base)  # first: a trace started with the session wraps it
     atexit.register(_close, detach)
+    session.set_runtime(Runtime(links, workers, abort))
 
 
 def _serve(comms, node_ranks: list[int], host0: tuple[str, int], detach: list) -> None:

@@ -38,6 +38,13 @@ class Runtime:
         self._seed = int.from_bytes(os.urandom(7), "little")
         self._random_ops = 0
         self.closed = False
+        self.tracing = None  # a trace.session.TraceRun while a trace records
+        log = os.environ.get("GTMPI_INSTRUCTION_LOG") or os.environ.get("GT_INSTRUCTION_LOG")
+        if log:
+            from ..trace.instruction_log import InstructionLog
+            self.dispatcher.log = InstructionLog(log)
+        if os.environ.get("GTMPI_TRACE"):
+            self.start_trace(os.environ["GTMPI_TRACE"])
 
     # ids, sites, seeds ---------------------------------------------------------------------
 
@@ -93,25 +100,64 @@ class Runtime:
     def worker_stats(self) -> dict[int, dict]:
         return self.dispatcher.ask_all("stats", Tag.STATS)
 
+    # traces ---------------------------------------------------------------------------------
+
+    def start_trace(self, path: str, gpu_every: int | None = None) -> None:
+        from ..trace.session import TraceRun
+        if self.tracing is not None:
+            raise RuntimeError(f"gtmpi: a trace is already recording to {self.tracing.path}")
+        if gpu_every is None:
+            gpu_every = int(os.environ.get("GTMPI_TRACE_GPU_EVERY", "16"))
+        self.tracing = TraceRun(self, path, gpu_every)
+        self.tracing.start()
+
+    def stop_trace(self) -> str:
+        run, self.tracing = self.tracing, None
+        if run is None:
+            raise RuntimeError("gtmpi: no trace is recording")
+        return run.stop()
+
+    def fail(self, message: str, dead: tuple[int, ...] = ()) -> None:
+        """The run is failing: leave the trace and the instruction log on disk first."""
+        if self.dispatcher.log is not None:
+            self.dispatcher.log.flush()
+        run, self.tracing = self.tracing, None
+        if run is None or run.stopping:
+            return
+        try:
+            path = run.stop(failure=message, dead=dead)
+        except Exception as e:  # the run's own error matters more than the trace's
+            print(f"gtmpi: the trace could not be written: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"gtmpi: trace of the failed run written to {path}", file=sys.stderr, flush=True)
+
     def _watchdog(self) -> None:
         """Called now and then while rank 0 waits: a dead worker on this host ends the job."""
         here = socket.gethostname()
-        for rank, w in self.workers.items():
-            if w["host"] != here or w["pid"] == os.getpid():
-                continue
-            if not alive(w["pid"]):
-                message = f"gtmpi: worker rank {rank} (pid {w['pid']} on {w['host']}) died"
-                if self._abort is not None:
-                    self._abort(message)
-                raise RuntimeError(message)
+        dead = tuple(rank for rank, w in self.workers.items()
+                     if w["host"] == here and w["pid"] != os.getpid() and not alive(w["pid"]))
+        if not dead:
+            return
+        w = self.workers[dead[0]]
+        message = f"gtmpi: worker rank {dead[0]} (pid {w['pid']} on {w['host']}) died"
+        self.fail(message, dead)
+        if self._abort is not None:
+            self._abort(message)
+        raise RuntimeError(message)
 
     def close(self, timeout_s: float = 30.0) -> list[int]:
         """Stop every worker, waiting (bounded) for each to say goodbye; return the ranks that
         did not."""
         if self.closed:
             return []
+        if self.tracing is not None:
+            self.stop_trace()
         self.closed = True
-        return self.dispatcher.shutdown(timeout_s)
+        missing = self.dispatcher.shutdown(timeout_s)
+        if self.dispatcher.log is not None:
+            self.dispatcher.log.close()
+        return missing
 
 
 _current: Runtime | None = None

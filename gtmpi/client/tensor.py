@@ -7,6 +7,7 @@ hands one instruction to the dispatcher and returns a new handle at once. Only r
 from __future__ import annotations
 
 import numbers
+import time
 from collections import namedtuple
 from typing import Any, Iterator, Sequence, Union
 
@@ -20,6 +21,7 @@ from .. import autograd
 from .runtime import current, runtime
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
+_clock = time.perf_counter_ns
 Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
 
 
@@ -334,6 +336,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     and the index ``key`` are replaced (a boolean mask becomes index vectors of its true count).
     """
     rt = runtime()
+    issued = _clock() if rt.dispatcher.trace is not None else 0
     tmask = 0
     wire = []
     sigs = []
@@ -365,19 +368,19 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     if name in _INPLACE:
         if grad and autograd.is_grad_enabled():
             autograd.engine.record(name, operands, kw, None)  # raises: in place needs no_grad()
-        rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw))
+        rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw), True, issued)
         rt.note_site(args[0].id)
         return args[0]
     if multi:
         ids = tuple(rt.new_id() for _ in outs)
-        rt.dispatcher.submit((name, ids, tuple(wire), tmask, kw))
+        rt.dispatcher.submit((name, ids, tuple(wire), tmask, kw), True, issued)
         for i in ids:
             rt.note_site(i)
         result = tuple(Tensor(i, s) for i, s in zip(ids, outs))
     else:
         out = rt.new_id()
         rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
-                             name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL)
+                             name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL, issued)
         rt.note_site(out)
         result = Tensor(out, outs[0])
     if grad and autograd.is_grad_enabled():

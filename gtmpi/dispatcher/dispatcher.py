@@ -19,8 +19,11 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ..errors import Fault
+from ..trace.events import Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import Tag
+
+_clock = time.perf_counter_ns
 
 BATCH_MAX = 256
 MAX_INFLIGHT = 64
@@ -36,6 +39,7 @@ class Link(Protocol):
     def finish_read(self, handle: Any, watchdog: Callable[[], None]) -> Fault | None: ...
     def poll_ack(self) -> int | None: ...
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any: ...
+    def measure_clock(self, rounds: int) -> tuple[int, int, int]: ...
     def shutdown(self) -> None: ...
     def wait_bye(self, deadline: float) -> bool: ...
 
@@ -52,46 +56,103 @@ class Dispatcher:
         # Tensor.__del__ appends here; frees travel at the end of the home worker's next batch,
         # after every instruction that could still use them.
         self.frees: list[int] = []
+        self.trace = None  # a trace.Recorder while tracing: this rank's client and dispatcher lanes
+        self.log = None  # a trace.InstructionLog: GT's text log of the instruction stream
 
-    def submit(self, ins: tuple, urgent: bool = True) -> None:
+    def submit(self, ins: tuple, urgent: bool = True, issued: int = 0) -> None:
         """A tensor instruction; routed to the worker that holds its operands. ``urgent`` marks
-        work big enough that an idle worker should start on it now."""
-        batch = self._batch[self.home]
+        work big enough that an idle worker should start on it now; ``issued`` is when the
+        client started on it (traces only)."""
+        rec = self.trace
+        if rec is not None:
+            received = _clock()
+        rank = self.home
+        if self.log is not None:
+            self.log.received(ins, rank)
+        batch = self._batch[rank]
         batch.append(ins)
-        if len(batch) >= BATCH_MAX or ((urgent or len(batch) > 1) and self._idle(self.home)):
-            self.flush(self.home)
+        if len(batch) >= BATCH_MAX or ((urgent or len(batch) > 1) and self._idle(rank)):
+            self.flush(rank)
+        if rec is not None:
+            rec.issues.append((issued or received, received, _clock(), ins[0], ins[1], rank))
 
     def upload(self, ins: tuple, data: np.ndarray) -> None:
         self.links[self.home].upload(data)
+        if self.trace is not None:
+            t = _clock()
+            self.trace.event(Kind.TRANSFER, Lane.DISPATCHER, t, t, "upload", ins[1], self.home,
+                             data.nbytes)
         self.submit(ins)
 
     def read(self, tensor_id: int, buf: np.ndarray) -> Fault | None:
         """Fill ``buf`` with the raw bytes of a tensor, or return why it could not be made."""
+        start = _clock()
         link = self.links[self.home]
         handle = link.start_read(buf)
         self._batch[self.home].append(("read", None, (tensor_id,), 0, None))
+        if self.log is not None:
+            self.log.received(self._batch[self.home][-1], self.home)
         self.flush(self.home)
-        return link.finish_read(handle, self.watchdog)
+        fault = link.finish_read(handle, self.watchdog)
+        if self.trace is not None:
+            self.trace.event(Kind.WAIT, Lane.CLIENT, start, _clock(), "read", tensor_id,
+                             self.home, buf.nbytes)
+        return fault
 
-    def ask_all(self, word: str, tag: Tag) -> dict[int, Any]:
-        """Send a control word to every worker, in stream order, and gather their replies."""
-        for rank in self.links:
-            self._batch[rank].append((word, None, (), 0, None))
+    def ask_all(self, word: str, tag: Tag, args: tuple = (),
+                ranks: list[int] | None = None) -> dict[int, Any]:
+        """Send a control word to every worker (or ``ranks``), in stream order, and gather
+        their replies."""
+        start = _clock()
+        ranks = list(self.links) if ranks is None else ranks
+        self.post(word, args, ranks)
+        replies = {rank: self.links[rank].wait_reply(tag, self.watchdog) for rank in ranks}
+        if self.trace is not None:
+            self.trace.event(Kind.WAIT, Lane.CLIENT, start, _clock(), word, count=len(ranks))
+        return replies
+
+    def post(self, word: str, args: tuple, ranks: list[int]) -> None:
+        """A control word to each of ``ranks``, sent now, behind everything issued before."""
+        for rank in ranks:
+            self._batch[rank].append((word, None, args, 0, None))
             self.flush(rank)
-        return {rank: link.wait_reply(tag, self.watchdog) for rank, link in self.links.items()}
+
+    def measure_clocks(self, ranks: list[int], rounds: int = 16) -> dict[int, tuple[int, int, int]]:
+        """Per worker: (its clock minus ours, the round trip it was measured with, our time
+        at the measurement), each from the fastest of ``rounds`` ping-pongs."""
+        self.post("clock", (rounds,), ranks)
+        return {rank: self.links[rank].measure_clock(rounds) for rank in ranks}
 
     def flush(self, rank: int) -> None:
         batch = self._batch[rank]
+        rec = self.trace
         if self.frees and rank == self.home:
             frees, self.frees = self.frees, []
             batch.append(("free", None, tuple(frees), 0, None))
+            if rec is not None:
+                t = _clock()
+                rec.event(Kind.FREE, Lane.DISPATCHER, t, t, "free", peer=rank, count=len(frees))
+            if self.log is not None:
+                self.log.received(batch[-1], rank)
         if not batch:
             return
         self._batch[rank] = []
         if self._seq[rank] - self._acked[rank] >= MAX_INFLIGHT:
+            start = _clock()
             wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None, self.watchdog)
+            if rec is not None:
+                rec.event(Kind.WAIT, Lane.DISPATCHER, start, _clock(), "backpressure", peer=rank)
         self._seq[rank] += 1
-        self.links[rank].send(batch, self._seq[rank])
+        if rec is None:
+            self.links[rank].send(batch, self._seq[rank])
+        else:
+            start = _clock()
+            self.links[rank].send(batch, self._seq[rank])
+            rec.event(Kind.SEND, Lane.DISPATCHER, start, _clock(), "batch", self._seq[rank], rank,
+                      count=len(batch))
+            rec.compact()
+        if self.log is not None:
+            self.log.sent(batch, rank, self._seq[rank])
 
     def flush_all(self) -> None:
         for rank in self.links:

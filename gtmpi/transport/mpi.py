@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import Fault
+from ..trace.events import now
 from .poll import wait_for
 from .tags import Tag
 
@@ -86,6 +87,22 @@ class WorkerLink:
         msg = wait_for(lambda: self.comms.reply.improbe(self.rank, tag), watchdog)
         return msg.recv()
 
+    def measure_clock(self, rounds: int) -> tuple[int, int, int]:
+        """Ping-pong with a worker inside its 'clock' control word (see HostLink.clock_pongs):
+        (its clock minus ours, round trip, our time) of the fastest round, whose midpoint
+        is the best estimate of when the worker read its clock."""
+        self.wait_reply(Tag.CLOCK)
+        best = None
+        for _ in range(rounds):
+            sent = now()
+            self.comms.ctrl.send(None, self.rank, Tag.CLOCK_PING)
+            theirs = self.wait_reply(Tag.CLOCK)
+            back = now()
+            if best is None or back - sent < best[1]:
+                mid = (sent + back) // 2
+                best = (theirs - mid, back - sent, mid)
+        return best
+
     def shutdown(self) -> None:
         self._sends.drain()
         self.comms.ctrl.send(None, self.rank, Tag.SHUTDOWN)
@@ -126,6 +143,12 @@ class HostLink:
 
     def reply(self, tag: int, obj: Any) -> None:
         self.comms.reply.send(obj, 0, tag)
+
+    def clock_pongs(self, rounds: int) -> None:
+        self.reply(Tag.CLOCK, None)  # ready: pings sent before this would reach the main loop
+        for _ in range(rounds):
+            wait_for(lambda: self.comms.ctrl.improbe(0, Tag.CLOCK_PING)).recv()
+            self.reply(Tag.CLOCK, now())
 
     def ack(self, seq: int) -> None:
         self._sends.keep(self.comms.reply.isend(seq, 0, Tag.ACK))

@@ -7,6 +7,7 @@ class Tag(IntEnum):
     # ctrl communicator, rank 0 -> worker: pickled lists of instructions
     BATCH = 1
     SHUTDOWN = 2
+    CLOCK_PING = 3  # only while the worker runs a 'clock' control word
     # reply communicator, worker -> rank 0: small pickled objects
     HELLO = 10
     ACK = 11      # payload: the sequence number of the last batch executed
@@ -14,6 +15,8 @@ class Tag(IntEnum):
     STATS = 13
     FAULT = 14    # follows a READ_FAULT on the data communicator
     BYE = 15
+    CLOCK = 16    # the worker's clock, answering a CLOCK_PING (the first one: "ready")
+    TRACE = 17    # the worker's recorded events
     # data communicator: raw tensor bytes, never pickled
     UPLOAD = 20      # rank 0 -> worker
     READ_OK = 21     # worker -> rank 0

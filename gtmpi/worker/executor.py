@@ -13,6 +13,7 @@ at the first read of any dependent tensor, and unrelated work carries on.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,7 +22,11 @@ import torch
 from ..errors import Fault
 from ..client.dtypes import NUMPY_DTYPES
 from ..ops.table import OPS, Kind
+from ..trace import events
+from ..trace.recorder import Recorder
 from ..transport.tags import Tag
+
+_clock = time.perf_counter_ns
 
 
 class HostLink(Protocol):
@@ -31,6 +36,7 @@ class HostLink(Protocol):
     def send_read(self, data: np.ndarray) -> None: ...
     def send_read_fault(self, fault: Fault) -> None: ...
     def reply(self, tag: int, obj: Any) -> None: ...
+    def clock_pongs(self, rounds: int) -> None: ...
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -50,12 +56,19 @@ class Executor:
         self.poison: dict[int, Fault] = {}
         self.stats = {"ops": 0, "batches": 0, "faults": 0, "bytes_received": 0, "bytes_sent": 0}
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
-                         "sync": self._sync, "stats": self._stats}
+                         "sync": self._sync, "stats": self._stats, "clock": self._clock,
+                         "trace": self._trace}
+        self.trace: Recorder | None = None  # while a trace runs
+        self._gpu_every = 0  # while tracing on a GPU: time every this many ops with CUDA events
+        self._gpu_count = 0
 
     def run(self, batch: list[tuple]) -> None:
-        env, poison = self.env, self.poison
+        env, poison, rec = self.env, self.poison, self.trace
+        marks = rec.marks if rec is not None else None
         for ins in batch:
             name, out, args, tmask, kw = ins
+            if marks is not None:
+                marks.append((_clock(), name, out))
             op = OPS.get(name)
             if op is None:
                 self._control[name](out, args)
@@ -66,7 +79,9 @@ class Executor:
                 if tmask:
                     args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
                 if op.kind is Kind.CREATE:
-                    res = op.kernel(*args, **(kw or {}), device=self.device)
+                    kw = {**(kw or {}), "device": self.device}
+                if self._gpu_every and rec is not None:
+                    res = self._gpu_timed(op, args, kw)
                 else:
                     res = op.kernel(*args, **kw) if kw else op.kernel(*args)
             except Exception as e:  # the op's own failure (bad index, out of memory, ...)
@@ -76,8 +91,23 @@ class Executor:
                 env[out] = res
             else:
                 env.update(zip(out, res))
+        if marks is not None:
+            marks.append((_clock(), None, None))
+            rec.compact()
         self.stats["ops"] += len(batch)
         self.stats["batches"] += 1
+
+    def _gpu_timed(self, op, args: list, kw: dict | None) -> Any:
+        """Run a kernel, timing every _gpu_every-th one on the GPU itself with CUDA events."""
+        self._gpu_count += 1
+        if self._gpu_count % self._gpu_every:
+            return op.kernel(*args, **kw) if kw else op.kernel(*args)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        res = op.kernel(*args, **kw) if kw else op.kernel(*args)
+        end.record()
+        self.trace.gpu_timed(start, end)
+        return res
 
     def _propagate(self, out, args, tmask) -> bool:
         for i, a in enumerate(args):
@@ -91,6 +121,8 @@ class Executor:
 
     def _fail(self, out, fault: Fault) -> None:
         self.stats["faults"] += 1
+        if self.trace is not None:
+            self.trace.annotate(flags=events.Flag.FAULT, detail=f"{fault.op}: {fault.error}")
         for o in ((out,) if type(out) is int else out):
             self.env.pop(o, None)
             self.poison[o] = fault
@@ -102,6 +134,8 @@ class Executor:
         host = torch.empty(shape, dtype=dtype)
         self.link.recv_upload(as_bytes(host))
         self.stats["bytes_received"] += host.nbytes
+        if self.trace is not None:
+            self.trace.annotate(nbytes=host.nbytes, peer=0)
         self.env[out] = host if self.device.type == "cpu" else host.to(self.device)
 
     def _read(self, out, args: tuple) -> None:
@@ -116,12 +150,16 @@ class Executor:
             return
         self.stats["bytes_sent"] += host.nbytes
         self.link.send_read(as_bytes(host))
+        if self.trace is not None:
+            self.trace.annotate(nbytes=host.nbytes, peer=0, id=tid)
 
     def _free(self, out, ids: tuple) -> None:
         env, poison = self.env, self.poison
         for i in ids:
             if env.pop(i, None) is None:
                 poison.pop(i, None)
+        if self.trace is not None:
+            self.trace.annotate(count=len(ids))
 
     def _sync(self, out, args) -> None:
         if self.device.type == "cuda":
@@ -131,6 +169,33 @@ class Executor:
     def _stats(self, out, args) -> None:
         self.link.reply(Tag.STATS, {**self.stats, "rank": self.rank, "device": str(self.device),
                                     "tensors": len(self.env), "memory_bytes": self.memory_in_use()})
+
+    def _clock(self, out, args: tuple) -> None:
+        self.link.clock_pongs(*args)
+
+    def _trace(self, out, args: tuple) -> None:
+        """("start", gpu_every): record from the next instruction on; ("collect",): stop and
+        send everything recorded to rank 0."""
+        if args[0] == "start":
+            self.trace = Recorder(self.rank)
+            self._gpu_every = args[1] if self.device.type == "cuda" else 0
+            if self._gpu_every:
+                torch.cuda.synchronize(self.device)
+                ref = torch.cuda.Event(enable_timing=True)
+                ref.record()
+                ref.synchronize()
+                self.trace.gpu_reference(ref, _clock())
+            return
+        rec, self.trace, self._gpu_every = self.trace, None, 0
+        if rec is None:
+            self.link.reply(Tag.TRACE, None)
+            return
+        rec.marks.append((_clock(), None, None))  # this instruction ends the recording
+        self.link.reply(Tag.TRACE, rec.pack())
+
+    def received(self, start: int, seq: int, nbytes: int, count: int) -> None:
+        """A batch arrived (traces only): from when it was noticed until it was unpickled."""
+        self.trace.event(events.Kind.RECV, events.Lane.WORKER, start, _clock(), "batch", seq, 0, nbytes, count)
 
     def memory_in_use(self) -> int:
         if self.device.type == "cuda":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import torch
 from mpi4py import MPI
@@ -38,8 +39,14 @@ def serve(comms: Comms, device: torch.device, local_index: int, host0: tuple[str
             link.drain()
             link.reply(Tag.BYE, executor.stats)
             return
-        executor.run(msg.recv())
         seq += 1
+        if executor.trace is None:
+            executor.run(msg.recv())
+        else:
+            start = time.perf_counter_ns()
+            batch = msg.recv()
+            executor.received(start, seq, status.Get_count(MPI.BYTE), len(batch))
+            executor.run(batch)
         if seq % ACK_EVERY == 0 or not link.more_waiting():
             link.ack(seq)
 
