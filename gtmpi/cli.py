@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence, TextIO
 
@@ -144,6 +145,9 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
     try:
         trace = fileformat.read(args.trace)
         args.run(trace, args, sys.stdout)
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except TraceError as e:
         print(f"gtmpi-trace: error: {e}", file=sys.stderr)
         return 2

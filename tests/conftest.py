@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -44,6 +46,23 @@ def launcher_env() -> dict[str, str]:
     """Open MPI refuses to run as root without these; MPICH ignores them."""
     return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
             "OMPI_MCA_rmaps_base_oversubscribe": "1", "UCX_NET_DEVICES": "lo"}
+
+
+def run_job(tmp_path, body: str, limit_s: float, *, n: int | None = 3, args=(), env=None,
+            module: bool = False, launcher_args=()) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``body`` as a user's script: under ``mpiexec -n n`` (plain python if n is None),
+    bounded by ``limit_s``; return the finished process and its wall time."""
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(body))
+    cmd = [sys.executable] + (["-m", "gtmpi"] if module else []) + [str(script), *args]
+    if n is not None:
+        cmd = [mpiexec(), "-n", str(n), *launcher_args] + cmd
+    full_env = {k: v for k, v in os.environ.items() if k not in ("GTMPI_VERBOSE", "GTMPI_TRACE")}
+    full_env.update({**launcher_env(), "GTMPI_DEVICE": "cpu", **(env or {})})
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=full_env,
+                          start_new_session=True)
+    return proc, time.monotonic() - start
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import UNDER_MPI, is_open_mpi, launcher_env, mpiexec
+from conftest import UNDER_MPI, is_open_mpi, launcher_env, mpiexec, run_job
 
 MPIEXEC = mpiexec()
 pytestmark = [
@@ -21,18 +21,8 @@ pytestmark = [
 LIMIT_S = 90
 
 
-def run(tmp_path, body: str, *, n: int | None = 3, args=(), env=None, module=False):
-    script = tmp_path / "prog.py"
-    script.write_text(textwrap.dedent(body))
-    cmd = [sys.executable] + (["-m", "gtmpi"] if module else []) + [str(script), *args]
-    if n is not None:
-        cmd = [MPIEXEC, "-n", str(n)] + cmd
-    full_env = {k: v for k, v in os.environ.items() if k != "GTMPI_VERBOSE"}
-    full_env.update({**launcher_env(), "GTMPI_DEVICE": "cpu", **(env or {})})
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=full_env,
-                          start_new_session=True)
-    return proc, time.monotonic() - start
+def run(tmp_path, body: str, **kw):
+    return run_job(tmp_path, body, LIMIT_S, **kw)
 
 
 def test_mpiexec_rank0_runs_the_program_workers_exit_zero(tmp_path):

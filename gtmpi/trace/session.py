@@ -38,9 +38,9 @@ class TraceRun:
         ranks = list(d.links)
         self.wall_start = time.time()
         self.t0 = now()
+        d.trace = self.recorder = Recorder(0)
         d.post("trace", ("start", self.gpu_every), ranks)
         self.clock_start = d.measure_clocks(ranks)
-        d.trace = self.recorder = Recorder(0)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._uncaught
         atexit.register(self._at_exit)
@@ -49,7 +49,6 @@ class TraceRun:
         """Collect every reachable rank's events and write the file; return its path."""
         self.stopping = True
         d = self.rt.dispatcher
-        d.trace = None
         t_end = now()
         if sys.excepthook == self._uncaught:
             sys.excepthook = self._previous_hook
@@ -60,7 +59,8 @@ class TraceRun:
         watchdog, d.watchdog = d.watchdog, _deadline(deadline)
         payloads, clock_end = {}, {}
         try:
-            d.post("trace", ("collect",), ranks)
+            d.post("trace", ("collect",), ranks)  # recorded still: its send ends rank 0's lanes
+            d.trace = None
             for rank in ranks:
                 try:
                     payloads[rank] = d.links[rank].wait_reply(Tag.TRACE, d.watchdog)
@@ -71,6 +71,7 @@ class TraceRun:
         except TimeoutError:
             pass
         finally:
+            d.trace = None
             d.watchdog = watchdog
         own = self.recorder.pack()
         tables = {0: own}

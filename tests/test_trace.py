@@ -1,0 +1,389 @@
+"""Traces: a known program's events on the expected ranks in the expected order, clocks
+aligned, every gtmpi-trace subcommand on the file, bad files, failing runs, GT's text log."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import gtmpi
+from conftest import HOME_DEVICE, UNDER_MPI, is_open_mpi, launcher_env, mpiexec, run_job
+from gtmpi.cli import trace_main
+from gtmpi.trace import analysis, fileformat
+from gtmpi.trace.events import EVENT_DTYPE, Flag, Kind, Lane
+from gtmpi.trace.recorder import Recorder
+
+WORKERS = sorted(gtmpi.info()["workers"])
+HOME = WORKERS[0]
+LIMIT_S = 90
+
+
+def names(trace, table) -> list[str]:
+    return [trace.name(int(n)) for n in table["name"]]
+
+
+def of(table, kind: Kind, lane: Lane | None = None) -> np.ndarray:
+    return analysis.select(table, (kind,), lane)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A small known program, traced: four ops, one scope, one read."""
+    path = str(tmp_path_factory.mktemp("trace") / "run.h5")
+    gtmpi.synchronize()
+    gtmpi.trace.start(path)
+    x = gtmpi.randn(8, 8)
+    with gtmpi.trace.scope("block"):
+        y = x @ x
+        z = (y + 1.0).relu()
+    value = z.numpy()
+    assert gtmpi.trace.stop() == path
+    ids = {"x": x.id, "y": y.id, "z": z.id}
+    return fileformat.read(path), ids, value
+
+
+def test_program_events_on_the_expected_ranks_in_order(traced):
+    trace, ids, value = traced
+    assert sorted(trace.events) == [0, *WORKERS]
+    zero = trace.events[0]
+    issued = of(zero, Kind.ISSUE, Lane.CLIENT)
+    assert names(trace, issued) == ["randn", "matmul", "add", "relu"]
+    dispatched = of(zero, Kind.DISPATCH, Lane.DISPATCHER)
+    assert names(trace, dispatched) == ["randn", "matmul", "add", "relu"]
+    assert set(dispatched["peer"]) == {HOME}  # every tensor lives on the first worker
+    assert list(issued["id"][:2]) == [ids["x"], ids["y"]] and issued["id"][3] == ids["z"]
+    reads = of(zero, Kind.WAIT, Lane.CLIENT)
+    assert names(trace, reads) == ["read"] and reads["id"][0] == ids["z"]
+    assert reads["bytes"][0] == value.nbytes == 8 * 8 * 4
+
+    home = trace.events[HOME]
+    execs = of(home, Kind.EXEC, Lane.WORKER)
+    assert names(trace, execs) == ["randn", "matmul", "add", "relu"]
+    assert execs["id"][1] == ids["y"]
+    sent = of(home, Kind.TRANSFER)
+    assert names(trace, sent) == ["read"] and sent["id"][0] == ids["z"]
+    assert sent["bytes"][0] == 256 and sent["peer"][0] == 0
+    for rank in WORKERS[1:]:  # the other workers only answered the trace's control words
+        table = trace.events[rank]
+        assert len(of(table, Kind.EXEC)) == 0
+        assert set(names(trace, of(table, Kind.CONTROL))) <= {"clock", "trace"}
+
+
+def test_timestamps_monotone_and_aligned(traced):
+    trace, ids, _ = traced
+    for rank, table in trace.events.items():
+        assert (np.diff(table["t0"]) >= 0).all(), rank
+        assert (table["t1"] >= table["t0"]).all(), rank
+    zero, home = trace.events[0], trace.events[HOME]
+    # cause before effect across ranks: a batch is received after it was sent ...
+    sends = {int(e["id"]): e for e in of(zero, Kind.SEND) if e["peer"] == HOME}
+    recvs = of(home, Kind.RECV)
+    assert len(recvs) and all(int(r["id"]) in sends for r in recvs)
+    for r in recvs:
+        assert r["t0"] >= sends[int(r["id"])]["t0"]
+    # ... an op runs after the dispatcher received it, the read ends after the worker sent
+    dispatched = {int(e["id"]): e for e in of(zero, Kind.DISPATCH)}
+    for e in of(home, Kind.EXEC):
+        assert e["t0"] >= dispatched[int(e["id"])]["t0"]
+    read = of(zero, Kind.WAIT)[0]
+    assert read["t1"] >= of(home, Kind.TRANSFER)[0]["t0"]
+    for rank in WORKERS:
+        info = trace.ranks[rank]
+        if not trace.meta["embedded"]:  # one host: measured offsets are within the round trip
+            assert abs(info["clock_offset_start_ns"]) <= max(info["clock_rtt_start_ns"], 50_000)
+
+
+def test_scope_and_metadata(traced):
+    trace, _, _ = traced
+    zero = trace.events[0]
+    scope = of(zero, Kind.SCOPE, Lane.CLIENT)
+    assert names(trace, scope) == ["block"]
+    inside = of(zero, Kind.ISSUE)
+    inside = inside[(inside["t0"] >= scope["t0"][0]) & (inside["t1"] <= scope["t1"][0])]
+    assert names(trace, inside) == ["matmul", "add", "relu"]
+    meta = trace.meta
+    assert meta["status"] == "ok" and meta["world_size"] == len(WORKERS) + 1
+    assert meta["versions"]["torch"] == torch.__version__ and meta["command"]
+    assert re.match(r"\d{4}-\d\d-\d\dT", meta["start_time"])
+    for rank, w in gtmpi.info()["workers"].items():
+        assert trace.ranks[rank]["device"] == w["device"] and trace.ranks[rank]["host"] == w["host"]
+    # readable with plain h5py, as documented
+    with h5py.File(trace.path) as f:
+        assert f.attrs["format"] == "gtmpi-trace"
+        assert f[f"ranks/{HOME}/events"].dtype == EVENT_DTYPE
+        assert "matmul" in [s.decode() for s in f["strings"][()]]
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = trace_main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_summary_ops_idle(traced, capsys):
+    trace, _, _ = traced
+    code, out, _ = cli(capsys, "summary", trace.path)
+    assert code == 0
+    assert "busy %" in out and "top ops" in out and "waits on rank 0" in out
+    busy = analysis.busy_rows(trace)
+    assert {(r["rank"], r["lane"]) for r in busy} == \
+        {(0, "client"), (0, "dispatcher")} | {(w, "worker") for w in WORKERS}
+    for r in busy:
+        assert 0 <= r["busy_pct"] <= 100 and abs(r["busy_pct"] + r["wait_pct"] + r["idle_pct"] - 100) < 1e-6 \
+            or r["idle_pct"] == 0
+    kinds, pairs = analysis.transfer_rows(trace)
+    assert {"kind": "read", "count": 1, "bytes": 256} in kinds
+    assert {"src": HOME, "dst": 0, "bytes": 256} in pairs
+    assert analysis.wait_rows(trace)[0]["count"] == 1
+
+    code, out, _ = cli(capsys, "ops", trace.path)
+    assert code == 0
+    rows = {r["op"]: r for r in analysis.op_rows(trace)}
+    assert {op: rows[op]["count"] for op in ("randn", "matmul", "add", "relu")} == \
+        dict.fromkeys(("randn", "matmul", "add", "relu"), 1)
+    home = of(trace.events[HOME], Kind.EXEC)
+    mm = home[np.array(names(trace, home)) == "matmul"]
+    assert rows["matmul"]["total_us"] == pytest.approx((mm["t1"] - mm["t0"]).sum() / 1e3)
+    assert re.search(r"^\s*matmul\s+1\s", out, re.M)
+
+    code, out, _ = cli(capsys, "idle", trace.path, "--min-gap-us", "1")
+    assert code == 0 and "bubble" in out
+    assert [b["ranks"] for b in analysis.bubble_rows(trace)] == [[w] for w in WORKERS]
+
+
+def test_timeline_picture_has_a_lane_per_rank(traced, tmp_path, capsys):
+    trace, _, _ = traced
+    png, svg = tmp_path / "t.png", tmp_path / "t.svg"
+    code, out, _ = cli(capsys, "timeline", trace.path, "-o", str(png))
+    assert code == 0 and f"{len(WORKERS) + 2} lanes" in out
+    import matplotlib.image
+    image = matplotlib.image.imread(str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.shape[0] > 100
+    code, _, _ = cli(capsys, "timeline", trace.path, "-o", str(svg), "--ranks", f"0,{HOME}",
+                     "--ops", "matmul", "--start", "0", "--end", "1e6")
+    assert code == 0
+    text = svg.read_text()
+    assert "rank 0 client" in text and "rank 0 dispatcher" in text and f"rank {HOME} worker" in text
+    for other in WORKERS[1:]:
+        assert f"rank {other} worker" not in text
+
+
+def test_export_is_chrome_json_with_every_event(traced, tmp_path, capsys):
+    trace, _, _ = traced
+    out_json = tmp_path / "run.json"
+    code, _, _ = cli(capsys, "export", trace.path, "-o", str(out_json))
+    assert code == 0
+    doc = json.loads(out_json.read_text())
+    events = doc["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X" and e["cat"] != "gpu"]
+    assert len(complete) == sum(len(t) for t in trace.events.values())
+    assert {e["pid"] for e in complete} == {0, *WORKERS}
+    flows = [e for e in events if e["ph"] in "sf"]
+    assert flows and len([e for e in flows if e["ph"] == "s"]) == len([e for e in flows if e["ph"] == "f"])
+    assert any(e["name"] == "matmul" and e["pid"] == HOME for e in complete)
+
+
+@pytest.mark.parametrize("content", ["missing", "truncated", "foreign_h5", "text"])
+def test_bad_files_get_one_line_and_status_2(traced, tmp_path, capsys, content):
+    trace, _, _ = traced
+    path = tmp_path / "bad.h5"
+    if content == "truncated":
+        path.write_bytes(open(trace.path, "rb").read()[:2000])
+    elif content == "foreign_h5":
+        with h5py.File(path, "w") as f:
+            f["x"] = np.arange(3)
+    elif content == "text":
+        path.write_text("not a trace\n")
+    for command in ("summary", "ops", "idle", "timeline", "export"):
+        extra = ["-o", str(tmp_path / "o.png")] if command in ("timeline", "export") else []
+        code, out, err = cli(capsys, command, str(path), *extra)
+        assert code == 2, (command, out, err)
+        assert err.count("\n") == 1 and err.startswith("gtmpi-trace: error: ") and \
+            "Traceback" not in err, err
+
+
+def test_help_on_every_subcommand(capsys):
+    for command in ("summary", "ops", "idle", "timeline", "export"):
+        with pytest.raises(SystemExit) as stop:
+            trace_main([command, "--help"])
+        assert stop.value.code == 0
+        assert f"usage: gtmpi-trace {command}" in capsys.readouterr().out
+    code, _, err = cli(capsys, "timeline", "x.h5", "-o", "x.gif")
+    assert code == 2 and err.count("\n") == 1
+
+
+def test_start_twice_and_stop_without_trace(tmp_path):
+    with pytest.raises(RuntimeError, match="no trace is recording"):
+        gtmpi.trace.stop()
+    gtmpi.trace.start(str(tmp_path / "a.h5"))
+    try:
+        with pytest.raises(RuntimeError, match="already recording"):
+            gtmpi.trace.start(str(tmp_path / "b.h5"))
+    finally:
+        gtmpi.trace.stop()
+    assert not gtmpi.trace.active()
+
+
+def test_faults_are_marked(tmp_path):
+    path = str(tmp_path / "fault.h5")
+    gtmpi.trace.start(path)
+    try:
+        bad = gtmpi.zeros(1 << 48)
+        with pytest.raises(gtmpi.WorkerError):
+            (bad + 1).sum().item()
+        gtmpi.ones(2).sum().item()
+    finally:
+        gtmpi.trace.stop()
+    trace = fileformat.read(path)
+    execs = of(trace.events[HOME], Kind.EXEC)
+    faulted = execs[(execs["flags"] & Flag.FAULT) != 0]
+    assert names(trace, faulted) == ["zeros", "add", "sum"]  # the failure and its consumers
+    assert names(trace, execs[(execs["flags"] & Flag.FAULT) == 0]) == ["ones", "sum"]
+    assert "zeros" in trace.name(int(faulted["detail"][0]))
+
+
+@pytest.mark.skipif(HOME_DEVICE.type != "cuda", reason="CUDA events need a GPU worker")
+def test_gpu_ops_timed_with_cuda_events(tmp_path):
+    path = str(tmp_path / "gpu.h5")
+    gtmpi.trace.start(path, gpu_every=1)
+    a = gtmpi.randn(1024, 1024)
+    for _ in range(4):
+        a = a @ a / 1024
+    a.sum().item()
+    gtmpi.trace.stop()
+    trace = fileformat.read(path)
+    execs = of(trace.events[HOME], Kind.EXEC)
+    timed = execs[(execs["flags"] & Flag.GPU_TIMED) != 0]
+    assert len(timed) == len(execs)
+    assert (timed["gpu_t1"] > timed["gpu_t0"]).all()
+    # GPU time on the host clock: a kernel starts after its launch began
+    assert (timed["gpu_t0"] >= timed["t0"] - 1_000_000).all()
+    assert analysis.op_rows(trace)[0]["gpu_timed"] > 0
+
+
+def test_recorder_chunks_pack_like_one_list(monkeypatch):
+    from gtmpi.trace import recorder
+    monkeypatch.setattr(recorder, "CHUNK", 4)
+    whole, chunked = Recorder(1), Recorder(1)
+    t = 1000
+    for rec, compact in ((whole, False), (chunked, True)):
+        t = 1000
+        for batch in range(3):
+            for i in range(3):
+                rec.marks.append((t, "add", batch * 10 + i))
+                t += 10
+            rec.marks.append((t, None, None))
+            t += 100
+            if compact:
+                rec.compact()
+        rec.issues.append((1, 2, 3, "add", (7, 8), 1))
+    a, b = whole.pack(), chunked.pack()
+    assert chunked._marks_before > 0
+    assert a["events"].tobytes() == b["events"].tobytes() and a["names"] == b["names"]
+    spans = a["events"][a["events"]["kind"] == Kind.EXEC]
+    assert list(spans["id"]) == [0, 1, 2, 10, 11, 12, 20, 21, 22]
+    assert set(spans["t1"] - spans["t0"]) == {10}  # each op ends where the next one starts
+
+
+def test_union_of_intervals():
+    t0, t1 = np.array([0, 5, 20, 22, 40]), np.array([10, 8, 30, 25, 40])
+    assert analysis.union_ns(t0, t1) == 10 + 10 + 0
+    assert analysis.union_ns(np.zeros(0, np.int64), np.zeros(0, np.int64)) == 0
+
+
+# Whole runs as a user starts them ---------------------------------------------------------
+
+job = pytest.mark.skipif(UNDER_MPI or mpiexec() is None,
+                         reason="starts its own jobs; run once, from the serial suite")
+
+PROGRAM = """
+    import sys, gtmpi
+    x = gtmpi.randn(16, 16)
+    for _ in range(10):
+        x = (x @ x).tanh()
+    print("SUM", x.sum().item(), flush=True)
+    if sys.argv[1:] == ["raise"]:
+        raise ValueError("half-way")
+    if sys.argv[1:] == ["worker"]:
+        gtmpi.zeros(1 << 48).sum().item()
+    print("DONE", (x + 1).mean().item())
+"""
+
+
+@job
+def test_env_trace_of_an_mpi_job_with_shifted_worker_clocks(tmp_path):
+    """Workers' clocks 5 s ahead, as on other hosts: offsets are measured, events line up."""
+    path = tmp_path / "run.h5"
+    shift = "5000000000"
+    if is_open_mpi(mpiexec()):
+        split = ["-n", "1", sys.executable, str(tmp_path / "prog.py"), ":",
+                 "-n", "2", "-x", f"GTMPI_TRACE_CLOCK_SHIFT_NS={shift}"]
+    else:
+        split = ["-n", "1", sys.executable, str(tmp_path / "prog.py"), ":",
+                 "-n", "2", "-env", "GTMPI_TRACE_CLOCK_SHIFT_NS", shift]
+    proc, _ = run_job(tmp_path, PROGRAM, LIMIT_S, n=None, env={"GTMPI_TRACE": str(path)})
+    assert proc.returncode == 0, proc.stderr  # plain python: the embedded worker, traced
+    plain = fileformat.read(str(path))
+    assert plain.meta["embedded"] and plain.meta["world_size"] == 2
+    env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu", "GTMPI_TRACE": str(path)}
+    proc = subprocess.run([mpiexec(), *split, sys.executable, str(tmp_path / "prog.py")],
+                          capture_output=True, text=True, timeout=LIMIT_S, env=env,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    trace = fileformat.read(str(path))
+    assert trace.meta["status"] == "ok" and sorted(trace.events) == [0, 1, 2]
+    for rank in (1, 2):
+        for when in ("start", "end"):
+            offset = trace.ranks[rank][f"clock_offset_{when}_ns"]
+            assert abs(offset - int(shift)) < 1_000_000, (rank, when, offset)
+    zero, home = trace.events[0], trace.events[1]
+    sends = {int(e["id"]): int(e["t0"]) for e in of(zero, Kind.SEND) if e["peer"] == 1}
+    for r in of(home, Kind.RECV):
+        assert r["t0"] >= sends[int(r["id"])] - 100_000  # aligned to well within 0.1 ms
+    assert abs(int(home["t0"].min())) < 1e9  # shifted by 5 s before alignment
+    assert names(trace, of(home, Kind.EXEC)).count("matmul") == 10
+    assert [trace.name(int(e["name"])) for e in of(zero, Kind.WAIT)] == ["read", "read"]
+
+
+@job
+@pytest.mark.parametrize("how", ["raise", "worker"])
+def test_a_run_failing_half_way_leaves_a_readable_file(tmp_path, capsys, how):
+    path = tmp_path / "failed.h5"
+    proc, _ = run_job(tmp_path, PROGRAM, LIMIT_S, args=(how,), env={"GTMPI_TRACE": str(path)})
+    assert proc.returncode != 0 and "SUM" in proc.stdout and "DONE" not in proc.stdout
+    assert f"trace of the failed run written to {path}" in proc.stderr
+    trace = fileformat.read(str(path))
+    want = "ValueError: half-way" if how == "raise" else "WorkerError: op 'zeros'"
+    assert trace.meta["status"].startswith(f"failed: {want}")
+    execs = names(trace, of(trace.events[1], Kind.EXEC))
+    assert execs.count("matmul") == 10  # the events up to the failure
+    assert cli(capsys, "summary", str(path))[0] == 0
+
+
+@job
+def test_gt_instruction_log(tmp_path):
+    log = tmp_path / "ops.log"
+    proc, _ = run_job(tmp_path, """
+        import gtmpi
+        a = gtmpi.ones(2, 2)
+        b = a @ a
+        print(b.neg().sum().item())
+    """, LIMIT_S, n=None, env={"GT_INSTRUCTION_LOG": str(log)})
+    assert proc.returncode == 0, proc.stderr
+    lines = log.read_text().splitlines()
+    line = re.compile(r"^\[TAPE \d+\.\d{3}s\] (RECV|SEND) \| (client 0|worker 1) \| \w+ \| .+$")
+    assert lines and all(line.match(l) for l in lines), lines
+    recv = [l.split(" | ", 2)[2] for l in lines if " RECV " in l]
+    assert recv[:4] == ["CreateTensor | result=1 op=ones args=const:(2, 2) const:torch.float32 worker=1",
+                        "BinaryOp | result=2 op=matmul left=1 right=1 worker=1",
+                        "UnaryOp | result=3 op=neg input=2 worker=1",
+                        "ReduceOp | result=4 op=sum args=3 const:None const:False worker=1"]
+    assert "GetData | tensors=4 worker=1" in recv
+    assert any(" SEND | worker 1 | Batch | seq=" in l for l in lines)
