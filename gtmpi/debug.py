@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def worker_stats() -> dict[int, dict]:
@@ -20,3 +20,34 @@ def print_worker_stats(file: TextIO | None = None) -> None:
         print(f"{rank:>4} {s['device']:<8} {s['ops']:>10} {s['faults']:>7} "
               f"{s['bytes_received'] / 1e6:>9.2f} {s['bytes_sent'] / 1e6:>9.2f} "
               f"{s['tensors']:>8} {s['memory_bytes'] / 1e6:>10.2f}", file=out)
+
+
+def print_tape(tensor: Any = None, file: TextIO | None = None) -> None:
+    """Print the autograd tape of the graph behind ``tensor`` (by default the graph that
+    recorded the latest op), one line per op in the order it ran: its results and operands."""
+    from .autograd.engine import tape
+    from .client.tensor import Tensor
+    out = file or sys.stdout
+    if tensor is not None and tensor._node is None:
+        print(f"tensor {tensor.id} has no autograd graph (a leaf, or computed without grad)",
+              file=out)
+        return
+    nodes = tape(tensor._node if tensor is not None else None)
+    if not nodes:
+        print("no autograd graph is alive", file=out)
+        return
+    print(f"autograd tape: {len(nodes)} ops", file=out)
+    for i, node in enumerate(nodes):
+        results = ", ".join(f"t{id_} {list(sig[0])} {str(sig[1]).replace('torch.', '')}"
+                            for id_, sig in node.results)
+        operands = ", ".join(_operand(a, Tensor) for a in node.operands)
+        state = "  (freed by backward)" if node.freed else ""
+        print(f"  #{i:<3} {node.op:<18} {results}  <-  {operands}{state}", file=out)
+
+
+def _operand(a: Any, tensor_type: type) -> str:
+    if isinstance(a, tensor_type):
+        kind = "leaf" if a.requires_grad and a._node is None else ""
+        return f"t{a.id} {list(a.shape)}{' ' + kind if kind else ''}"
+    text = repr(a)
+    return text if len(text) <= 24 else text[:21] + "..."

@@ -234,3 +234,23 @@ def test_backward_moves_no_tensor_data_to_the_client():
     after = gtmpi.debug.worker_stats()
     assert all(after[r]["bytes_sent"] == before[r] for r in after)   # no reads happened
     assert w.grad.shape == (64, 64)
+
+
+def test_print_tape_lists_the_current_graph_in_order():
+    import io
+    w = gtmpi.randn(3, 4, requires_grad=True)
+    x = gtmpi.randn(5, 4)
+    loss = (x @ w.T).tanh().sum()
+    out = io.StringIO()
+    gtmpi.debug.print_tape(file=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "autograd tape: 4 ops"
+    assert [l.split()[1] for l in lines[1:]] == ["permute", "matmul", "tanh", "sum"]
+    assert f"t{w.id} [3, 4] leaf" in lines[1] and f"t{loss.id} [] float32" in lines[4]
+    loss.backward()
+    out = io.StringIO()
+    gtmpi.debug.print_tape(loss, file=out)
+    assert out.getvalue().count("(freed by backward)") == 4
+    out = io.StringIO()
+    gtmpi.debug.print_tape(x, file=out)
+    assert "has no autograd graph" in out.getvalue()

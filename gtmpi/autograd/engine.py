@@ -8,6 +8,7 @@ calling each op's rule from grads.py with autograd off, and accumulates into the
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import ContextDecorator
 from typing import Any, Iterable, Sequence
 
@@ -53,11 +54,12 @@ class Node:
     """One recorded op: its name, operands (tensors and constants), keyword constants and
     what its rule saved; ``outputs`` is the number of results."""
 
-    __slots__ = ("op", "operands", "kw", "outputs", "saved", "freed")
+    __slots__ = ("op", "operands", "kw", "outputs", "saved", "freed", "results", "__weakref__")
 
     def __init__(self, op: str, operands: tuple, kw: dict | None, outputs: int, saved: Any):
         self.op, self.operands, self.kw, self.outputs, self.saved = op, operands, kw, outputs, saved
         self.freed = False
+        self.results: tuple = ()  # (id, (shape, dtype)) per output, for print_tape
 
     def parents(self):
         for a in self.operands:
@@ -88,6 +90,8 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any) -> None:
         with no_grad():
             saved = tuple(o.detach() for o in outs)
     node = Node(op, tuple(operands), kw, len(outs), saved)
+    node.results = tuple((o.id, o._sig) for o in outs)
+    _state.last = weakref.ref(node)  # weak: printing must not keep a dropped graph alive
     for slot, o in enumerate(outs):
         if o.dtype.is_floating_point or o.dtype.is_complex:
             o.requires_grad = True
@@ -145,6 +149,16 @@ def _accumulate(leaf: Any, g: Any) -> None:
     if g.dtype != leaf.dtype:
         g = g.to(leaf.dtype)
     leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+
+def tape(root: Node | None = None) -> list[Node]:
+    """The graph ending at ``root`` (by default the one recorded last), in forward order."""
+    if root is None:
+        last = getattr(_state, "last", None)
+        root = last() if last is not None else None
+        if root is None:
+            return []
+    return _topological(root)[::-1]
 
 
 def _topological(root: Node) -> list[Node]:
