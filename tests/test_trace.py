@@ -268,6 +268,29 @@ def test_gpu_ops_timed_with_cuda_events(tmp_path):
     assert analysis.op_rows(trace)[0]["gpu_timed"] > 0
 
 
+def test_snapshots_while_running_lose_and_repeat_nothing(tmp_path, monkeypatch):
+    """Parts sent mid-batch and mid-run join into exactly the program's events."""
+    import time
+    monkeypatch.setenv("GTMPI_TRACE_SNAPSHOT_S", "0.005")
+    path = str(tmp_path / "parts.h5")
+    gtmpi.trace.start(path)
+    x = gtmpi.ones(4, 4)
+    ids = []
+    for i in range(200):
+        x = x * 0.5 + 1.0
+        ids += [x.id]
+        if i % 20 == 0:
+            time.sleep(0.01)
+            x.sum().item()
+    gtmpi.trace.stop()
+    trace = fileformat.read(path)
+    execs = of(trace.events[HOME], Kind.EXEC)
+    adds = execs[np.array(names(trace, execs)) == "add"]
+    assert list(adds["id"]) == ids
+    assert names(trace, of(trace.events[HOME], Kind.CONTROL)).count("trace") >= 2  # a part, then the rest
+    assert (np.diff(trace.events[HOME]["t0"]) >= 0).all()
+
+
 def test_recorder_chunks_pack_like_one_list(monkeypatch):
     from gtmpi.trace import recorder
     monkeypatch.setattr(recorder, "CHUNK", 4)
@@ -313,6 +336,14 @@ PROGRAM = """
         raise ValueError("half-way")
     if sys.argv[1:] == ["worker"]:
         gtmpi.zeros(1 << 48).sum().item()
+    if sys.argv[1:] == ["kill"]:  # the launcher then kills every rank: no chance to write
+        import os, signal, time
+        start = time.monotonic()
+        while time.monotonic() - start < 1.0:
+            x = (x @ x).tanh()
+            x.sum().item()
+        os.kill(gtmpi.info()["workers"][2]["pid"], signal.SIGKILL)
+        time.sleep(30)
     print("DONE", (x + 1).mean().item())
 """
 
@@ -364,6 +395,19 @@ def test_a_run_failing_half_way_leaves_a_readable_file(tmp_path, capsys, how):
     assert trace.meta["status"].startswith(f"failed: {want}")
     execs = names(trace, of(trace.events[1], Kind.EXEC))
     assert execs.count("matmul") == 10  # the events up to the failure
+    assert cli(capsys, "summary", str(path))[0] == 0
+
+
+@job
+def test_a_killed_run_leaves_its_last_snapshot(tmp_path, capsys):
+    path = tmp_path / "killed.h5"
+    proc, _ = run_job(tmp_path, PROGRAM, LIMIT_S, args=("kill",),
+                      env={"GTMPI_TRACE": str(path), "GTMPI_TRACE_SNAPSHOT_S": "0.1"})
+    assert proc.returncode != 0 and "DONE" not in proc.stdout
+    trace = fileformat.read(str(path))
+    assert trace.meta["status"] == "running: snapshot"
+    execs = names(trace, of(trace.events[1], Kind.EXEC))
+    assert execs.count("matmul") > 10 and execs.count("tanh") > 10  # from the timed loop
     assert cli(capsys, "summary", str(path))[0] == 0
 
 

@@ -39,6 +39,7 @@ class Link(Protocol):
     def finish_read(self, handle: Any, watchdog: Callable[[], None]) -> Fault | None: ...
     def poll_ack(self) -> int | None: ...
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any: ...
+    def poll_reply(self, tag: Tag) -> Any: ...
     def measure_clock(self, rounds: int) -> tuple[int, int, int]: ...
     def shutdown(self) -> None: ...
     def wait_bye(self, deadline: float) -> bool: ...
@@ -58,6 +59,7 @@ class Dispatcher:
         self.frees: list[int] = []
         self.trace = None  # a trace.Recorder while tracing: this rank's client and dispatcher lanes
         self.log = None  # a trace.InstructionLog: GT's text log of the instruction stream
+        self.trace_tick: Callable[[], None] | None = None  # called after each traced send
 
     def submit(self, ins: tuple, urgent: bool = True, issued: int = 0) -> None:
         """A tensor instruction; routed to the worker that holds its operands. ``urgent`` marks
@@ -151,6 +153,8 @@ class Dispatcher:
             rec.event(Kind.SEND, Lane.DISPATCHER, start, _clock(), "batch", self._seq[rank], rank,
                       count=len(batch))
             rec.compact()
+            if self.trace_tick is not None:
+                self.trace_tick()
         if self.log is not None:
             self.log.sent(batch, rank, self._seq[rank])
 

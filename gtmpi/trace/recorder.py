@@ -92,6 +92,17 @@ class Recorder:
         events["gpu_t1"][timed] += CLOCK_SHIFT_NS
         return {"events": events, "names": list(self._names)}
 
+    def take(self) -> dict:
+        """pack(), then start over: the lists are emptied in place, as the executor may be
+        appending to them in the middle of a batch."""
+        packed = self.pack()
+        self.marks.clear()
+        self.issues.clear()
+        self.rows.clear()
+        self._packed = {"marks": [], "issues": []}
+        self._notes, self._gpu, self._marks_before = {}, [], 0
+        return packed
+
     def _name(self, name: str | None) -> int:
         if name is None:
             return -1

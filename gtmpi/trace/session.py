@@ -23,11 +23,17 @@ COLLECT_TIMEOUT_S = 30.0
 
 
 class TraceRun:
+    """Also writes snapshots while the run goes on (every GTMPI_TRACE_SNAPSHOT_S seconds,
+    default 30; 0 turns them off): a run killed by a signal (the launcher ends every rank
+    when one dies) still leaves the file of its last snapshot. Workers send their parts
+    without stopping the stream; the file is rewritten once all parts of a round are in."""
+
     def __init__(self, rt: Any, path: str, gpu_every: int) -> None:
         self.rt = rt
         self.path = os.path.abspath(path)
         self.gpu_every = gpu_every
         self.stopping = False
+        self.snapshot_s = float(os.environ.get("GTMPI_TRACE_SNAPSHOT_S", "30"))
         self._previous_hook: Callable | None = None
 
     def start(self) -> None:
@@ -36,11 +42,16 @@ class TraceRun:
         import h5py  # noqa: F401
         d = self.rt.dispatcher
         ranks = list(d.links)
+        self.parts: dict[int, list[dict]] = {r: [] for r in ranks}  # events sent so far
+        self.pending = dict.fromkeys(ranks, 0)  # parts asked for and not yet received
         self.wall_start = time.time()
         self.t0 = now()
         d.trace = self.recorder = Recorder(0)
         d.post("trace", ("start", self.gpu_every), ranks)
         self.clock_start = d.measure_clocks(ranks)
+        self._next_snapshot = time.monotonic() + self.snapshot_s
+        if self.snapshot_s > 0:
+            d.trace_tick = self._tick
         self._previous_hook = sys.excepthook
         sys.excepthook = self._uncaught
         atexit.register(self._at_exit)
@@ -49,6 +60,7 @@ class TraceRun:
         """Collect every reachable rank's events and write the file; return its path."""
         self.stopping = True
         d = self.rt.dispatcher
+        d.trace_tick = None
         t_end = now()
         if sys.excepthook == self._uncaught:
             sys.excepthook = self._previous_hook
@@ -57,36 +69,61 @@ class TraceRun:
         missing = {r: "died" for r in dead}
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
         watchdog, d.watchdog = d.watchdog, _deadline(deadline)
-        payloads, clock_end = {}, {}
+        clock_end = {}
         try:
             d.post("trace", ("collect",), ranks)  # recorded still: its send ends rank 0's lanes
             d.trace = None
             for rank in ranks:
                 try:
-                    payloads[rank] = d.links[rank].wait_reply(Tag.TRACE, d.watchdog)
+                    for _ in range(self.pending[rank] + 1):  # snapshot parts first, in order
+                        self.parts[rank].append(d.links[rank].wait_reply(Tag.TRACE, d.watchdog))
+                    self.pending[rank] = 0
                 except TimeoutError:
                     missing[rank] = f"no events within {COLLECT_TIMEOUT_S:.0f} s"
-            reached = [r for r in ranks if r in payloads]
+            reached = [r for r in ranks if r not in missing]
             clock_end = d.measure_clocks(reached) if reached else {}
         except TimeoutError:
             pass
         finally:
             d.trace = None
             d.watchdog = watchdog
-        own = self.recorder.pack()
-        tables = {0: own}
-        tables.update({r: p for r, p in payloads.items() if p is not None})
-        strings, events = _merge(tables)
-        events[0] = _aligned(events[0], self.t0, None, None)
-        for rank in payloads:
-            if rank in events:
-                events[rank] = _aligned(events[rank], self.t0, self.clock_start.get(rank),
-                                        clock_end.get(rank))
-        meta = self._meta(t_end, failure, missing)
-        fileformat.write(self.path, meta, strings, events, self._rank_info(clock_end))
+        status = "ok" if failure is None else f"failed: {failure}"
+        self._write(t_end, status, missing, clock_end)
         return self.path
 
-    def _meta(self, t_end: int, failure: str | None, missing: dict[int, str]) -> dict[str, Any]:
+    def _tick(self) -> None:
+        """After each traced send: gather arrived parts; ask for a round, or write one."""
+        d = self.rt.dispatcher
+        d.trace_tick = None  # the sends below must not come back here
+        try:
+            if any(self.pending.values()):
+                for rank, waiting in self.pending.items():
+                    if waiting and (part := d.links[rank].poll_reply(Tag.TRACE)) is not None:
+                        self.parts[rank].append(part)
+                        self.pending[rank] -= 1
+                if not any(self.pending.values()):
+                    started = time.monotonic()
+                    self._write(now(), "running: snapshot", {}, {})
+                    # writing must stay a small share of the run, however big the trace grows
+                    self._next_snapshot = time.monotonic() + max(
+                        self.snapshot_s, 50 * (time.monotonic() - started))
+            elif time.monotonic() >= self._next_snapshot:
+                d.post("trace", ("part",), list(self.pending))
+                self.pending = dict.fromkeys(self.pending, 1)
+        finally:
+            d.trace_tick = self._tick
+
+    def _write(self, t_end: int, status: str, missing: dict[int, str], clock_end: dict) -> None:
+        tables = {0: [self.recorder.pack()]}
+        tables.update({r: [p for p in parts if p is not None] for r, parts in self.parts.items()})
+        strings, events = _merge(tables)
+        for rank in events:
+            events[rank] = _aligned(events[rank], self.t0, self.clock_start.get(rank),
+                                    clock_end.get(rank))
+        meta = self._meta(t_end, status, missing)
+        fileformat.write(self.path, meta, strings, events, self._rank_info(clock_end))
+
+    def _meta(self, t_end: int, status: str, missing: dict[int, str]) -> dict[str, Any]:
         versions = {"gtmpi": _installed_version(), "python": platform.python_version()}
         for module in ("torch", "numpy", "h5py", "mpi4py"):
             mod = sys.modules.get(module)
@@ -97,7 +134,7 @@ class TraceRun:
             versions["mpi"] = mpi.Get_library_version().strip().splitlines()[0]
         config = os.environ.get("GTMPI_CONFIG") or os.environ.get("GT_CONFIG")
         return {
-            "status": "ok" if failure is None else f"failed: {failure}",
+            "status": status,
             "start_time": datetime.datetime.fromtimestamp(self.wall_start, datetime.timezone.utc)
             .isoformat(timespec="microseconds"),
             "start_unix_ns": int(self.wall_start * 1e9),
@@ -141,17 +178,23 @@ def _deadline(deadline: float) -> Callable[[], None]:
     return check
 
 
-def _merge(tables: dict[int, dict]) -> tuple[list[str], dict[int, np.ndarray]]:
-    """One string table for all ranks; each rank's indices remapped into it."""
+def _merge(tables: dict[int, list[dict]]) -> tuple[list[str], dict[int, np.ndarray]]:
+    """One string table for all ranks; each part's indices remapped into it, a rank's parts
+    joined into one table."""
     index: dict[str, int] = {}
     events = {}
-    for rank, packed in sorted(tables.items()):
-        local = np.array([index.setdefault(s, len(index)) for s in packed["names"]] + [-1],
-                         np.int32)
-        table = packed["events"].copy()
-        table["name"] = local[table["name"]]  # -1 indexes the appended -1: absent stays absent
-        table["detail"] = local[table["detail"]]
-        events[rank] = table
+    for rank, parts in sorted(tables.items()):
+        joined = []
+        for packed in parts:
+            local = np.array([index.setdefault(s, len(index)) for s in packed["names"]] + [-1],
+                             np.int32)
+            table = packed["events"].copy()
+            table["name"] = local[table["name"]]  # -1 indexes the appended -1: absent stays so
+            table["detail"] = local[table["detail"]]
+            joined.append(table)
+        if joined:
+            table = np.concatenate(joined)
+            events[rank] = table[np.argsort(table["t0"], kind="stable")]
     return list(index), events
 
 

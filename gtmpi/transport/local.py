@@ -50,6 +50,9 @@ class LocalLink:
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
         return self._replies.pop(tag)
 
+    def poll_reply(self, tag: Tag) -> Any:
+        return self._replies.pop(tag, None)
+
     def measure_clock(self, rounds: int) -> tuple[int, int, int]:
         return 0, 0, now()  # one process, one clock
 
@@ -71,6 +74,8 @@ class LocalLink:
 
     def reply(self, tag: int, obj: Any) -> None:
         self._replies[tag] = obj
+
+    reply_later = reply
 
     def clock_pongs(self, rounds: int) -> None:
         pass

@@ -87,6 +87,11 @@ class WorkerLink:
         msg = wait_for(lambda: self.comms.reply.improbe(self.rank, tag), watchdog)
         return msg.recv()
 
+    def poll_reply(self, tag: Tag) -> Any:
+        """A reply if one has arrived, else None."""
+        msg = self.comms.reply.improbe(self.rank, tag)
+        return None if msg is None else msg.recv()
+
     def measure_clock(self, rounds: int) -> tuple[int, int, int]:
         """Ping-pong with a worker inside its 'clock' control word (see HostLink.clock_pongs):
         (its clock minus ours, round trip, our time) of the fastest round, whose midpoint
@@ -143,6 +148,11 @@ class HostLink:
 
     def reply(self, tag: int, obj: Any) -> None:
         self.comms.reply.send(obj, 0, tag)
+
+    def reply_later(self, tag: int, obj: Any) -> None:
+        """A reply rank 0 will collect when it gets to it: never blocks this worker, however
+        big (trace snapshots, while rank 0 may be waiting for this worker's next result)."""
+        self._sends.keep(self.comms.reply.isend(obj, 0, tag))
 
     def clock_pongs(self, rounds: int) -> None:
         self.reply(Tag.CLOCK, None)  # ready: pings sent before this would reach the main loop

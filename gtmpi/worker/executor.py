@@ -36,6 +36,7 @@ class HostLink(Protocol):
     def send_read(self, data: np.ndarray) -> None: ...
     def send_read_fault(self, fault: Fault) -> None: ...
     def reply(self, tag: int, obj: Any) -> None: ...
+    def reply_later(self, tag: int, obj: Any) -> None: ...
     def clock_pongs(self, rounds: int) -> None: ...
 
 
@@ -174,8 +175,8 @@ class Executor:
         self.link.clock_pongs(*args)
 
     def _trace(self, out, args: tuple) -> None:
-        """("start", gpu_every): record from the next instruction on; ("collect",): stop and
-        send everything recorded to rank 0."""
+        """("start", gpu_every): record from the next instruction on; ("part",): send what was
+        recorded so far to rank 0 and go on (snapshots); ("collect",): send the rest and stop."""
         if args[0] == "start":
             self.trace = Recorder(self.rank)
             self._gpu_every = args[1] if self.device.type == "cuda" else 0
@@ -186,12 +187,14 @@ class Executor:
                 ref.synchronize()
                 self.trace.gpu_reference(ref, _clock())
             return
-        rec, self.trace, self._gpu_every = self.trace, None, 0
+        rec = self.trace
+        if args[0] == "collect":
+            self.trace, self._gpu_every = None, 0
         if rec is None:
             self.link.reply(Tag.TRACE, None)
             return
-        rec.marks.append((_clock(), None, None))  # this instruction ends the recording
-        self.link.reply(Tag.TRACE, rec.pack())
+        rec.marks.append((_clock(), None, None))  # this instruction ends the part
+        self.link.reply_later(Tag.TRACE, rec.take())
 
     def received(self, start: int, seq: int, nbytes: int, count: int) -> None:
         """A batch arrived (traces only): from when it was noticed until it was unpickled."""
