@@ -107,7 +107,7 @@ class Runtime:
         if self.tracing is not None:
             raise RuntimeError(f"gtmpi: a trace is already recording to {self.tracing.path}")
         if gpu_every is None:
-            gpu_every = int(os.environ.get("GTMPI_TRACE_GPU_EVERY", "16"))
+            gpu_every = int(os.environ.get("GTMPI_TRACE_GPU_EVERY", "32"))
         self.tracing = TraceRun(self, path, gpu_every)
         self.tracing.start()
 

@@ -4,7 +4,7 @@
     gtmpi.trace.start("part.h5") ... gtmpi.trace.stop()  # a part of a program
     with gtmpi.trace.scope("forward"): ...               # a named span on the client's lane
 
-GTMPI_TRACE_GPU_EVERY=k times every k-th op of a GPU worker with CUDA events (default 16;
+GTMPI_TRACE_GPU_EVERY=k times every k-th op of a GPU worker with CUDA events (default 32;
 1 times every op, 0 none). docs/trace-format.md describes the file.
 """
 from __future__ import annotations

@@ -29,6 +29,13 @@ from ..transport.tags import Tag
 _clock = time.perf_counter_ns
 
 
+def _cuda_event() -> torch.cuda.Event:
+    """A timing event recorded now on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class HostLink(Protocol):
     """The worker's side of its conversation with rank 0 (MPI or in-process)."""
 
@@ -61,11 +68,13 @@ class Executor:
                          "trace": self._trace}
         self.trace: Recorder | None = None  # while a trace runs
         self._gpu_every = 0  # while tracing on a GPU: time every this many ops with CUDA events
-        self._gpu_count = 0
+        self._gpu_countdown = 1
 
     def run(self, batch: list[tuple]) -> None:
         env, poison, rec = self.env, self.poison, self.trace
         marks = rec.marks if rec is not None else None
+        gpu_every = self._gpu_every if rec is not None else 0
+        countdown = self._gpu_countdown
         for ins in batch:
             name, out, args, tmask, kw = ins
             if marks is not None:
@@ -81,10 +90,15 @@ class Executor:
                     args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
                 if op.kind is Kind.CREATE:
                     kw = {**(kw or {}), "device": self.device}
-                if self._gpu_every and rec is not None:
-                    res = self._gpu_timed(op, args, kw)
-                else:
-                    res = op.kernel(*args, **kw) if kw else op.kernel(*args)
+                start = None
+                if gpu_every:
+                    countdown -= 1
+                    if not countdown:
+                        countdown = gpu_every
+                        start = _cuda_event()
+                res = op.kernel(*args, **kw) if kw else op.kernel(*args)
+                if start is not None:
+                    rec.gpu_timed(start, _cuda_event())
             except Exception as e:  # the op's own failure (bad index, out of memory, ...)
                 self._fail(out, self._fault(out if type(out) is int else out[0], name, e))
                 continue
@@ -95,20 +109,9 @@ class Executor:
         if marks is not None:
             marks.append((_clock(), None, None))
             rec.compact()
+            self._gpu_countdown = countdown
         self.stats["ops"] += len(batch)
         self.stats["batches"] += 1
-
-    def _gpu_timed(self, op, args: list, kw: dict | None) -> Any:
-        """Run a kernel, timing every _gpu_every-th one on the GPU itself with CUDA events."""
-        self._gpu_count += 1
-        if self._gpu_count % self._gpu_every:
-            return op.kernel(*args, **kw) if kw else op.kernel(*args)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        res = op.kernel(*args, **kw) if kw else op.kernel(*args)
-        end.record()
-        self.trace.gpu_timed(start, end)
-        return res
 
     def _propagate(self, out, args, tmask) -> bool:
         for i, a in enumerate(args):
@@ -180,10 +183,10 @@ class Executor:
         if args[0] == "start":
             self.trace = Recorder(self.rank)
             self._gpu_every = args[1] if self.device.type == "cuda" else 0
+            self._gpu_countdown = self._gpu_every
             if self._gpu_every:
                 torch.cuda.synchronize(self.device)
-                ref = torch.cuda.Event(enable_timing=True)
-                ref.record()
+                ref = _cuda_event()
                 ref.synchronize()
                 self.trace.gpu_reference(ref, _clock())
             return
