@@ -23,9 +23,9 @@ COLLECT_TIMEOUT_S = 30.0
 
 
 class TraceRun:
-    """Also writes snapshots while the run goes on (every GTMPI_TRACE_SNAPSHOT_S seconds,
-    default 30; 0 turns them off): a run killed by a signal (the launcher ends every rank
-    when one dies) still leaves the file of its last snapshot. Workers send their parts
+    """Also writes snapshots while the run goes on (after 1 s, then at doubling intervals up
+    to GTMPI_TRACE_SNAPSHOT_S seconds, default 30; 0 turns them off): a run killed by a signal
+    (the launcher ends every rank when one dies) still leaves the file of its last snapshot. Workers send their parts
     without stopping the stream; the file is rewritten once all parts of a round are in."""
 
     def __init__(self, rt: Any, path: str, gpu_every: int) -> None:
@@ -49,7 +49,9 @@ class TraceRun:
         d.trace = self.recorder = Recorder(0)
         d.post("trace", ("start", self.gpu_every), ranks)
         self.clock_start = d.measure_clocks(ranks)
-        self._next_snapshot = time.monotonic() + self.snapshot_s
+        # the first snapshot soon (a run may die early), then at doubling intervals
+        self._interval = min(1.0, self.snapshot_s)
+        self._next_snapshot = time.monotonic() + self._interval
         if self.snapshot_s > 0:
             d.trace_tick = self._tick
         self._previous_hook = sys.excepthook
@@ -105,8 +107,9 @@ class TraceRun:
                     started = time.monotonic()
                     self._write(now(), "running: snapshot", {}, {})
                     # writing must stay a small share of the run, however big the trace grows
+                    self._interval = min(2 * self._interval, self.snapshot_s)
                     self._next_snapshot = time.monotonic() + max(
-                        self.snapshot_s, 50 * (time.monotonic() - started))
+                        self._interval, 50 * (time.monotonic() - started))
             elif time.monotonic() >= self._next_snapshot:
                 d.post("trace", ("part",), list(self.pending))
                 self.pending = dict.fromkeys(self.pending, 1)
