@@ -60,10 +60,15 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     shm = base.Split_type(MPI.COMM_TYPE_SHARED)
     node_ranks = shm.allgather(rank)
     shm.Free()
+    workers_comm = base.Split(0 if rank == 0 else 1)  # the data plane's rendezvous
+    if rank == 0:
+        workers_comm.Free()
     host0 = base.bcast((socket.gethostname(), os.getpid()) if rank == 0 else None, root=0)
     detach = [*comms[1:], base, spawn_comm] if spawn_comm is not None else []
+    if detach and rank != 0:
+        detach.insert(0, workers_comm)
     if rank != 0:
-        _serve(comms, node_ranks, host0, detach)
+        _serve(comms, workers_comm, node_ranks, host0, detach)
         return
     links = {r: WorkerLink(comms, r) for r in range(1, size)}
     workers = {r: links[r].wait_reply(Tag.HELLO) for r in links}
@@ -79,7 +84,7 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     session.set_runtime(Runtime(links, workers, abort))
 
 
-def _serve(comms, node_ranks: list[int], host0: tuple[str, int], detach: list) -> None:
+def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], detach: list) -> None:
     """Run a worker until rank 0 says stop, then leave the process with status 0."""
     from mpi4py import MPI
     from .worker.loop import serve
@@ -91,7 +96,7 @@ def _serve(comms, node_ranks: list[int], host0: tuple[str, int], detach: list) -
         device = select_device(os.environ, local_index, visible_gpus())
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        serve(comms, device, local_index, host0)
+        serve(comms, workers_comm, device, local_index, host0)
         notice.clean_exit()
     except BaseException:
         traceback.print_exc()

@@ -30,6 +30,7 @@ class Runtime:
         self.workers = workers  # rank -> what the worker said at start-up
         self._abort = abort
         self.dispatcher = Dispatcher(links, self._watchdog)
+        self.dispatcher.devices = {rank: w["device"] for rank, w in workers.items()}
         self._ids = itertools.count(1)
         # Issue sites (file:line) by result id, for error messages; two generations bound it.
         self._sites: dict[int, tuple[str, int]] = {}
@@ -83,10 +84,12 @@ class Runtime:
 
     # reads and waits -----------------------------------------------------------------------
 
-    def read(self, tensor_id: int, nbytes: int) -> np.ndarray:
-        """The raw bytes of a tensor's whole value; waits for the work it depends on."""
-        buf = np.empty(nbytes, np.uint8)
-        fault = self.dispatcher.read(tensor_id, buf)
+    def read(self, tensor_id: int, sig: tuple) -> np.ndarray:
+        """The raw bytes of a tensor's whole value (sig: its shape and dtype); waits for the
+        work it depends on."""
+        shape, dtype = sig
+        buf = np.empty(shape.numel() * dtype.itemsize, np.uint8)
+        fault = self.dispatcher.read(tensor_id, buf, sig)
         if fault is not None:
             raise self.error(fault)
         return buf

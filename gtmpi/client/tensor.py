@@ -112,7 +112,7 @@ class Tensor:
     # reads: these wait ------------------------------------------------------------------------
 
     def _bytes(self) -> np.ndarray:
-        return runtime().read(self.id, self.numel() * self.dtype.itemsize)
+        return runtime().read(self.id, self._sig)
 
     def cpu_torch(self) -> torch.Tensor:
         """The value as a plain CPU torch tensor."""
@@ -368,19 +368,21 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     if name in _INPLACE:
         if grad and autograd.is_grad_enabled():
             autograd.engine.record(name, operands, kw, None)  # raises: in place needs no_grad()
-        rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw), True, issued)
+        rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw), True, issued, sigs,
+                             outs)
         rt.note_site(args[0].id)
         return args[0]
     if multi:
         ids = tuple(rt.new_id() for _ in outs)
-        rt.dispatcher.submit((name, ids, tuple(wire), tmask, kw), True, issued)
+        rt.dispatcher.submit((name, ids, tuple(wire), tmask, kw), True, issued, sigs, outs)
         for i in ids:
             rt.note_site(i)
         result = tuple(Tensor(i, s) for i, s in zip(ids, outs))
     else:
         out = rt.new_id()
         rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
-                             name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL, issued)
+                             name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL, issued,
+                             sigs, outs)
         rt.note_site(out)
         result = Tensor(out, outs[0])
     if grad and autograd.is_grad_enabled():

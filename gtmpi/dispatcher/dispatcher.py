@@ -60,45 +60,63 @@ class Dispatcher:
         self.trace = None  # a trace.Recorder while tracing: this rank's client and dispatcher lanes
         self.log = None  # a trace.InstructionLog: GT's text log of the instruction stream
         self.trace_tick: Callable[[], None] | None = None  # called after each traced send
+        self.devices: dict[int, str] = {}  # rank -> its device, as the worker said
+        from .placer import Placer
+        self.placer = Placer(self)
 
-    def submit(self, ins: tuple, urgent: bool = True, issued: int = 0) -> None:
-        """A tensor instruction; routed to the worker that holds its operands. ``urgent`` marks
-        work big enough that an idle worker should start on it now; ``issued`` is when the
-        client started on it (traces only)."""
+    def submit(self, ins: tuple, urgent: bool = True, issued: int = 0, sigs: list | None = None,
+               outs: list | None = None) -> None:
+        """A tensor instruction from the client, routed to the workers that hold its operands.
+        ``urgent`` marks work big enough that an idle worker should start on it now; ``issued``
+        is when the client started on it (traces only); ``sigs`` and ``outs`` are the
+        (shape, dtype) of its operands and results, which placing needs."""
         rec = self.trace
         if rec is not None:
             received = _clock()
-        rank = self.home
         if self.log is not None:
-            self.log.received(ins, rank)
+            self.log.received(ins, self.home)
+        if self.placer.active:
+            rank = self.placer.submit(ins, sigs, outs, urgent)
+        else:
+            rank = self.home
+            self.enqueue(rank, ins, urgent)
+        if rec is not None:
+            rec.issues.append((issued or received, received, _clock(), ins[0], ins[1], rank))
+
+    def enqueue(self, rank: int, ins: tuple, urgent: bool = True) -> None:
+        """Into ``rank``'s next batch, which is sent early while the worker is idle."""
         batch = self._batch[rank]
         batch.append(ins)
         if len(batch) >= BATCH_MAX or ((urgent or len(batch) > 1) and self._idle(rank)):
             self.flush(rank)
-        if rec is not None:
-            rec.issues.append((issued or received, received, _clock(), ins[0], ins[1], rank))
 
     def upload(self, ins: tuple, data: np.ndarray) -> None:
-        self.links[self.home].upload(data)
         if self.trace is not None:
             t = _clock()
             self.trace.event(Kind.TRANSFER, Lane.DISPATCHER, t, t, "upload", ins[1], self.home,
                              data.nbytes)
-        self.submit(ins)
+        if self.placer.active:
+            self.placer.upload(ins, data)
+        else:
+            self.links[self.home].upload(data)
+            self.submit(ins)
 
-    def read(self, tensor_id: int, buf: np.ndarray) -> Fault | None:
-        """Fill ``buf`` with the raw bytes of a tensor, or return why it could not be made."""
+    def read(self, tensor_id: int, buf: np.ndarray, sig: tuple | None = None) -> Fault | None:
+        """Fill ``buf`` with the raw bytes of a tensor (of ``sig``: shape, dtype), or return
+        why it could not be made."""
         start = _clock()
-        link = self.links[self.home]
+        rank, rid = self.placer.read_source(tensor_id, sig) if self.placer.active else \
+            (self.home, tensor_id)
+        link = self.links[rank]
         handle = link.start_read(buf)
-        self._batch[self.home].append(("read", None, (tensor_id,), 0, None))
+        self._batch[rank].append(("read", None, (rid,), 0, None))
         if self.log is not None:
-            self.log.received(self._batch[self.home][-1], self.home)
-        self.flush(self.home)
+            self.log.received(self._batch[rank][-1], rank)
+        self.flush(rank)
         fault = link.finish_read(handle, self.watchdog)
         if self.trace is not None:
             self.trace.event(Kind.WAIT, Lane.CLIENT, start, _clock(), "read", tensor_id,
-                             self.home, buf.nbytes)
+                             rank, buf.nbytes)
         return fault
 
     def ask_all(self, word: str, tag: Tag, args: tuple = (),
@@ -128,14 +146,16 @@ class Dispatcher:
     def flush(self, rank: int) -> None:
         batch = self._batch[rank]
         rec = self.trace
-        if self.frees and rank == self.home:
+        if self.frees and (rank == self.home or self.placer.active):
             frees, self.frees = self.frees, []
-            batch.append(("free", None, tuple(frees), 0, None))
-            if rec is not None:
-                t = _clock()
-                rec.event(Kind.FREE, Lane.DISPATCHER, t, t, "free", peer=rank, count=len(frees))
-            if self.log is not None:
-                self.log.received(batch[-1], rank)
+            by_rank = self.placer.free(frees) if self.placer.active else {rank: frees}
+            for r, ids in by_rank.items():
+                self._batch[r].append(("free", None, tuple(ids), 0, None))
+                if rec is not None:
+                    t = _clock()
+                    rec.event(Kind.FREE, Lane.DISPATCHER, t, t, "free", peer=r, count=len(ids))
+                if self.log is not None:
+                    self.log.received(self._batch[r][-1], r)
         if not batch:
             return
         self._batch[rank] = []

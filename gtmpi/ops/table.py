@@ -5,7 +5,8 @@ tensors (ops/shapes.py); the worker runs the same kernel on real tensors (worker
 Gradient and placement rules join the table as further columns, keyed by the same names.
 
 A kernel takes torch tensors and plain constants positionally (plus keyword constants) and
-returns a tensor or a tuple of tensors. Kernels of kind CREATE also get ``device=``.
+returns a tensor or a tuple of tensors. Kernels of kind CREATE also get ``device=``, kernels of
+kind COMM the worker's data plane as ``plane=``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Kind(Enum):
     SHAPE = "shape"              # moves or views data without arithmetic
     INDEX = "index"
     INPLACE = "inplace"          # writes into its first operand; result id is that operand's
+    COMM = "comm"                # between workers (worker.dataplane); inserted by placement
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ _ops = [
     Op("stack", Kind.SHAPE, lambda *xs, dim: torch.stack(xs, dim)),
     Op("split", Kind.SHAPE, lambda x, sections, dim: tuple(torch.split(x, sections, dim))),
     Op("chunk", Kind.SHAPE, lambda x, chunks, dim: tuple(torch.chunk(x, chunks, dim))),
+    Op("narrow", Kind.SHAPE, lambda x, dim, start, length: x.narrow(dim, start, length).contiguous()),
     # indexing
     Op("getitem", Kind.INDEX, _getitem),
     Op("getitem_grad", Kind.INDEX, _getitem_grad,
@@ -203,6 +206,15 @@ _ops = [
     # change every step, so the shape cache keys them by type
     Op("sgd_step", Kind.INPLACE, _sgd_step, scalar_by_type=True),
     Op("adam_step", Kind.INPLACE, _adam_step, scalar_by_type=True),
+]
+
+# between workers: inserted by the dispatcher where placements need them, never by the client
+_ops += [
+    Op("all_reduce", Kind.COMM, lambda x, group, plane: plane.all_reduce(x, group)),
+    Op("all_gather", Kind.COMM,
+       lambda x, group, dim, sizes, plane: plane.all_gather(x, group, dim, sizes)),
+    Op("send", Kind.COMM, lambda x, dst, plane: plane.send(x, dst)),
+    Op("recv", Kind.COMM, lambda shape, dtype, src, plane: plane.recv(shape, dtype, src)),
 ]
 
 OPS: dict[str, Op] = {op.name: op for op in _ops}

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..ops.table import OPS
+from ..ops.table import Kind as OpKind
 from .events import CLOCK_SHIFT_NS, EVENT_DTYPE, Flag, Kind, Lane
 
 CHUNK = 1 << 16
@@ -121,8 +122,7 @@ class Recorder:
         table["id"] = marks[starts, 2]
         table["lane"] = Lane.WORKER
         names = list(self._names)
-        kinds = np.array([Kind.EXEC if n in OPS else _KIND_OF_CONTROL.get(n, Kind.CONTROL)
-                          for n in names] or [0], np.uint8)
+        kinds = np.array([_event_kind(n) for n in names] or [0], np.uint8)
         table["kind"] = kinds[table["name"]]
         row_of = {int(m): r for r, m in enumerate(starts)}
         for m, (nbytes, peer, count, flags, detail, id_) in self._notes.items():
@@ -166,6 +166,16 @@ class Recorder:
             table[r] = (t0, t1, kind, lane, flags, self._name(name), id_, peer, nbytes, count,
                         self._name(detail), -1, -1)
         return table
+
+
+def _event_kind(name: str) -> Kind:
+    """What an instruction of this name is, as a trace event."""
+    op = OPS.get(name)
+    if op is None:
+        return _KIND_OF_CONTROL.get(name, Kind.CONTROL)
+    if op.kind is OpKind.COMM:
+        return Kind.TRANSFER if name in ("send", "recv") else Kind.COLLECTIVE
+    return Kind.EXEC
 
 
 def _first(out: Any) -> int:

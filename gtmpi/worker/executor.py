@@ -65,7 +65,10 @@ class Executor:
         self.stats = {"ops": 0, "batches": 0, "faults": 0, "bytes_received": 0, "bytes_sent": 0}
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
-                         "trace": self._trace}
+                         "trace": self._trace, "dist_init": self._dist_init,
+                         "new_group": self._new_group}
+        self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
+        self._inject = {Kind.CREATE: {"device": device}}  # keyword arguments by kind of op
         self.trace: Recorder | None = None  # while a trace runs
         self._gpu_every = 0  # while tracing on a GPU: time every this many ops with CUDA events
         self._gpu_countdown = 1
@@ -88,8 +91,9 @@ class Executor:
             try:
                 if tmask:
                     args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
-                if op.kind is Kind.CREATE:
-                    kw = {**(kw or {}), "device": self.device}
+                inject = self._inject.get(op.kind)
+                if inject is not None:
+                    kw = {**kw, **inject} if kw else inject
                 start = None
                 if gpu_every:
                     countdown -= 1
@@ -106,12 +110,23 @@ class Executor:
                 env[out] = res
             else:
                 env.update(zip(out, res))
+            if rec is not None and op.kind is Kind.COMM:
+                self._note_comm(name, args, kw, res)
         if marks is not None:
             marks.append((_clock(), None, None))
             rec.compact()
             self._gpu_countdown = countdown
         self.stats["ops"] += len(batch)
         self.stats["batches"] += 1
+
+    def _note_comm(self, name: str, args: list, kw: dict, res: Any) -> None:
+        """A collective's bytes and group, a transfer's bytes and peer, for the trace."""
+        moved = res if isinstance(res, torch.Tensor) else args[0]
+        nbytes = moved.numel() * moved.element_size()
+        if name in ("send", "recv"):
+            self.trace.annotate(nbytes=nbytes, peer=kw["dst" if name == "send" else "src"])
+        else:
+            self.trace.annotate(nbytes=nbytes, detail=f"group {kw['group']}")
 
     def _propagate(self, out, args, tmask) -> bool:
         for i, a in enumerate(args):
@@ -171,8 +186,10 @@ class Executor:
         self.link.reply(Tag.SYNC, None)
 
     def _stats(self, out, args) -> None:
+        comm = {k: tuple(v) for k, v in self.plane.stats.items()} if self.plane else {}
         self.link.reply(Tag.STATS, {**self.stats, "rank": self.rank, "device": str(self.device),
-                                    "tensors": len(self.env), "memory_bytes": self.memory_in_use()})
+                                    "tensors": len(self.env), "memory_bytes": self.memory_in_use(),
+                                    "collectives": comm})
 
     def _clock(self, out, args: tuple) -> None:
         self.link.clock_pongs(*args)
@@ -202,6 +219,13 @@ class Executor:
     def received(self, start: int, seq: int, nbytes: int, count: int) -> None:
         """A batch arrived (traces only): from when it was noticed until it was unpickled."""
         self.trace.event(events.Kind.RECV, events.Lane.WORKER, start, _clock(), "batch", seq, 0, nbytes, count)
+
+    def _dist_init(self, out, args: tuple) -> None:
+        self.plane.init(*args)
+        self._inject[Kind.COMM] = {"plane": self.plane}
+
+    def _new_group(self, out, args: tuple) -> None:
+        self.plane.new_group(*args)
 
     def memory_in_use(self) -> int:
         if self.device.type == "cuda":

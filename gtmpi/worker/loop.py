@@ -17,15 +17,18 @@ from mpi4py import MPI
 from ..transport.mpi import Comms, HostLink
 from ..transport.poll import alive, wait_for
 from ..transport.tags import Tag
+from .dataplane import DataPlane
 from .executor import Executor
 
 ACK_EVERY = 8  # while more batches wait, acknowledge every this many
 
 
-def serve(comms: Comms, device: torch.device, local_index: int, host0: tuple[str, int]) -> None:
+def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local_index: int,
+          host0: tuple[str, int]) -> None:
     rank = comms.base.Get_rank()
     link = HostLink(comms)
     executor = Executor(rank, device, link)
+    executor.plane = DataPlane(rank, device, workers_comm)
     link.reply(Tag.HELLO, {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
                            "device": str(device), "local_index": local_index, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None})
@@ -36,6 +39,7 @@ def serve(comms: Comms, device: torch.device, local_index: int, host0: tuple[str
         msg = wait_for(lambda: link.next_message(status), watchdog)
         if status.Get_tag() == Tag.SHUTDOWN:
             msg.recv()
+            executor.plane.finish()
             link.drain()
             link.reply(Tag.BYE, executor.stats)
             return

@@ -1,0 +1,255 @@
+"""The dispatcher's placed path: where tensors live once any lives on several workers.
+
+Until a signal places a tensor, every tensor lives whole on the home worker and the dispatcher
+never comes here. Afterwards every instruction does: its operands are brought to one mesh and
+to the placements its rule wants (placement.rules), by instructions inserted before it
+(collectives and transfers run between workers, never through rank 0); the op then runs on
+every member, each on its own piece, and its result's placement is recorded.
+
+Converted copies of a tensor (a replicated weight cut into pieces, a sharded activation
+gathered) are kept while the tensor lives unchanged, so a weight used every step moves once.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from ..ops.table import OPS, Kind as OpKind
+from ..placement.rules import plan
+from ..placement.types import Placement
+from ..trace.events import Flag, Kind, Lane
+
+_COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
+
+
+class Placer:
+    def __init__(self, dispatcher: Any) -> None:
+        self.d = dispatcher
+        self.home = Placement((dispatcher.home,), "R")
+        self.table: dict[int, tuple[tuple, Placement]] = {}  # id -> (sig, placement), off home
+        self.copies: dict[tuple[int, Placement], int] = {}  # (id, placement) -> converted copy
+        self.signals: list[Placement] = []  # the active signal scopes, innermost last
+        self.active = False
+        self._groups: dict[tuple[int, ...], int] = {}
+        self._temp = itertools.count(-1, -1)  # ids of the dispatcher's own tensors
+        self._touched: set[int] = set()  # ranks given a collective since the last flush
+
+    # what the dispatcher asks -------------------------------------------------------------
+
+    def placement(self, tid: int) -> Placement:
+        entry = self.table.get(tid)
+        return self.home if entry is None else entry[1]
+
+    def enter(self, target: Placement) -> None:
+        self.signals.append(target)
+        self.active = True
+
+    def exit(self) -> None:
+        self.signals.pop()
+
+    def submit(self, ins: tuple, sigs: list, outs: list, urgent: bool) -> int:
+        """Place one client instruction; return the first rank it went to."""
+        name, out, args, tmask, kw = ins
+        op = OPS[name]
+        if op.kind is OpKind.CREATE:
+            target = self.signals[-1] if self.signals else self.home
+            self._create(ins, outs[0], target)
+            return target.mesh[0]
+        kinds = [self.placement(a) if tmask >> i & 1 else None for i, a in enumerate(args)]
+        mesh = self._mesh(kinds)
+        inplace = op.kind is OpKind.INPLACE
+        on_mesh = [None if p is None else (p if p.mesh == mesh else Placement(mesh, "R"))
+                   for p in kinds]
+        if inplace and on_mesh[0] != kinds[0]:
+            self.replace(args[0], sigs[0], on_mesh[0])
+        p = plan(name, mesh, args, tmask, kw, on_mesh, sigs)
+        if inplace and p.wants[0] != on_mesh[0]:
+            self.replace(args[0], sigs[0], p.wants[0])
+        wire = list(args)
+        for i, want in enumerate(p.wants):
+            if want is not None and not (inplace and i == 0):
+                wire[i] = self._as(args[i], sigs[i], want)
+        placed = (name, out, tuple(wire), tmask, kw)
+        for rank in mesh:
+            self.d.enqueue(rank, placed, urgent)
+        if inplace:
+            self._changed(args[0])
+        else:
+            for oid, sig in zip((out,) if type(out) is int else out, outs):
+                self._record(oid, sig, p.out)
+        self._flush_touched()
+        return mesh[0]
+
+    def upload(self, ins: tuple, data: Any) -> None:
+        """Host bytes: to the first member of the active signal's mesh, then to its placement."""
+        target = self.signals[-1] if self.signals else self.home
+        first = target.mesh[0]
+        self.d.links[first].upload(data)
+        self.d.enqueue(first, ins, True)
+        self._record(ins[1], ins[2], Placement((first,), "R"))
+        if target != Placement((first,), "R"):
+            self.replace(ins[1], ins[2], target)
+        self._flush_touched()
+
+    def read_source(self, tid: int, sig: tuple) -> tuple[int, int]:
+        """(rank, id) holding the whole tensor, gathering it there first if it is in pieces."""
+        p = self.placement(tid)
+        rid = tid if p.kind == "R" else self._as(tid, sig, Placement(p.mesh, "R"))
+        self._flush_touched()
+        return p.mesh[0], rid
+
+    def free(self, ids: list[int]) -> dict[int, list[int]]:
+        """The ids to free on each rank."""
+        by_rank: dict[int, list[int]] = {}
+        for tid in ids:
+            for rank, gone in self._forget(tid):
+                by_rank.setdefault(rank, []).append(gone)
+        return by_rank
+
+    def replace(self, tid: int, sig: tuple, target: Placement) -> None:
+        """Give ``tid`` itself a new placement (its value stays): for in-place ops, uploads and
+        signal.tensor."""
+        source = self.placement(tid)
+        if source == target:
+            return
+        moved = self._as(tid, sig, target)
+        for rank in target.mesh:
+            self._emit(rank, ("alias", tid, (moved,), 1, None))
+        for rank, gone in self._forget(tid):
+            if gone != tid or rank not in target.mesh:
+                self._emit(rank, ("free", None, (gone,), 0, None))
+        self._record(tid, sig, target)
+
+    # conversions --------------------------------------------------------------------------
+
+    def _as(self, tid: int, sig: tuple, want: Placement) -> int:
+        """The id of ``tid`` with placement ``want``: itself, a kept copy, or a new copy."""
+        have = self.placement(tid)
+        if have == want:
+            return tid
+        copy = self.copies.get((tid, want))
+        if copy is None:
+            copy = self._convert(tid, sig, have, want)
+            self.copies[(tid, want)] = copy
+        return copy
+
+    def _convert(self, tid: int, sig: tuple, have: Placement, want: Placement) -> int:
+        shape, dtype = sig
+        if have.mesh != want.mesh:
+            whole = tid if have.kind == "R" else self._as(tid, sig, Placement(have.mesh, "R"))
+            moved = next(self._temp)
+            sender = have.mesh[0]
+            for rank in want.mesh:
+                if rank in have.mesh:
+                    self._emit(rank, ("alias", moved, (whole,), 1, None))
+                else:
+                    self._emit(sender, ("send", (), (whole,), 1, {"dst": rank}))
+                    self._emit(rank, ("recv", moved, (), 0,
+                                      {"shape": tuple(shape), "dtype": dtype, "src": sender}))
+            r = Placement(want.mesh, "R")
+            self.copies[(tid, r)] = moved
+            return moved if want == r else self._convert(moved, sig, r, want)
+        out = next(self._temp)
+        group = self._group(have.mesh)
+        if have.kind == "P" or (have.kind == "S" and want.kind in ("R", "S")):
+            op = ("all_reduce", out, (tid,), 1, {"group": group}) if have.kind == "P" else \
+                ("all_gather", out, (tid,), 1,
+                 {"group": group, "dim": have.dim, "sizes": have.sizes(tuple(shape))})
+            for rank in have.mesh:
+                self._emit(rank, op)
+            if want.kind == "R":
+                return out
+            return self._narrow(out, sig, want)
+        if have.kind == "R" and want.kind == "S":
+            return self._narrow(tid, sig, want)
+        raise AssertionError(f"no conversion from {have} to {want}")
+
+    def _narrow(self, tid: int, sig: tuple, want: Placement) -> int:
+        """Each member keeps its piece of a whole tensor: no communication."""
+        out = next(self._temp)
+        shape = tuple(sig[0])
+        for rank, start, size in zip(want.mesh, want.starts(shape), want.sizes(shape)):
+            self._emit(rank, ("narrow", out, (tid, want.dim, start, size), 1, None))
+        return out
+
+    def _create(self, ins: tuple, sig: tuple, target: Placement) -> None:
+        """Every member makes the whole tensor (random ones from the same seed, so the values
+        are those of a one-worker run) and keeps its piece."""
+        name, out, args, tmask, kw = ins
+        for rank in target.mesh:
+            self.d.enqueue(rank, ins, True)
+        if target.kind == "S":
+            shape = tuple(sig[0])
+            for rank, start, size in zip(target.mesh, target.starts(shape), target.sizes(shape)):
+                self._emit(rank, ("narrow", out, (out, target.dim, start, size), 1, None))
+        self._record(out, sig, target)
+        self._flush_touched()
+
+    # bookkeeping --------------------------------------------------------------------------
+
+    def _mesh(self, kinds: list[Placement | None]) -> tuple[int, ...]:
+        """Where an op runs: the active signal's mesh, else that of its widest operand."""
+        if self.signals:
+            return self.signals[-1].mesh
+        meshes = [p.mesh for p in kinds if p is not None]
+        return max(meshes, key=len) if meshes else self.home.mesh
+
+    def _record(self, tid: int, sig: tuple, p: Placement) -> None:
+        if p == self.home:
+            self.table.pop(tid, None)
+        else:
+            self.table[tid] = (sig, p)
+            self.active = True
+
+    def _changed(self, tid: int) -> None:
+        """An in-place op changed ``tid``: its copies are stale."""
+        stale = [key for key in self.copies if key[0] == tid]
+        for key in stale:
+            copy = self.copies.pop(key)
+            for rank in key[1].mesh:
+                self._emit(rank, ("free", None, (copy,), 0, None))
+
+    def _forget(self, tid: int) -> list[tuple[int, int]]:
+        """(rank, id) of ``tid`` and its copies everywhere, dropped from the books."""
+        entry = self.table.pop(tid, None)
+        mesh = entry[1].mesh if entry is not None else self.home.mesh
+        held = [(rank, tid) for rank in mesh]
+        for key in [key for key in self.copies if key[0] == tid]:
+            copy = self.copies.pop(key)
+            held += [(rank, copy) for rank in key[1].mesh]
+        return held
+
+    def _group(self, mesh: tuple[int, ...]) -> int:
+        """The data-plane group of a mesh, made on every worker the first time."""
+        gid = self._groups.get(mesh)
+        if gid is not None:
+            return gid
+        workers = sorted(self.d.links)
+        if not self._groups:
+            backend = "nccl" if all(self.d.devices[r].startswith("cuda") for r in workers) and \
+                len({self.d.devices[r] for r in workers}) == len(workers) else "gloo"
+            self.d.post("dist_init", (backend,), workers)
+        gid = len(self._groups) + 1
+        self._groups[mesh] = gid
+        self.d.post("new_group", (gid, mesh), workers)
+        return gid
+
+    def _emit(self, rank: int, ins: tuple) -> None:
+        """An instruction the program did not write (flagged so in traces)."""
+        self.d.enqueue(rank, ins, True)
+        if ins[0] in _COMM:
+            self._touched.add(rank)
+        rec = self.d.trace
+        if rec is not None:
+            oid = ins[1] if type(ins[1]) is int else -1
+            t = time.perf_counter_ns()
+            rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, ins[0], oid, rank,
+                      flags=Flag.INSERTED)
+
+    def _flush_touched(self) -> None:
+        """Every member of a collective gets it now: one of them waiting in it while another's
+        copy sits in an unsent batch would wait forever."""
+        for rank in sorted(self._touched):
+            self.d.flush(rank)
+        self._touched.clear()

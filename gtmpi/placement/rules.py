@@ -1,0 +1,210 @@
+"""Placement rules, one per op of the table, as data where they can be.
+
+A rule sees one op whose tensor operands all live on one mesh, and the placement type of each;
+it returns the placements the operands must have (the dispatcher inserts what converts them)
+and the placement of the result. Every op has a rule: the fallback replicates the operands
+and computes the whole result on every member, so any op is right on any placement; the
+rules below are what makes the common ones cheap (DTensor's sharding propagation, per axis
+of a one-dimensional mesh):
+
+  R with S -> S; P passes only through linear ops (all tensor operands P: add, sub, shape
+  ops, sums) and multilinear ones (exactly one P factor: mul, matmul); P never meets S.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from ..ops.table import OPS, Kind
+from .types import Placement
+
+
+class Plan(NamedTuple):
+    wants: tuple[Placement | None, ...]  # per operand: the placement it must have (None: constant)
+    out: Placement
+
+
+Rule = Callable[..., Plan]
+RULES: dict[str, Rule] = {}
+
+# linear in each tensor operand: P in every tensor operand gives P
+_LINEAR = {"add", "sub", "neg", "to", "sum", "mean", "alias", "contiguous", "clone", "transpose",
+           "permute", "unsqueeze", "reshape", "view", "flatten", "squeeze", "expand"}
+# linear in one operand at a time: exactly one P factor, the others R, gives P
+_MULTILINEAR = {"mul", "matmul", "linear"}
+_DIM_REDUCTIONS = {"sum", "mean", "amax", "amin", "var", "std", "argmax", "argmin",
+                   "max_dim", "min_dim"}
+
+
+def plan(name: str, mesh: tuple[int, ...], args: tuple, tmask: int, kw: dict | None,
+         kinds: list[Placement | None], sigs: list) -> Plan:
+    """The plan for one op; ``kinds[i]`` is operand i's placement (None for constants),
+    ``sigs[i]`` its (shape, dtype)."""
+    tensors = [p for p in kinds if p is not None]
+    if all(p.kind == "R" for p in tensors):
+        return Plan(tuple(kinds), Placement(mesh, "R"))
+    rule = RULES.get(name) or _KIND_RULES.get(OPS[name].kind)
+    result = rule(name, mesh, args, kw, kinds, sigs) if rule is not None else None
+    return result if result is not None else replicate(mesh, kinds)
+
+
+def replicate(mesh: tuple[int, ...], kinds: list[Placement | None]) -> Plan:
+    r = Placement(mesh, "R")
+    return Plan(tuple(None if p is None else r for p in kinds), r)
+
+
+def _partial(name: str, mesh, kinds) -> Plan | None:
+    """P passing through a linear or multilinear op, or None."""
+    tensors = [p for p in kinds if p is not None]
+    partial = sum(p.kind == "P" for p in tensors)
+    if partial == 0 or any(p.kind == "S" for p in tensors):
+        return None
+    if name in _LINEAR and partial == len(tensors):
+        if name in ("add", "sub") and None in kinds:
+            return None  # P + c would add c once per member
+        return Plan(tuple(kinds), Placement(mesh, "P"))
+    if name in _MULTILINEAR and partial == 1:
+        return Plan(tuple(kinds), Placement(mesh, "P"))
+    return None
+
+
+def _elementwise(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Broadcasting pointwise: S operands agree on one output dim; R operands are cut to
+    their piece locally where they span that dim."""
+    if any(p is not None and p.kind == "P" for p in kinds):
+        if name == "truediv" and kinds[1] is not None and kinds[1].kind == "P":
+            return None
+        return _partial("mul" if name == "truediv" else name, mesh, kinds)
+    ndim = max(len(s[0]) for s, p in zip(sigs, kinds) if p is not None)
+    dims = {p.dim + ndim - len(s[0]) for s, p in zip(sigs, kinds) if p is not None and p.kind == "S"}
+    if len(dims) != 1:
+        return None
+    (d,) = dims
+    wants = _lined_up(mesh, d, ndim, kinds, sigs)
+    return None if wants is None else Plan(wants, Placement(mesh, "S", d))
+
+
+def _lined_up(mesh, d: int, ndim: int, kinds, sigs) -> tuple | None:
+    """Operands of a broadcasting op whose result is S(d): each one sharded along the dim that
+    lines up with d, or whole where it broadcasts along d; None where that cannot be."""
+    length = {s[0][p.dim] for s, p in zip(sigs, kinds) if p is not None and p.kind == "S"}
+    wants = []
+    for s, p in zip(sigs, kinds):
+        if p is None:
+            wants.append(None)
+            continue
+        k = d - (ndim - len(s[0]))  # this operand's dim that lines up with d
+        if k < 0 or s[0][k] == 1:
+            if p.kind == "S":
+                return None
+            wants.append(Placement(mesh, "R"))  # broadcast along d: every member uses it whole
+        elif p.kind == "S" and p.dim != k:
+            return None
+        elif length and s[0][k] not in length:
+            return None
+        else:
+            wants.append(Placement(mesh, "S", k))
+    return tuple(wants)
+
+
+def _matmul(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """a @ b with a 2-D b (weights); Megatron's column and row parallel patterns."""
+    if (partial := _partial(name, mesh, kinds)) is not None:
+        return partial
+    (a_shape, _), (b_shape, _) = sigs[0], sigs[1]
+    if len(b_shape) != 2 or len(a_shape) < 1 or kinds[0] is None or kinds[1] is None:
+        return None
+    a, b = kinds
+    last = len(a_shape) - 1
+    r, p = Placement(mesh, "R"), Placement(mesh, "P")
+    if a.kind == "S" and a.dim < last and b.kind == "R":
+        return Plan((a, b), Placement(mesh, "S", a.dim))
+    if a.kind == "R" and b.kind == "S" and b.dim == 1:
+        return Plan((a, b), Placement(mesh, "S", last))
+    if (a.kind, b.kind) in (("S", "S"), ("R", "S"), ("S", "R")) and \
+            (a.kind != "S" or a.dim == last) and (b.kind != "S" or b.dim == 0):
+        return Plan((Placement(mesh, "S", last), Placement(mesh, "S", 0)), p)
+    return None
+
+
+def _linear(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """linear(x, W, b), W of shape (out, in): column parallel shards W's rows (and b), row
+    parallel its columns (no bias: it would be added once per member)."""
+    x, w, b = kinds
+    last = len(sigs[0][0]) - 1
+    if (partial := _partial(name, mesh, [x, w])) is not None:
+        return partial if b is None else None
+    if x.kind == "S" and x.dim < last and w.kind == "R" and (b is None or b.kind == "R"):
+        return Plan((x, w, b), Placement(mesh, "S", x.dim))
+    if x.kind == "R" and w.kind == "S" and w.dim == 0:
+        return Plan((x, w, None if b is None else Placement(mesh, "S", 0)), Placement(mesh, "S", last))
+    if b is None and w.kind in ("R", "S") and x.kind in ("R", "S") and \
+            (w.kind != "S" or w.dim == 1) and (x.kind != "S" or x.dim == last):
+        return Plan((Placement(mesh, "S", last), Placement(mesh, "S", 1), None), Placement(mesh, "P"))
+    return None
+
+
+def _reduction(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Over dims other than the sharded one: the result stays sharded; a sum (or mean) over
+    the sharded dim is partial."""
+    x = kinds[0]
+    if x.kind == "P":
+        return _partial(name, mesh, kinds)
+    if name not in _DIM_REDUCTIONS and name not in ("softmax", "log_softmax"):
+        return None
+    ndim = len(sigs[0][0])
+    dim = args[1]
+    if name in ("softmax", "log_softmax"):
+        return Plan(tuple(kinds), x) if dim % ndim != x.dim else None
+    keepdim = args[-1]
+    reduced = set(range(ndim)) if dim is None else \
+        {d % ndim for d in ((dim,) if isinstance(dim, int) else dim)}
+    if x.dim in reduced:
+        if name == "sum":  # the whole sum is the sum of the pieces' sums
+            return Plan(tuple(kinds), Placement(mesh, "P"))
+        return None
+    out_dim = x.dim if keepdim else x.dim - sum(d < x.dim for d in reduced)
+    return Plan(tuple(kinds), Placement(mesh, "S", out_dim))
+
+
+def _dim_map(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Shape ops that move dims without mixing them: the sharded dim moves along."""
+    x = kinds[0]
+    if x.kind == "P":
+        return _partial(name, mesh, kinds)
+    ndim = len(sigs[0][0])
+    if name in ("contiguous", "clone", "alias", "to"):
+        return Plan(tuple(kinds), x)
+    if name == "transpose":
+        d0, d1 = args[1] % ndim, args[2] % ndim
+        new = {d0: d1, d1: d0}.get(x.dim, x.dim)
+    elif name == "permute":
+        new = [d % ndim for d in args[1]].index(x.dim)
+    elif name == "unsqueeze":
+        at = args[1] % (ndim + 1)
+        new = x.dim + (1 if at <= x.dim else 0)
+    else:
+        return None
+    return Plan(tuple(kinds), Placement(mesh, "S", new))
+
+
+def _inplace(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """The target keeps its placement; every other tensor operand is brought to it."""
+    target = kinds[0]
+    if target.kind == "P":
+        linear = name in ("iadd", "isub") and all(p is None or p.kind == "P" for p in kinds)
+        scaled = name in ("imul", "itruediv") and all(p is None for p in kinds[1:])
+        return Plan(tuple(kinds), target) if linear or scaled or name == "zero_" else None
+    if target.kind == "R":
+        return Plan(tuple(None if p is None else target for p in kinds), target)
+    wants = _lined_up(mesh, target.dim, len(sigs[0][0]), kinds, sigs)
+    return None if wants is None else Plan(wants, target)
+
+
+_KIND_RULES = {Kind.ELEMENTWISE: _elementwise, Kind.REDUCE: _reduction, Kind.SHAPE: _dim_map,
+               Kind.INPLACE: _inplace}
+RULES.update({"matmul": _matmul, "linear": _linear})
+# mix or index dims: right only on whole tensors, or on partial sums where linear
+for _name in ("cross_entropy", "cross_entropy_grad", "cat", "stack", "split", "chunk", "narrow",
+              "getitem", "getitem_grad", "setitem", "expand", "reshape", "view", "flatten",
+              "squeeze"):
+    RULES[_name] = lambda name, mesh, args, kw, kinds, sigs: _partial(name, mesh, kinds)

@@ -1,0 +1,111 @@
+"""The data plane on a worker: torch.distributed among the workers, directly (gloo on CPUs,
+NCCL on GPUs); tensor bytes between workers never pass through rank 0.
+
+It starts when the dispatcher first places a tensor on several workers (a 'dist_init' control
+word reaches every worker at the same point of its stream); groups are created by
+'new_group' words, which also reach every worker in one order, as torch requires. Collectives
+and transfers are ops of the table (Kind.COMM); the dispatcher issues each to all members of
+its group in one global order, so workers never wait on mismatched collectives.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class DataPlane:
+    def __init__(self, rank: int, device: torch.device, workers_comm: Any) -> None:
+        self.rank = rank
+        self.device = device
+        self.workers_comm = workers_comm  # an MPI communicator of the workers only
+        self.groups: dict[int, Any] = {}
+        self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
+        self._sends: list[Any] = []
+
+    @property
+    def started(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def init(self, backend: str) -> None:
+        """Collective over every worker: the first one hosts the rendezvous store."""
+        comm = self.workers_comm
+        first = comm.Get_rank() == 0
+        one_host = len(set(comm.allgather(socket.gethostname()))) == 1
+        if one_host:  # keep gloo on loopback: other interfaces may be down or firewalled
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        host = "127.0.0.1" if one_host else _host()
+        store = None
+        if first:
+            store = dist.TCPStore(host, 0, comm.Get_size(), is_master=True,
+                                  wait_for_workers=False)
+            address = (host, store.port)
+        address = comm.bcast(address if first else None, root=0)
+        if not first:
+            store = dist.TCPStore(address[0], address[1], comm.Get_size(), is_master=False)
+        kw = {"device_id": self.device} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=store, rank=comm.Get_rank(),
+                                world_size=comm.Get_size(), **kw)
+        self.groups[0] = dist.group.WORLD
+
+    def new_group(self, gid: int, ranks: tuple[int, ...]) -> None:
+        """Every worker calls this for every group, in the same order (torch requires it)."""
+        self.groups[gid] = dist.new_group([r - 1 for r in ranks])
+
+    def _count(self, kind: str, t: torch.Tensor) -> None:
+        entry = self.stats[kind]
+        entry[0] += 1
+        entry[1] += t.numel() * t.element_size()
+
+    # kernels ------------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        """P -> R: the sum of every member's piece, on every member."""
+        y = x.clone()
+        dist.all_reduce(y, group=self.groups[group])
+        self._count("all_reduce", y)
+        return y
+
+    def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
+        """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded."""
+        longest = max(sizes)
+        piece = x.contiguous()
+        if piece.shape[dim] < longest:
+            pad = list(piece.shape)
+            pad[dim] = longest - piece.shape[dim]
+            piece = torch.cat([piece, piece.new_zeros(pad)], dim)
+        parts = [torch.empty_like(piece) for _ in sizes]
+        dist.all_gather(parts, piece, group=self.groups[group])
+        self._count("all_gather", piece)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+
+    def send(self, x: torch.Tensor, dst: int) -> tuple:
+        """Without waiting: the receiver takes it when its stream gets there. No results."""
+        x = x.contiguous()
+        self._sends.append((dist.isend(x, dst - 1), x))
+        self._count("send", x)
+        if len(self._sends) > 64:
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        return ()
+
+    def recv(self, shape: tuple, dtype: torch.dtype, src: int) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(x, src - 1)
+        self._count("recv", x)
+        return x
+
+    def finish(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        if self.started:
+            dist.destroy_process_group()
+
+
+def _host() -> str:
+    """Where the other workers reach this one: GTMPI_MASTER_ADDR, else the host name."""
+    return os.environ.get("GTMPI_MASTER_ADDR") or socket.gethostname()
