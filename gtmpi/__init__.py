@@ -7,6 +7,7 @@ worker inside the process, or n spawned ones after ``gtmpi.workers(n)``.
 from __future__ import annotations
 
 from . import debug, nn, optim, trace
+from . import signals as signal
 from .checkpoint import load, save
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, full_like,
@@ -22,6 +23,7 @@ from .client.functions import (abs, argmax, argmin, cat, chunk, clamp, clip, con
 from .client.runtime import runtime as _runtime
 from .client.tensor import Tensor
 from .errors import WorkerError
+from .signals import ConfigError, load_config
 from .launch import spawn_workers as workers
 from .launch import start_role as _start_role
 

@@ -51,3 +51,12 @@ def _operand(a: Any, tensor_type: type) -> str:
         return f"t{a.id} {list(a.shape)}{' ' + kind if kind else ''}"
     text = repr(a)
     return text if len(text) <= 24 else text[:21] + "..."
+
+
+def placement(t: Any) -> dict[str, Any]:
+    """Where a tensor lives: its mesh (worker ranks), placement type, and each member's piece."""
+    from .client.runtime import runtime
+    p = runtime().dispatcher.placer.placement(t.id)
+    shape = tuple(t.shape)
+    return {"mesh": list(p.mesh), "type": f"S({p.dim})" if p.kind == "S" else p.kind,
+            "shards": {rank: p.local_shape(shape, i) for i, rank in enumerate(p.mesh)}}

@@ -54,12 +54,14 @@ class Node:
     """One recorded op: its name, operands (tensors and constants), keyword constants and
     what its rule saved; ``outputs`` is the number of results."""
 
-    __slots__ = ("op", "operands", "kw", "outputs", "saved", "freed", "results", "__weakref__")
+    __slots__ = ("op", "operands", "kw", "outputs", "saved", "freed", "results", "backward",
+                 "__weakref__")
 
     def __init__(self, op: str, operands: tuple, kw: dict | None, outputs: int, saved: Any):
         self.op, self.operands, self.kw, self.outputs, self.saved = op, operands, kw, outputs, saved
         self.freed = False
         self.results: tuple = ()  # (id, (shape, dtype)) per output, for print_tape
+        self.backward: str | None = None  # the signal its gradient ops run under
 
     def parents(self):
         for a in self.operands:
@@ -70,6 +72,7 @@ class Node:
 
 def record(op: str, operands: Sequence, kw: dict | None, result: Any) -> None:
     """Called by every op: link the result into the graph if an operand requires grad."""
+    from ..client.runtime import runtime
     from ..client.tensor import Tensor
     from ..ops import OPS, Kind
     from .grads import GRADS, needs_output
@@ -91,6 +94,7 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any) -> None:
             saved = tuple(o.detach() for o in outs)
     node = Node(op, tuple(operands), kw, len(outs), saved)
     node.results = tuple((o.id, o._sig) for o in outs)
+    node.backward = runtime().signals.backward()
     _state.last = weakref.ref(node)  # weak: printing must not keep a dropped graph alive
     for slot, o in enumerate(outs):
         if o.dtype.is_floating_point or o.dtype.is_complex:
@@ -101,6 +105,7 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any) -> None:
 
 def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> None:
     from ..client.creation import ones_like
+    from .. import signals
     from ..client.tensor import Tensor
     from .grads import GRADS
     if not root.requires_grad:
@@ -130,7 +135,11 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                 raise RuntimeError("Trying to backward through the graph a second time (or directly "
                                    "access saved tensors after they have already been freed). "
                                    "Specify retain_graph=True if you need to backward a second time.")
-            results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
+            if node.backward is None:
+                results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
+            else:  # backward= on the signal of its forward: its gradient ops run there
+                with signals.context(node.backward):
+                    results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
             for operand, g in zip(node.operands, results):
                 if g is None or not isinstance(operand, Tensor) or not operand.requires_grad:
                     continue

@@ -40,6 +40,11 @@ class Runtime:
         self._random_ops = 0
         self.closed = False
         self.tracing = None  # a trace.session.TraceRun while a trace records
+        from ..signals import SignalBook, load
+        self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
+        config = os.environ.get("GTMPI_CONFIG") or os.environ.get("GT_CONFIG")
+        if config:
+            self.signals.register(load(config))
         log = os.environ.get("GTMPI_INSTRUCTION_LOG") or os.environ.get("GT_INSTRUCTION_LOG")
         if log:
             from ..trace.instruction_log import InstructionLog

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from ..ops.table import OPS, Kind as OpKind
-from ..placement.rules import plan
+from ..placement.rules import MUTATED, plan
 from ..placement.types import Placement
+from ..signals.config import ConfigError
 from ..trace.events import Flag, Kind, Lane
 
 _COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
@@ -29,11 +31,13 @@ class Placer:
         self.home = Placement((dispatcher.home,), "R")
         self.table: dict[int, tuple[tuple, Placement]] = {}  # id -> (sig, placement), off home
         self.copies: dict[tuple[int, Placement], int] = {}  # (id, placement) -> converted copy
-        self.signals: list[Placement] = []  # the active signal scopes, innermost last
+        self.signals: list[tuple[Placement, str]] = []  # open signal scopes: (placement, where
+        # its axis came from, for errors), innermost last
         self.active = False
         self._groups: dict[tuple[int, ...], int] = {}
         self._temp = itertools.count(-1, -1)  # ids of the dispatcher's own tensors
         self._touched: set[int] = set()  # ranks given a collective since the last flush
+        self._plane_started = False
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -41,9 +45,28 @@ class Placer:
         entry = self.table.get(tid)
         return self.home if entry is None else entry[1]
 
-    def enter(self, target: Placement) -> None:
-        self.signals.append(target)
+    def enter(self, target: Placement, where: str) -> None:
+        self.signals.append((target, where))
         self.active = True
+
+    @contextmanager
+    def beside(self, tid: int) -> Iterator[None]:
+        """Tensors made inside are laid out like ``tid`` (a partial sum's like is whole)."""
+        p = self.placement(tid)
+        if not self.active or p == self.home:
+            yield
+            return
+        self.enter(Placement(p.mesh, "R") if p.kind == "P" else p, "")
+        try:
+            yield
+        finally:
+            self.exit()
+
+    def place(self, tid: int, sig: tuple, target: Placement, where: str) -> None:
+        """Give a tensor a signal's placement."""
+        self.active = True
+        self.replace(tid, sig, _fit(target, sig, where))
+        self._flush_touched()
 
     def exit(self) -> None:
         self.signals.pop()
@@ -53,29 +76,29 @@ class Placer:
         name, out, args, tmask, kw = ins
         op = OPS[name]
         if op.kind is OpKind.CREATE:
-            target = self.signals[-1] if self.signals else self.home
+            target = self._signal_target(outs[0])
             self._create(ins, outs[0], target)
             return target.mesh[0]
         kinds = [self.placement(a) if tmask >> i & 1 else None for i, a in enumerate(args)]
         mesh = self._mesh(kinds)
-        inplace = op.kind is OpKind.INPLACE
+        written = MUTATED.get(name, (0,)) if op.kind is OpKind.INPLACE else ()
         on_mesh = [None if p is None else (p if p.mesh == mesh else Placement(mesh, "R"))
                    for p in kinds]
-        if inplace and on_mesh[0] != kinds[0]:
-            self.replace(args[0], sigs[0], on_mesh[0])
+        for i in written:
+            self.replace(args[i], sigs[i], on_mesh[i])
         p = plan(name, mesh, args, tmask, kw, on_mesh, sigs)
-        if inplace and p.wants[0] != on_mesh[0]:
-            self.replace(args[0], sigs[0], p.wants[0])
+        for i in written:
+            self.replace(args[i], sigs[i], p.wants[i])
         wire = list(args)
         for i, want in enumerate(p.wants):
-            if want is not None and not (inplace and i == 0):
+            if want is not None and i not in written:
                 wire[i] = self._as(args[i], sigs[i], want)
         placed = (name, out, tuple(wire), tmask, kw)
         for rank in mesh:
             self.d.enqueue(rank, placed, urgent)
-        if inplace:
-            self._changed(args[0])
-        else:
+        for i in written:
+            self._changed(args[i])
+        if not written:
             for oid, sig in zip((out,) if type(out) is int else out, outs):
                 self._record(oid, sig, p.out)
         self._flush_touched()
@@ -83,7 +106,7 @@ class Placer:
 
     def upload(self, ins: tuple, data: Any) -> None:
         """Host bytes: to the first member of the active signal's mesh, then to its placement."""
-        target = self.signals[-1] if self.signals else self.home
+        target = self._signal_target(ins[2])
         first = target.mesh[0]
         self.d.links[first].upload(data)
         self.d.enqueue(first, ins, True)
@@ -138,13 +161,15 @@ class Placer:
         shape, dtype = sig
         if have.mesh != want.mesh:
             whole = tid if have.kind == "R" else self._as(tid, sig, Placement(have.mesh, "R"))
+            self._start_plane()
             moved = next(self._temp)
             sender = have.mesh[0]
             for rank in want.mesh:
                 if rank in have.mesh:
                     self._emit(rank, ("alias", moved, (whole,), 1, None))
                 else:
-                    self._emit(sender, ("send", (), (whole,), 1, {"dst": rank}))
+                    self._emit(sender, ("send", (), (whole,), 1,
+                                        {"dst": rank, "shape": tuple(shape), "dtype": dtype}))
                     self._emit(rank, ("recv", moved, (), 0,
                                       {"shape": tuple(shape), "dtype": dtype, "src": sender}))
             r = Placement(want.mesh, "R")
@@ -153,9 +178,10 @@ class Placer:
         out = next(self._temp)
         group = self._group(have.mesh)
         if have.kind == "P" or (have.kind == "S" and want.kind in ("R", "S")):
-            op = ("all_reduce", out, (tid,), 1, {"group": group}) if have.kind == "P" else \
-                ("all_gather", out, (tid,), 1,
-                 {"group": group, "dim": have.dim, "sizes": have.sizes(tuple(shape))})
+            like = {"group": group, "shape": tuple(shape), "dtype": dtype}
+            op = ("all_reduce", out, (tid,), 1, like) if have.kind == "P" else \
+                ("all_gather", out, (tid,), 1, {**like, "dim": have.dim,
+                                                "sizes": have.sizes(tuple(shape))})
             for rank in have.mesh:
                 self._emit(rank, op)
             if want.kind == "R":
@@ -188,10 +214,17 @@ class Placer:
 
     # bookkeeping --------------------------------------------------------------------------
 
+    def _signal_target(self, sig: tuple) -> Placement:
+        """Where a tensor made now goes: the innermost signal's placement, else home."""
+        if not self.signals:
+            return self.home
+        target, where = self.signals[-1]
+        return _fit(target, sig, where)
+
     def _mesh(self, kinds: list[Placement | None]) -> tuple[int, ...]:
         """Where an op runs: the active signal's mesh, else that of its widest operand."""
         if self.signals:
-            return self.signals[-1].mesh
+            return self.signals[-1][0].mesh
         meshes = [p.mesh for p in kinds if p is not None]
         return max(meshes, key=len) if meshes else self.home.mesh
 
@@ -225,15 +258,21 @@ class Placer:
         gid = self._groups.get(mesh)
         if gid is not None:
             return gid
-        workers = sorted(self.d.links)
-        if not self._groups:
-            backend = "nccl" if all(self.d.devices[r].startswith("cuda") for r in workers) and \
-                len({self.d.devices[r] for r in workers}) == len(workers) else "gloo"
-            self.d.post("dist_init", (backend,), workers)
+        self._start_plane()
         gid = len(self._groups) + 1
         self._groups[mesh] = gid
-        self.d.post("new_group", (gid, mesh), workers)
+        self.d.post("new_group", (gid, mesh), sorted(self.d.links))
         return gid
+
+    def _start_plane(self) -> None:
+        """torch.distributed among the workers, once: NCCL where each has a GPU of its own."""
+        if self._plane_started:
+            return
+        self._plane_started = True
+        workers = sorted(self.d.links)
+        devices = [self.d.devices[r] for r in workers]
+        own_gpus = all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices)
+        self.d.post("dist_init", ("nccl" if own_gpus else "gloo",), workers)
 
     def _emit(self, rank: int, ins: tuple) -> None:
         """An instruction the program did not write (flagged so in traces)."""
@@ -253,3 +292,15 @@ class Placer:
         for rank in sorted(self._touched):
             self.d.flush(rank)
         self._touched.clear()
+
+
+def _fit(target: Placement, sig: tuple, where: str) -> Placement:
+    """A signal's placement for a tensor of this shape: its axis counted from the end if
+    negative, and within the tensor's dims."""
+    if target.kind != "S":
+        return target
+    ndim = len(sig[0])
+    if not -ndim <= target.dim < ndim:
+        raise ConfigError(f"{where}: axis {target.dim} is out of range for a tensor of shape "
+                          f"{list(sig[0])}")
+    return Placement(target.mesh, "S", target.dim % ndim)

@@ -209,11 +209,12 @@ _ops = [
 ]
 
 # between workers: inserted by the dispatcher where placements need them, never by the client
+# (shape and dtype, of the whole tensor, let a worker whose operand failed still take part)
 _ops += [
-    Op("all_reduce", Kind.COMM, lambda x, group, plane: plane.all_reduce(x, group)),
-    Op("all_gather", Kind.COMM,
-       lambda x, group, dim, sizes, plane: plane.all_gather(x, group, dim, sizes)),
-    Op("send", Kind.COMM, lambda x, dst, plane: plane.send(x, dst)),
+    Op("all_reduce", Kind.COMM, lambda x, group, shape, dtype, plane: plane.all_reduce(x, group)),
+    Op("all_gather", Kind.COMM, lambda x, group, dim, sizes, shape, dtype, plane:
+       plane.all_gather(x, group, dim, sizes)),
+    Op("send", Kind.COMM, lambda x, dst, shape, dtype, plane: plane.send(x, dst)),
     Op("recv", Kind.COMM, lambda shape, dtype, src, plane: plane.recv(shape, dtype, src)),
 ]
 

@@ -26,6 +26,10 @@ class Plan(NamedTuple):
 Rule = Callable[..., Plan]
 RULES: dict[str, Rule] = {}
 
+# the operands an in-place op writes (default: the first): these are placed where the op runs
+# themselves, never copied, or the write would land in the copy
+MUTATED: dict[str, tuple[int, ...]] = {"sgd_step": (0, 2), "adam_step": (0, 2, 3)}
+
 # linear in each tensor operand: P in every tensor operand gives P
 _LINEAR = {"add", "sub", "neg", "to", "sum", "mean", "alias", "contiguous", "clone", "transpose",
            "permute", "unsqueeze", "reshape", "view", "flatten", "squeeze", "expand"}

@@ -84,8 +84,9 @@ class DataPlane:
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
 
     def send(self, x: torch.Tensor, dst: int) -> tuple:
-        """Without waiting: the receiver takes it when its stream gets there. No results."""
-        x = x.contiguous()
+        """Without waiting: the receiver takes it when its stream gets there. No results. A
+        snapshot travels: later ops of this stream may change x in place before it has left."""
+        x = x.clone(memory_format=torch.contiguous_format)
         self._sends.append((dist.isend(x, dst - 1), x))
         self._count("send", x)
         if len(self._sends) > 64:

@@ -87,6 +87,8 @@ class Executor:
                 self._control[name](out, args)
                 continue
             if poison and tmask and self._propagate(out, args, tmask):
+                if op.kind is Kind.COMM:
+                    self._stand_in(op, kw)
                 continue
             try:
                 if tmask:
@@ -104,7 +106,7 @@ class Executor:
                 if start is not None:
                     rec.gpu_timed(start, _cuda_event())
             except Exception as e:  # the op's own failure (bad index, out of memory, ...)
-                self._fail(out, self._fault(out if type(out) is int else out[0], name, e))
+                self._fail(out, self._fault(out if type(out) is int else (out or (-1,))[0], name, e))
                 continue
             if type(out) is int:
                 env[out] = res
@@ -118,6 +120,15 @@ class Executor:
             self._gpu_countdown = countdown
         self.stats["ops"] += len(batch)
         self.stats["batches"] += 1
+
+    def _stand_in(self, op, kw: dict) -> None:
+        """An operand of a collective failed here: take part with zeros all the same (the
+        other members would wait forever), keeping the result poisoned."""
+        shape = list(kw["shape"])
+        if op.name == "all_gather":
+            shape[kw["dim"]] = max(kw["sizes"])
+        zeros = torch.zeros(shape, dtype=kw["dtype"], device=self.device)
+        op.kernel(zeros, **kw, plane=self.plane)
 
     def _note_comm(self, name: str, args: list, kw: dict, res: Any) -> None:
         """A collective's bytes and group, a transfer's bytes and peer, for the trace."""

@@ -1,0 +1,274 @@
+"""Sharding by signals and configs: each pattern equal to the same program on one worker, the
+placements of the results, and the collectives that ran; bad configs and misuse."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import gtmpi
+import gtmpi.nn as nn
+import gtmpi.nn.functional as F
+from conftest import assert_same
+from gtmpi.signals.config import ConfigError, load, parse
+
+WORKERS = sorted(gtmpi.info()["workers"])
+spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+
+CONFIG = {
+    "data": {"shard": {"axis": 0, "workers": [0, 1]}},
+    "weights": {"shard": {"workers": [0, 1], "replicated": True}},
+    "col": {"shard": {"axis": 0, "workers": [0, 1]}},
+    "row": {"shard": {"axis": 1, "workers": [0, 1]}},
+    "stage0": {"shard": {"workers": [0]}},
+    "stage1": {"shard": {"workers": [1]}},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def config():
+    if len(WORKERS) >= 2:
+        gtmpi.load_config(CONFIG)
+
+
+def collectives() -> dict[str, int]:
+    """Collectives run so far, summed over workers, by kind (count)."""
+    total: dict[str, int] = {}
+    for s in gtmpi.debug.worker_stats().values():
+        for kind, (count, _) in s["collectives"].items():
+            total[kind] = total.get(kind, 0) + count
+    return total
+
+
+def ran_since(before: dict[str, int]) -> dict[str, int]:
+    now = collectives()
+    return {k: now[k] - before.get(k, 0) for k in now if now[k] != before.get(k, 0)}
+
+
+def where(t) -> str:
+    d = gtmpi.debug.placement(t)
+    return f"{d['type']}@{d['mesh']}"
+
+
+# configs ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, message", [
+    ({"s": {"shard": {"axis": 0, "workers": [0, 1]}, "sharding": 1}}, "signal 's', key 'sharding': unknown key"),
+    ({"s": {"shard": {"axes": 0}}}, "signal 's', key 'shard.axes': unknown key"),
+    ({"s": {"shard": {"workers": [0, 0], "axis": 0}}}, "key 'shard.workers'"),
+    ({"s": {"shard": {"workers": [0, 1]}}}, "key 'shard.axis': several workers need an axis"),
+    ({"s": {"shard": {"workers": [0, 1], "axis": 0, "replicated": True}}}, "key 'shard.replicated'"),
+    ({"s": {"shard": {"workers": [0], "axis": "0"}}}, "key 'shard.axis': expected an integer"),
+    ({"s": {"backward": 3}}, "key 'backward'"),
+    ({"s": 5}, "signal 's': expected a mapping"),
+])
+def test_bad_configs_name_file_signal_and_key(config, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse(config, "<dict>")
+
+
+def test_yaml_configs_load_and_bad_files_are_named(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("data:\n  shard:\n    axis: 0\n    workers: [0, 1]\n  backward: data\n")
+    (s,) = load(str(good)).values()
+    assert (s.name, s.axis, s.workers, s.backward, s.source) == ("data", 0, (0, 1), "data", str(good))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  shard: {axis: 0\n")
+    with pytest.raises(ConfigError, match=rf"{bad}: not valid YAML at line \d"):
+        load(str(bad))
+    with pytest.raises(ConfigError, match="cannot read the config"):
+        load(str(tmp_path / "missing.yaml"))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("data:\n  shard: {axis: 0}\n  bakward: x\n")
+    with pytest.raises(ConfigError, match=rf"{unknown}: signal 'data', key 'bakward': unknown key"):
+        load(str(unknown))
+
+
+def test_worker_out_of_range_for_the_job():
+    n = len(WORKERS)
+    with pytest.raises(ConfigError, match=rf"signal 'far', key 'shard.workers': worker {n} is out "
+                                          rf"of range: this job has {n} worker"):
+        gtmpi.load_config({"far": {"shard": {"workers": [0, n], "axis": 0}}})
+
+
+def test_a_signal_missing_from_the_config_is_a_no_op_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with gtmpi.signal.context("nowhere"):
+                x = gtmpi.ones(4, 4)
+        y = gtmpi.signal.tensor(x, "nowhere")
+    assert [str(w.message) for w in caught] == \
+        ["gtmpi: signal 'nowhere' is not in the config; its scope changes nothing"]
+    assert where(y) == f"R@[{WORKERS[0]}]"
+    assert_same(y + 1, torch.full((4, 4), 2.0))
+
+
+def test_enter_exit_must_match():
+    with pytest.raises(RuntimeError, match="does not match the innermost open signal"):
+        gtmpi.signal.exit("never-entered")
+
+
+# patterns ---------------------------------------------------------------------------------
+
+@spread
+def test_axis_out_of_range_for_the_tensor():
+    with pytest.raises(ConfigError, match=r"<dict>: signal 'row', key 'shard.axis': axis 1 is out "
+                                          r"of range for a tensor of shape \[4\]"):
+        with gtmpi.signal.context("row"):
+            gtmpi.zeros(4)
+
+
+@spread
+def test_sharded_tensors_read_whole_even_uneven(gen):
+    host = torch.randn(5, 3, generator=gen)
+    x = gtmpi.signal.tensor(host, "data")
+    assert gtmpi.debug.placement(x) == {"mesh": WORKERS[:2], "type": "S(0)",
+                                        "shards": {WORKERS[0]: (3, 3), WORKERS[1]: (2, 3)}}
+    assert_same(x, host)
+    with gtmpi.signal.context("data"):
+        r = gtmpi.randn(7, 2)
+    gtmpi.manual_seed(0)  # random values do not depend on the placement
+    assert where(r) == f"S(0)@{WORKERS[:2]}"
+
+
+@spread
+def test_sharded_reductions_and_shape_ops(gen):
+    host = torch.randn(6, 4, generator=gen)
+    x = gtmpi.signal.tensor(host, "data")
+    before = collectives()
+    total = x.sum()
+    assert where(total) == f"P@{WORKERS[:2]}"
+    assert_same(total, host.sum(), rtol=1e-5, atol=1e-5)
+    by_row = x.sum(1)
+    assert where(by_row) == f"S(0)@{WORKERS[:2]}"
+    assert_same(by_row, host.sum(1), rtol=1e-5, atol=1e-5)
+    assert_same(x.sum(0), host.sum(0), rtol=1e-5, atol=1e-5)
+    assert_same(x.mean(0), host.mean(0), rtol=1e-5, atol=1e-5)
+    assert_same(x.amax(0), host.amax(0))
+    assert_same(x.softmax(1), host.softmax(1))
+    assert_same(x.softmax(0), host.softmax(0))
+    t = x.transpose(0, 1)
+    assert where(t) == f"S(1)@{WORKERS[:2]}"
+    assert_same(t, host.T)
+    assert_same(x.reshape(3, 8), host.reshape(3, 8))
+    assert_same(x.reshape(-1), host.reshape(-1))
+    assert_same(x[1:5, ::2], host[1:5, ::2])
+    assert_same((x * 2.0 + 1.0).relu(), (host * 2 + 1).relu())
+    ran = ran_since(before)
+    assert ran.get("all_reduce", 0) >= 1 and ran.get("all_gather", 0) >= 1
+
+
+def mlp_params(gen):
+    return [torch.randn(16, 4, generator=gen) * 0.3, torch.randn(16, generator=gen) * 0.1,
+            torch.randn(3, 16, generator=gen) * 0.3, torch.randn(3, generator=gen) * 0.1]
+
+
+@spread
+def test_data_parallel_training_equals_one_worker(gen):
+    """Batch sharded, parameters replicated, gradients all-reduced, replicas identical."""
+    init = mlp_params(gen)
+    xs = [torch.randn(8, 4, generator=gen) for _ in range(3)]
+    ys = [torch.randint(0, 3, (8,), generator=gen) for _ in range(3)]
+
+    def train(sharded: bool):
+        with gtmpi.signal.context("weights") if sharded else contextlib.nullcontext():
+            params = [gtmpi.tensor(p, requires_grad=True) for p in init]
+        opt = gtmpi.optim.AdamW(params, lr=0.05)
+        losses = []
+        for x, y in zip(xs, ys):
+            if sharded:
+                x, y = gtmpi.signal.tensor(x, "data"), gtmpi.signal.tensor(y, "data")
+            else:
+                x, y = gtmpi.tensor(x), gtmpi.tensor(y)
+            opt.zero_grad()
+            h = F.linear(x, params[0], params[1]).relu()
+            loss = F.cross_entropy(F.linear(h, params[2], params[3]), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, params
+
+    want_losses, want = train(False)
+    before = collectives()
+    losses, params = train(True)
+    ran = ran_since(before)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for p, w in zip(params, want):
+        assert where(p) == f"R@{WORKERS[:2]}"
+        assert_same(p.detach(), w.detach().cpu_torch(), rtol=1e-5, atol=1e-6)
+        halves = gtmpi.signal.tensor(p.detach(), "data")  # each worker's rows from its own copy
+        assert_same(halves, w.detach().cpu_torch(), rtol=1e-5, atol=1e-6)
+    # per step: one all-reduce per gradient that came out partial (both weights, the first
+    # bias), on each of the 2 workers
+    assert ran["all_reduce"] == 3 * 3 * 2
+
+
+@spread
+def test_tensor_parallel_mlp_one_all_reduce_each_way(gen):
+    """Megatron's MLP: column-parallel then row-parallel linear layers."""
+    w1, b1, w2, b2 = mlp_params(gen)
+    x_host = torch.randn(8, 4, generator=gen)
+
+    def run(sharded: bool):
+        def make(t, signal):
+            if not sharded:
+                return gtmpi.tensor(t, requires_grad=True)
+            with gtmpi.signal.context(signal):
+                return gtmpi.tensor(t, requires_grad=True)
+        x = make(x_host, "weights")
+        p = [make(w1, "col"), make(b1, "col"), make(w2, "row"), make(b2, "weights")]
+        before = collectives()
+        h = F.gelu(F.linear(x, p[0], p[1]))
+        y = F.linear(h, p[2]) + p[3]
+        fwd = ran_since(before)
+        loss = (y * y).mean()
+        loss.backward()
+        x_grad = x.grad.numpy()
+        return loss, h, p, x_grad, fwd, ran_since(before)
+
+    want = run(False)
+    loss, h, p, x_grad, fwd, both = run(True)
+    assert where(h) == f"S(1)@{WORKERS[:2]}"
+    assert fwd == {"all_reduce": 2}  # one all-reduce (on each of the 2 workers)
+    assert both == {"all_reduce": 4}  # and one more in backward: the input's gradient
+    assert_same(loss, want[0].cpu_torch(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(x_grad, want[3], rtol=1e-4, atol=1e-6)
+    assert [where(t.grad) for t in p] == [f"S(0)@{WORKERS[:2]}", f"S(0)@{WORKERS[:2]}",
+                                         f"S(1)@{WORKERS[:2]}", f"R@{WORKERS[:2]}"]
+    for got, ref in zip(p, want[2]):
+        assert_same(got.grad, ref.grad.cpu_torch(), rtol=1e-4, atol=1e-6)
+
+
+@spread
+def test_pipeline_stages_send_activations_and_gradients(gen):
+    w1, b1, w2, b2 = mlp_params(gen)
+    x_host = torch.randn(8, 4, generator=gen)
+
+    def run(staged: bool):
+        stage = (lambda name: gtmpi.signal.context(name)) if staged else \
+            (lambda name: contextlib.nullcontext())
+        with stage("stage0"):
+            x = gtmpi.tensor(x_host)
+            a, b = gtmpi.tensor(w1, requires_grad=True), gtmpi.tensor(b1, requires_grad=True)
+            h = F.linear(x, a, b).relu()
+        with stage("stage1"):
+            c, d = gtmpi.tensor(w2, requires_grad=True), gtmpi.tensor(b2, requires_grad=True)
+            y = F.linear(h, c, d)
+            loss = (y * y).mean()
+        loss.backward()
+        return loss, h, [a, b, c, d]
+
+    want = run(False)
+    before = collectives()
+    loss, h, params = run(True)
+    ran = ran_since(before)
+    assert where(h) == f"R@[{WORKERS[0]}]" and where(loss) == f"R@[{WORKERS[1]}]"
+    assert [where(t) for t in params] == [f"R@[{WORKERS[0]}]"] * 2 + [f"R@[{WORKERS[1]}]"] * 2
+    assert ran.get("send", 0) >= 2 and ran["send"] == ran["recv"]  # forward and backward
+    assert_same(loss, want[0].cpu_torch(), rtol=1e-5, atol=1e-6)
+    for got, ref in zip(params, want[2]):
+        assert_same(got.grad, ref.grad.cpu_torch(), rtol=1e-5, atol=1e-6)
