@@ -60,21 +60,21 @@ def load(path: str) -> dict[str, Signal]:
     return parse(config or {}, path)
 
 
-def _signal(name: str, body: Any, source: str) -> Signal:
-    where = f"{source}: signal '{name}'"
+def _mapping(body: Any, known: set[str], where: str, prefix: str) -> None:
     if not isinstance(body, dict):
         raise ConfigError(f"{where}: expected a mapping of settings, got {body!r}")
-    unknown = set(body) - _SIGNAL_KEYS
+    unknown = sorted(set(body) - known)
     if unknown:
-        raise ConfigError(f"{where}, key '{sorted(unknown)[0]}': unknown key "
-                          f"(known: {', '.join(sorted(_SIGNAL_KEYS))})")
+        signal = where.split(", key")[0]
+        raise ConfigError(f"{signal}, key '{prefix}{unknown[0]}': unknown key "
+                          f"(known: {', '.join(sorted(known))})")
+
+
+def _signal(name: str, body: Any, source: str) -> Signal:
+    where = f"{source}: signal '{name}'"
+    _mapping(body, _SIGNAL_KEYS, where, "")
     shard = body.get("shard", {})
-    if not isinstance(shard, dict):
-        raise ConfigError(f"{where}, key 'shard': expected a mapping, got {shard!r}")
-    unknown = set(shard) - _SHARD_KEYS
-    if unknown:
-        raise ConfigError(f"{where}, key 'shard.{sorted(unknown)[0]}': unknown key "
-                          f"(known: {', '.join(sorted(_SHARD_KEYS))})")
+    _mapping(shard, _SHARD_KEYS, f"{where}, key 'shard'", "shard.")
     workers = shard.get("workers", [0])
     if not isinstance(workers, list) or not workers or \
             not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in workers) \
