@@ -12,7 +12,7 @@ import torch
 import gtmpi
 import gtmpi.nn as nn
 import gtmpi.nn.functional as F
-from conftest import assert_same
+from conftest import assert_same, mpiexec, run_job
 from gtmpi.signals.config import ConfigError, load, parse
 
 WORKERS = sorted(gtmpi.info()["workers"])
@@ -272,3 +272,55 @@ def test_pipeline_stages_send_activations_and_gradients(gen):
     assert_same(loss, want[0].cpu_torch(), rtol=1e-5, atol=1e-6)
     for got, ref in zip(params, want[2]):
         assert_same(got.grad, ref.grad.cpu_torch(), rtol=1e-5, atol=1e-6)
+
+
+# 3 and 4 workers: whole jobs of their own, from the serial suite ---------------------------
+
+MANY = """
+    import contextlib, json
+    import numpy as np, torch, gtmpi
+    import gtmpi.nn.functional as F
+    n = len(gtmpi.info()["workers"])
+    every = list(range(n))
+    gtmpi.load_config({"data": {"shard": {"axis": 0, "workers": every}},
+                       "weights": {"shard": {"workers": every, "replicated": True}},
+                       "col": {"shard": {"axis": 0, "workers": every}},
+                       "row": {"shard": {"axis": 1, "workers": every}}})
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(18, 5, generator=gen), torch.randn(18, generator=gen),
+            torch.randn(3, 18, generator=gen), torch.randn(3, generator=gen)]
+    x_host, y_host = torch.randn(11, 5, generator=gen), torch.randint(0, 3, (11,), generator=gen)
+
+    def run(places):
+        def made(name, t, grad=True):
+            with gtmpi.signal.context(name) if name else contextlib.nullcontext():
+                return gtmpi.tensor(t, requires_grad=grad)
+        p = [made(places.get(f"p{i}"), t) for i, t in enumerate(init)]
+        x, y = made(places.get("data"), x_host, False), made(places.get("data"), y_host, False)
+        h = F.linear(x, p[0], p[1]).relu()
+        loss = F.cross_entropy(F.linear(h, p[2]) + p[3], y)
+        loss.backward()
+        return [loss.item()] + [float(t.grad.abs().sum().item()) for t in p]
+
+    ref = run({})
+    dp = run({"data": "data", **{f"p{i}": "weights" for i in range(4)}})
+    tp = run({"data": "weights", "p0": "col", "p1": "col", "p2": "row", "p3": "weights"})
+    stats = gtmpi.debug.worker_stats()
+    print("RESULT", json.dumps({"ref": ref, "dp": dp, "tp": tp, "workers": n,
+          "collectives": {r: s["collectives"] for r, s in stats.items()}}))
+"""
+
+
+@pytest.mark.skipif(len(WORKERS) > 1 or mpiexec() is None,
+                    reason="starts its own jobs; run once, from the serial suite")
+@pytest.mark.parametrize("workers", [3, 4])
+def test_patterns_on_3_and_4_workers(tmp_path, workers):
+    import json
+    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out["workers"] == workers
+    np.testing.assert_allclose(out["dp"], out["ref"], rtol=1e-4)
+    np.testing.assert_allclose(out["tp"], out["ref"], rtol=1e-4)
+    for rank, kinds in out["collectives"].items():
+        assert kinds["all_reduce"][0] > 0, (rank, kinds)  # every worker took part
