@@ -47,6 +47,9 @@ class DataPlane:
         address = comm.bcast(address if first else None, root=0)
         if not first:
             store = dist.TCPStore(address[0], address[1], comm.Get_size(), is_master=False)
+        # sends and receives share the default group with collectives, in the one order the
+        # dispatcher gives them all; NCCL warns about exactly that serialisation
+        os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         kw = {"device_id": self.device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=comm.Get_rank(),
                                 world_size=comm.Get_size(), **kw)
