@@ -38,6 +38,9 @@ class Placer:
         self._temp = itertools.count(-1, -1)  # ids of the dispatcher's own tensors
         self._touched: set[int] = set()  # ranks given a collective since the last flush
         self._plane_started = False
+        # ids that ops may have viewed (shape and index ops, to): a partial sum seen through a
+        # view must stay a piece, so it is summed into a copy rather than in place
+        self.viewed: set[int] = set()
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -96,6 +99,8 @@ class Placer:
         placed = (name, out, tuple(wire), tmask, kw)
         for rank in mesh:
             self.d.enqueue(rank, placed, urgent)
+        if op.kind in (OpKind.SHAPE, OpKind.INDEX) or name == "to":
+            self.viewed.update(w for i, w in enumerate(wire) if tmask >> i & 1)
         for i in written:
             self._changed(args[i])
         if not written:
@@ -150,6 +155,15 @@ class Placer:
         """The id of ``tid`` with placement ``want``: itself, a kept copy, or a new copy."""
         have = self.placement(tid)
         if have == want:
+            return tid
+        if have.kind == "P" and want == Placement(have.mesh, "R") and tid not in self.viewed:
+            # summed where it lies, as DDP does with gradients: no copy
+            shape, dtype = sig
+            op = ("all_reduce_", tid, (tid,), 1, {"group": self._group(have.mesh),
+                                                  "shape": tuple(shape), "dtype": dtype})
+            for rank in have.mesh:
+                self._emit(rank, op)
+            self._record(tid, sig, want)
             return tid
         copy = self.copies.get((tid, want))
         if copy is None:
@@ -246,6 +260,7 @@ class Placer:
     def _forget(self, tid: int) -> list[tuple[int, int]]:
         """(rank, id) of ``tid`` and its copies everywhere, dropped from the books."""
         entry = self.table.pop(tid, None)
+        self.viewed.discard(tid)
         mesh = entry[1].mesh if entry is not None else self.home.mesh
         held = [(rank, tid) for rank in mesh]
         for key in [key for key in self.copies if key[0] == tid]:

@@ -212,6 +212,8 @@ _ops = [
 # (shape and dtype, of the whole tensor, let a worker whose operand failed still take part)
 _ops += [
     Op("all_reduce", Kind.COMM, lambda x, group, shape, dtype, plane: plane.all_reduce(x, group)),
+    Op("all_reduce_", Kind.COMM,
+       lambda x, group, shape, dtype, plane: plane.all_reduce(x, group, inplace=True)),
     Op("all_gather", Kind.COMM, lambda x, group, dim, sizes, shape, dtype, plane:
        plane.all_gather(x, group, dim, sizes)),
     Op("send", Kind.COMM, lambda x, dst, shape, dtype, plane: plane.send(x, dst)),

@@ -48,6 +48,11 @@ def plan(name: str, mesh: tuple[int, ...], args: tuple, tmask: int, kw: dict | N
         return Plan(tuple(kinds), Placement(mesh, "R"))
     rule = RULES.get(name) or _KIND_RULES.get(OPS[name].kind)
     result = rule(name, mesh, args, kw, kinds, sigs) if rule is not None else None
+    if result is None and any(p.kind == "P" for p in tensors) and \
+            any(p.kind == "S" for p in tensors):
+        # P never meets S: sum the partial operands (all-reduce), keep the pieces where they are
+        whole = [Placement(mesh, "R") if p is not None and p.kind == "P" else p for p in kinds]
+        result = rule(name, mesh, args, kw, whole, sigs) if rule is not None else None
     return result if result is not None else replicate(mesh, kinds)
 
 

@@ -66,9 +66,10 @@ class DataPlane:
 
     # kernels ------------------------------------------------------------------------------
 
-    def all_reduce(self, x: torch.Tensor, group: int) -> torch.Tensor:
-        """P -> R: the sum of every member's piece, on every member."""
-        y = x.clone()
+    def all_reduce(self, x: torch.Tensor, group: int, inplace: bool = False) -> torch.Tensor:
+        """P -> R: the sum of every member's piece, on every member (in x itself, or in a
+        copy where x may still be seen as the piece it was)."""
+        y = x if inplace else x.clone()
         dist.all_reduce(y, group=self.groups[group])
         self._count("all_reduce", y)
         return y
