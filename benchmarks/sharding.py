@@ -221,7 +221,8 @@ def main() -> None:
           f"{figures['allreduce_kernel_bw_ratio']:.3f} (target ≥ 0.90); (b) DP speed-up "
           f"{figures['dp_speedup']:.3f} (≥ 1.8); (c) TP speed-up {figures['tp_speedup']:.3f} (≥ 1.7)")
     print(json.dumps({"benchmark": "sharding", "devices": devices, "host": platform.node(),
-                      **{k: round(v, 6) for k, v in {**base, **res}.items()},
+                      **{f"torch_{k}": round(v, 6) for k, v in base.items()},
+                      **{f"gtmpi_{k}": round(v, 6) for k, v in res.items()},
                       **{k: round(v, 4) for k, v in figures.items()}}))
 
 
