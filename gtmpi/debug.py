@@ -58,5 +58,7 @@ def placement(t: Any) -> dict[str, Any]:
     from .client.runtime import runtime
     p = runtime().dispatcher.placer.placement(t.id)
     shape = tuple(t.shape)
-    return {"mesh": list(p.mesh), "type": f"S({p.dim})" if p.kind == "S" else p.kind,
+    types = [f"S({d})" if k == "S" else k for k, d in p.per_axis()]
+    return {"mesh": list(p.mesh), "grid": list(p.shape()),
+            "type": types[0] if len(types) == 1 else types,
             "shards": {rank: p.local_shape(shape, i) for i, rank in enumerate(p.mesh)}}

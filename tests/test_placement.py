@@ -126,7 +126,7 @@ def test_axis_out_of_range_for_the_tensor():
 def test_sharded_tensors_read_whole_even_uneven(gen):
     host = torch.randn(5, 3, generator=gen)
     x = gtmpi.signal.tensor(host, "data")
-    assert gtmpi.debug.placement(x) == {"mesh": WORKERS[:2], "type": "S(0)",
+    assert gtmpi.debug.placement(x) == {"mesh": WORKERS[:2], "grid": [2], "type": "S(0)",
                                         "shards": {WORKERS[0]: (3, 3), WORKERS[1]: (2, 3)}}
     assert_same(x, host)
     with gtmpi.signal.context("data"):
@@ -324,3 +324,62 @@ def test_patterns_on_3_and_4_workers(tmp_path, workers):
     np.testing.assert_allclose(out["tp"], out["ref"], rtol=1e-4)
     for rank, kinds in out["collectives"].items():
         assert kinds["all_reduce"][0] > 0, (rank, kinds)  # every worker took part
+
+
+GRID = """
+    import contextlib, json
+    import numpy as np, torch, gtmpi
+    import gtmpi.nn.functional as F
+    grid = {"dp": 2, "tp": 2}
+    gtmpi.load_config({
+        "act": {"mesh": grid, "placement": {"dp": "S(0)", "tp": "R"}},
+        "col": {"mesh": grid, "placement": {"dp": "R", "tp": "S(0)"}},
+        "row": {"mesh": grid, "placement": {"dp": "R", "tp": "S(1)"}},
+        "rep": {"mesh": grid, "placement": {"dp": "R", "tp": "R"}}})
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(12, 5, generator=gen) * 0.3, torch.randn(12, generator=gen) * 0.1,
+            torch.randn(3, 12, generator=gen) * 0.3, torch.randn(3, generator=gen) * 0.1]
+    xs = [torch.randn(10, 5, generator=gen) for _ in range(3)]
+    ys = [torch.randint(0, 3, (10,), generator=gen) for _ in range(3)]
+
+    def run(places):
+        def made(name, t, grad=True):
+            with gtmpi.signal.context(name) if name else contextlib.nullcontext():
+                return gtmpi.tensor(t, requires_grad=grad)
+        p = [made(places.get(f"p{i}"), t) for i, t in enumerate(init)]
+        opt = gtmpi.optim.AdamW(p, lr=0.05)
+        losses = []
+        for x, y in zip(xs, ys):
+            x, y = made(places.get("data"), x, False), made(places.get("data"), y, False)
+            opt.zero_grad()
+            h = F.linear(x, p[0], p[1]).relu()
+            loss = F.cross_entropy(F.linear(h, p[2]) + p[3], y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        where = [gtmpi.debug.placement(t)["type"] for t in (h, p[0], p[2])]
+        return losses, [t.detach().numpy().tolist() for t in p], where
+
+    ref = run({})
+    got = run({"data": "act", "p0": "col", "p1": "col", "p2": "row", "p3": "rep"})
+    stats = gtmpi.debug.worker_stats()
+    print("RESULT", json.dumps({"ref": ref, "got": got,
+          "collectives": {r: s["collectives"] for r, s in stats.items()}}))
+"""
+
+
+@pytest.mark.skipif(len(WORKERS) > 1 or mpiexec() is None,
+                    reason="starts its own jobs; run once, from the serial suite")
+def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
+    import json
+    proc, _ = run_job(tmp_path, GRID, 150, n=5)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    (ref_losses, ref_params, _), (losses, params, where) = out["ref"], out["got"]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    for got, want in zip(params, ref_params):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    # activations: batch over dp, hidden units over tp; weights: replicated over dp, split over tp
+    assert where == [["S(0)", "S(1)"], ["R", "S(0)"], ["R", "S(1)"]]
+    for rank, kinds in out["collectives"].items():
+        assert kinds["all_reduce"][0] > 0 and kinds["all_gather"][0] > 0, (rank, kinds)

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from ..ops.table import OPS, Kind as OpKind
 from ..placement.rules import MUTATED, plan
-from ..placement.types import Placement
+from ..placement.types import Placement, make
 from ..signals.config import ConfigError
 from ..trace.events import Flag, Kind, Lane
 
@@ -83,13 +83,15 @@ class Placer:
             self._create(ins, outs[0], target)
             return target.mesh[0]
         kinds = [self.placement(a) if tmask >> i & 1 else None for i, a in enumerate(args)]
-        mesh = self._mesh(kinds)
+        mesh, grid = self._mesh(kinds)
         written = MUTATED.get(name, (0,)) if op.kind is OpKind.INPLACE else ()
-        on_mesh = [None if p is None else (p if p.mesh == mesh else Placement(mesh, "R"))
-                   for p in kinds]
+        # operands elsewhere, or laid out over other axes, count as whole here
+        on_mesh = [None if p is None else
+                   (p if p.mesh == mesh and (p.grid == grid or p.kind == "R") else
+                    Placement(mesh, "R")) for p in kinds]
         for i in written:
             self.replace(args[i], sigs[i], on_mesh[i])
-        p = plan(name, mesh, args, tmask, kw, on_mesh, sigs)
+        p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
         for i in written:
             self.replace(args[i], sigs[i], p.wants[i])
         wire = list(args)
@@ -156,7 +158,7 @@ class Placer:
         have = self.placement(tid)
         if have == want:
             return tid
-        if have.kind == "P" and want == Placement(have.mesh, "R") and tid not in self.viewed:
+        if have.kind == "P" and want == have.whole and tid not in self.viewed:
             # summed where it lies, as DDP does with gradients: no copy
             shape, dtype = sig
             op = ("all_reduce_", tid, (tid,), 1, {"group": self._group(have.mesh),
@@ -172,9 +174,10 @@ class Placer:
         return copy
 
     def _convert(self, tid: int, sig: tuple, have: Placement, want: Placement) -> int:
+        """A new id holding ``tid``'s value with placement ``want`` (instructions emitted)."""
         shape, dtype = sig
         if have.mesh != want.mesh:
-            whole = tid if have.kind == "R" else self._as(tid, sig, Placement(have.mesh, "R"))
+            whole = tid if have.kind == "R" else self._as(tid, sig, have.whole)
             self._start_plane()
             moved = next(self._temp)
             sender = have.mesh[0]
@@ -186,47 +189,67 @@ class Placer:
                                         {"dst": rank, "shape": tuple(shape), "dtype": dtype}))
                     self._emit(rank, ("recv", moved, (), 0,
                                       {"shape": tuple(shape), "dtype": dtype, "src": sender}))
-            r = Placement(want.mesh, "R")
-            self.copies[(tid, r)] = moved
-            return moved if want == r else self._convert(moved, sig, r, want)
-        out = next(self._temp)
-        group = self._group(have.mesh)
-        if have.kind == "P" or (have.kind == "S" and want.kind in ("R", "S")):
-            like = {"group": group, "shape": tuple(shape), "dtype": dtype}
-            op = ("all_reduce", out, (tid,), 1, like) if have.kind == "P" else \
-                ("all_gather", out, (tid,), 1, {**like, "dim": have.dim,
-                                                "sizes": have.sizes(tuple(shape))})
-            for rank in have.mesh:
-                self._emit(rank, op)
-            if want.kind == "R":
-                return out
-            return self._narrow(out, sig, want)
-        if have.kind == "R" and want.kind == "S":
-            return self._narrow(tid, sig, want)
-        raise AssertionError(f"no conversion from {have} to {want}")
+            self.copies[(tid, want.whole)] = moved
+            return moved if want == want.whole else self._convert(moved, sig, want.whole, want)
+        if have.kind != "R" and want.kind != "R" and have.grid != want.grid:
+            # laid out over other axes: whole first
+            whole = self._as(tid, sig, have.whole)
+            return whole if want == want.whole else self._convert(whole, sig, have.whole, want)
+        grid = want.grid or have.grid
+        axes = [_axis(have, a) for a in range(len(grid) or 1)]
+        target = [_axis(want, a) for a in range(len(grid) or 1)]
+        current = tid
+        # gather and sum along axes first (while the other axes still hold their pieces), then cut
+        for a in sorted(range(len(axes)), key=lambda a: axes[a][0] == "R"):
+            if axes[a] == target[a]:
+                continue
+            if axes[a][0] != "R":
+                current = self._whole_along(current, sig, make(want.mesh, grid, axes), a)
+                axes[a] = ("R", 0)
+        for a in range(len(axes)):
+            if axes[a] != target[a]:
+                axes[a] = target[a]
+                current = self._cut_along(current, sig, make(want.mesh, grid, axes), a)
+        return current
 
-    def _narrow(self, tid: int, sig: tuple, want: Placement) -> int:
-        """Each member keeps its piece of a whole tensor: no communication."""
+    def _whole_along(self, tid: int, sig: tuple, p: Placement, axis: int) -> int:
+        """Sum (P) or gather (S) the pieces along one axis of the mesh, within each line."""
+        shape, dtype = sig
+        kind, dim = p.per_axis()[axis]
         out = next(self._temp)
-        shape = tuple(sig[0])
-        for rank, start, size in zip(want.mesh, want.starts(shape), want.sizes(shape)):
-            self._emit(rank, ("narrow", out, (tid, want.dim, start, size), 1, None))
+        for m, rank in enumerate(p.mesh):
+            like = {"group": self._group(p.along(axis, m)),
+                    "shape": p.local_shape(tuple(shape), m), "dtype": dtype}
+            self._emit(rank, ("all_reduce", out, (tid,), 1, like) if kind == "P" else
+                       ("all_gather", out, (tid,), 1,
+                        {**like, "dim": dim, "sizes": p.sizes(tuple(shape), axis)}))
+        return out
+
+    def _cut_along(self, tid: int, sig: tuple, p: Placement, axis: int) -> int:
+        """Whole along ``axis`` -> its type in ``p``: each member keeps its piece (S), or the
+        first member of each line keeps the value and the others zeros (P). No communication."""
+        shape, dtype = sig
+        kind, dim = p.per_axis()[axis]
+        out = next(self._temp)
+        for m, rank in enumerate(p.mesh):
+            position = p.coords(m)[axis]
+            if kind == "S":
+                start, size = p.starts(tuple(shape), axis)[position], p.sizes(tuple(shape), axis)[position]
+                self._emit(rank, ("narrow", out, (tid, dim, start, size), 1, None))
+            elif position == 0:
+                self._emit(rank, ("alias", out, (tid,), 1, None))
+            else:
+                self._emit(rank, ("zeros", out, (p.local_shape(tuple(shape), m), dtype), 0, None))
         return out
 
     def _create(self, ins: tuple, sig: tuple, target: Placement) -> None:
         """Every member makes the whole tensor (random ones from the same seed, so the values
         are those of a one-worker run) and keeps its piece."""
-        name, out, args, tmask, kw = ins
         for rank in target.mesh:
             self.d.enqueue(rank, ins, True)
-        if target.kind == "S":
-            shape = tuple(sig[0])
-            for rank, start, size in zip(target.mesh, target.starts(shape), target.sizes(shape)):
-                self._emit(rank, ("narrow", out, (out, target.dim, start, size), 1, None))
-        self._record(out, sig, target)
+        self._record(ins[1], sig, target.whole)
+        self.replace(ins[1], sig, target)
         self._flush_touched()
-
-    # bookkeeping --------------------------------------------------------------------------
 
     def _signal_target(self, sig: tuple) -> Placement:
         """Where a tensor made now goes: the innermost signal's placement, else home."""
@@ -235,12 +258,15 @@ class Placer:
         target, where = self.signals[-1]
         return _fit(target, sig, where)
 
-    def _mesh(self, kinds: list[Placement | None]) -> tuple[int, ...]:
-        """Where an op runs: the active signal's mesh, else that of its widest operand."""
+    def _mesh(self, kinds: list[Placement | None]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Where an op runs (ranks, axis sizes): the active signal's mesh, else that of its
+        widest operand."""
         if self.signals:
-            return self.signals[-1][0].mesh
-        meshes = [p.mesh for p in kinds if p is not None]
-        return max(meshes, key=len) if meshes else self.home.mesh
+            p = self.signals[-1][0]
+        else:
+            p = max((p for p in kinds if p is not None), key=lambda p: len(p.mesh),
+                    default=self.home)
+        return p.mesh, p.grid
 
     def _record(self, tid: int, sig: tuple, p: Placement) -> None:
         if p == self.home:
@@ -310,12 +336,20 @@ class Placer:
 
 
 def _fit(target: Placement, sig: tuple, where: str) -> Placement:
-    """A signal's placement for a tensor of this shape: its axis counted from the end if
-    negative, and within the tensor's dims."""
-    if target.kind != "S":
-        return target
+    """A signal's placement for a tensor of this shape: each axis's dim counted from the end
+    if negative, and within the tensor's dims."""
     ndim = len(sig[0])
-    if not -ndim <= target.dim < ndim:
-        raise ConfigError(f"{where}: axis {target.dim} is out of range for a tensor of shape "
-                          f"{list(sig[0])}")
-    return Placement(target.mesh, "S", target.dim % ndim)
+    axes = []
+    for kind, dim in target.per_axis():
+        if kind == "S":
+            if not -ndim <= dim < ndim:
+                raise ConfigError(f"{where}: axis {dim} is out of range for a tensor of shape "
+                                  f"{list(sig[0])}")
+            dim %= ndim
+        axes.append((kind, dim))
+    return make(target.mesh, target.grid, axes)
+
+
+def _axis(p: Placement, axis: int) -> tuple[str, int]:
+    """One axis's (kind, dim); a replicated placement is R along every axis."""
+    return p.per_axis()[axis] if p.grid or p.kind != "R" else ("R", 0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from ..ops.table import OPS, Kind
-from .types import Placement
+from .types import Placement, make
 
 
 class Plan(NamedTuple):
@@ -39,10 +39,38 @@ _DIM_REDUCTIONS = {"sum", "mean", "amax", "amin", "var", "std", "argmax", "argmi
                    "max_dim", "min_dim"}
 
 
-def plan(name: str, mesh: tuple[int, ...], args: tuple, tmask: int, kw: dict | None,
-         kinds: list[Placement | None], sigs: list) -> Plan:
-    """The plan for one op; ``kinds[i]`` is operand i's placement (None for constants),
-    ``sigs[i]`` its (shape, dtype)."""
+def plan(name: str, mesh: tuple[int, ...], grid: tuple[int, ...], args: tuple, tmask: int,
+         kw: dict | None, kinds: list[Placement | None], sigs: list) -> Plan:
+    """The plan for one op on ``mesh`` (of axis sizes ``grid``, () for one axis);
+    ``kinds[i]`` is operand i's placement there (None for constants), ``sigs[i]`` its
+    (shape, dtype). Each axis of a named mesh is planned on its own, as DTensor does."""
+    if not grid:
+        return _plan_axis(name, mesh, args, tmask, kw, kinds, sigs)
+    plans = [_plan_axis(name, mesh, args, tmask, kw,
+                        [None if p is None else _view(p, a) for p in kinds], sigs)
+             for a in range(len(grid))]
+    wants = tuple(None if p is None else make(mesh, grid, [(q.wants[i].kind, q.wants[i].dim)
+                                                           for q in plans])
+                  for i, p in enumerate(kinds))
+    out = make(mesh, grid, [(q.out.kind, q.out.dim) for q in plans])
+    if any(_nested(p) for p in (*wants, out) if p is not None):
+        return replicate(mesh, kinds)  # one dim cut along two axes: not supported, made whole
+    return Plan(wants, out)
+
+
+def _view(p: Placement, axis: int) -> Placement:
+    """One axis of a placement, as a one-axis placement (R on every axis if replicated)."""
+    kind, dim = p.axes[axis] if p.grid else (p.kind, p.dim)
+    return Placement(p.mesh, kind, dim)
+
+
+def _nested(p: Placement) -> bool:
+    dims = [d for k, d in p.per_axis() if k == "S"]
+    return len(dims) != len(set(dims))
+
+
+def _plan_axis(name: str, mesh: tuple[int, ...], args: tuple, tmask: int, kw: dict | None,
+               kinds: list[Placement | None], sigs: list) -> Plan:
     tensors = [p for p in kinds if p is not None]
     if all(p.kind == "R" for p in tensors):
         return Plan(tuple(kinds), Placement(mesh, "R"))

@@ -1,9 +1,14 @@
 """Where a logical tensor lives: a mesh of worker ranks and how the tensor lies across it.
 
-  R      replicate: every member holds the whole tensor
-  S(d)   shard: member i holds the i-th piece along dim d (torch.tensor_split's sizes:
-         uneven shards allowed, the first ones one longer)
-  P      partial: every member holds a tensor of the whole shape; the tensor is their sum
+Per mesh axis, one of
+  R      replicate: the members along the axis hold the same values
+  S(d)   shard: member i along the axis holds the i-th piece along dim d (torch.tensor_split's
+         sizes: uneven shards allowed, the first ones one longer)
+  P      partial: the members along the axis hold tensors of the same shape that sum to it
+
+A mesh of one axis (the common case: ``Placement((1, 2), "S", 0)``) has ``kind`` and ``dim``;
+a named mesh of several axes (dp × tp) has its axis sizes in ``grid`` and one (kind, dim) per
+axis in ``axes``, its ranks listed row-major.
 """
 from __future__ import annotations
 
@@ -12,38 +17,100 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Placement:
-    mesh: tuple[int, ...]  # worker ranks, in order
-    kind: str = "R"        # "R", "S" or "P"
+    mesh: tuple[int, ...]  # worker ranks, in order (row-major over the axes)
+    kind: str = "R"        # one axis: "R", "S" or "P"; several axes: "grid"
     dim: int = 0           # the sharded dim, for S
+    grid: tuple[int, ...] = ()               # several axes: their sizes
+    axes: tuple[tuple[str, int], ...] = ()   # several axes: (kind, dim) each
 
     def __post_init__(self) -> None:
-        if self.kind not in ("R", "S", "P"):
+        if self.kind not in ("R", "S", "P", "grid"):
             raise ValueError(f"unknown placement type {self.kind!r}")
 
     def __str__(self) -> str:
-        kind = f"S({self.dim})" if self.kind == "S" else self.kind
-        return f"{kind} on workers {list(self.mesh)}"
+        types = "×".join(_name(k, d) for k, d in self.per_axis())
+        shape = f" as {'×'.join(map(str, self.grid))}" if self.grid else ""
+        return f"{types} on workers {list(self.mesh)}{shape}"
+
+    # the axes ---------------------------------------------------------------------------
+
+    def per_axis(self) -> tuple[tuple[str, int], ...]:
+        return self.axes if self.grid else ((self.kind, self.dim),)
+
+    def shape(self) -> tuple[int, ...]:
+        return self.grid or (len(self.mesh),)
+
+    def coords(self, member: int) -> tuple[int, ...]:
+        """A member's position along each axis."""
+        out = []
+        for size in reversed(self.shape()):
+            out.append(member % size)
+            member //= size
+        return tuple(reversed(out))
+
+    def along(self, axis: int, member: int) -> tuple[int, ...]:
+        """The ranks on ``member``'s line along ``axis`` (its group for that axis)."""
+        c = list(self.coords(member))
+        line = []
+        for i in range(self.shape()[axis]):
+            c[axis] = i
+            line.append(self.mesh[_index(c, self.shape())])
+        return tuple(line)
+
+    def with_axes(self, axes: list[tuple[str, int]]) -> "Placement":
+        return make(self.mesh, self.grid, axes)
 
     @property
-    def spread(self) -> bool:
-        return len(self.mesh) > 1
+    def whole(self) -> "Placement":
+        """Replicated on the same mesh."""
+        return Placement(self.mesh, "R")
 
-    def sizes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Each member's length along the sharded dim."""
-        n, k = shape[self.dim], len(self.mesh)
+    # pieces -----------------------------------------------------------------------------
+
+    def sizes(self, shape: tuple[int, ...], axis: int = 0) -> tuple[int, ...]:
+        """Lengths along the dim sharded by ``axis``, per position along it."""
+        kind, dim = self.per_axis()[axis]
+        n, k = shape[dim], self.shape()[axis]
         return tuple(n // k + (1 if i < n % k else 0) for i in range(k))
 
-    def starts(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        sizes = self.sizes(shape)
+    def starts(self, shape: tuple[int, ...], axis: int = 0) -> tuple[int, ...]:
+        sizes = self.sizes(shape, axis)
         return tuple(sum(sizes[:i]) for i in range(len(sizes)))
 
+    def piece(self, shape: tuple[int, ...], member: int) -> list[tuple[int, int, int]]:
+        """(dim, start, length) of each sharded dim of a member's piece."""
+        coords = self.coords(member)
+        return [(dim, self.starts(shape, a)[coords[a]], self.sizes(shape, a)[coords[a]])
+                for a, (kind, dim) in enumerate(self.per_axis()) if kind == "S"]
+
     def local_shape(self, shape: tuple[int, ...], member: int) -> tuple[int, ...]:
-        if self.kind != "S":
-            return tuple(shape)
         local = list(shape)
-        local[self.dim] = self.sizes(shape)[member]
+        for dim, _, length in self.piece(shape, member):
+            local[dim] = length
         return tuple(local)
+
+
+def make(mesh: tuple[int, ...], grid: tuple[int, ...], axes: list[tuple[str, int]]) -> Placement:
+    """The placement with these per-axis types: one-axis form where it can be."""
+    axes = [(k, d if k == "S" else 0) for k, d in axes]
+    if not grid or len(grid) == 1:
+        (kind, dim), = axes
+        return Placement(tuple(mesh), kind, dim)
+    if all(k == "R" for k, _ in axes):
+        return Placement(tuple(mesh), "R")
+    return Placement(tuple(mesh), "grid", 0, tuple(grid), tuple(axes))
 
 
 def replicated(rank: int) -> Placement:
     return Placement((rank,), "R")
+
+
+def _name(kind: str, dim: int) -> str:
+    return f"S({dim})" if kind == "S" else kind
+
+
+def _index(coords: list[int], shape: tuple[int, ...]) -> int:
+    index = 0
+    for c, size in zip(coords, shape):
+        index = index * size + c
+    return index

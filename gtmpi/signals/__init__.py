@@ -17,7 +17,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ..placement.types import Placement
+from ..placement.types import Placement, make
 from .config import ConfigError, Signal, load, parse
 
 __all__ = ["ConfigError", "context", "enter", "exit", "register", "tensor"]
@@ -44,6 +44,8 @@ class SignalBook:
 
     def placement(self, s: Signal) -> Placement:
         mesh = tuple(self.ranks[w] for w in s.workers)
+        if s.grid:
+            return make(mesh, s.grid, list(s.axes))
         return Placement(mesh, "R") if s.axis is None else Placement(mesh, "S", s.axis)
 
     def enter(self, name: str, backward: str | None = None) -> None:

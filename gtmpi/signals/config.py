@@ -11,14 +11,26 @@ GT's keys, as GT's users wrote them:
     weights:
       shard: {workers: [0, 1], replicated: true}   # R: a whole copy on each
 
+Beyond GT, a named mesh of several axes with a placement per axis (R, S(i) or P), so that
+data and tensor parallelism are one config:
+
+    activations:
+      mesh: {dp: 2, tp: 2}               # axis sizes; over workers 0-3 (or shard.workers)
+      placement: {dp: S(0), tp: R}
+    column_weights:
+      mesh: {dp: 2, tp: 2}
+      placement: {dp: R, tp: S(0)}
+
 Every error names the file (or "<dict>"), the signal and the key.
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-_SIGNAL_KEYS = {"shard", "backward", "compile"}
+_SIGNAL_KEYS = {"shard", "backward", "compile", "mesh", "placement"}
 _SHARD_KEYS = {"axis", "workers", "replicated"}
 
 
@@ -34,6 +46,9 @@ class Signal:
     axis: int | None            # None: replicated
     backward: str | None = None
     compile: bool = False
+    grid: tuple[int, ...] = ()  # a named mesh: its axis sizes ...
+    axes: tuple[tuple[str, int], ...] = ()  # ... and (kind, dim) per axis
+    axis_names: tuple[str, ...] = ()
 
     def where(self, key: str) -> str:
         return f"{self.source}: signal '{self.name}', key '{key}'"
@@ -75,6 +90,9 @@ def _signal(name: str, body: Any, source: str) -> Signal:
     _mapping(body, _SIGNAL_KEYS, where, "")
     shard = body.get("shard", {})
     _mapping(shard, _SHARD_KEYS, f"{where}, key 'shard'", "shard.")
+    mesh = body.get("mesh")
+    if mesh is not None:
+        return _named_mesh(name, body, shard, mesh, where, source)
     workers = shard.get("workers", [0])
     if not isinstance(workers, list) or not workers or \
             not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in workers) \
@@ -100,3 +118,39 @@ def _signal(name: str, body: Any, source: str) -> Signal:
     if not isinstance(compile_, bool):
         raise ConfigError(f"{where}, key 'compile': expected true or false")
     return Signal(name, source, tuple(workers), None if replicated else axis, backward, compile_)
+
+
+def _named_mesh(name: str, body: dict, shard: dict, mesh: Any, where: str, source: str) -> Signal:
+    if not isinstance(mesh, dict) or not mesh or \
+            not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in mesh.values()):
+        raise ConfigError(f"{where}, key 'mesh': expected axis names with their sizes, like "
+                          f"{{dp: 2, tp: 2}}, got {mesh!r}")
+    for key in ("axis", "replicated"):
+        if key in shard:
+            raise ConfigError(f"{where}, key 'shard.{key}': a signal with a mesh says how it is "
+                              "laid out per axis in 'placement'")
+    placement = body.get("placement")
+    if not isinstance(placement, dict) or set(placement) != set(mesh):
+        raise ConfigError(f"{where}, key 'placement': expected one of R, S(i), P for each mesh "
+                          f"axis ({', '.join(mesh)}), got {placement!r}")
+    axes = []
+    for axis in mesh:
+        match = re.fullmatch(r"\s*(R|P|S\(\s*(-?\d+)\s*\))\s*", str(placement[axis]))
+        if match is None:
+            raise ConfigError(f"{where}, key 'placement.{axis}': expected R, S(i) or P, got "
+                              f"{placement[axis]!r}")
+        axes.append(("S", int(match.group(2))) if match.group(2) else (match.group(1), 0))
+    sharded = [d for k, d in axes if k == "S"]
+    if len(sharded) != len(set(sharded)):
+        raise ConfigError(f"{where}, key 'placement': two axes shard the same dim")
+    size = math.prod(mesh.values())
+    workers = shard.get("workers", list(range(size)))
+    if not isinstance(workers, list) or len(workers) != size or len(set(workers)) != size or \
+            not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in workers):
+        raise ConfigError(f"{where}, key 'shard.workers': a mesh of {size} needs {size} distinct "
+                          f"worker indices, got {workers!r}")
+    backward = body.get("backward")
+    if backward is not None and not isinstance(backward, str):
+        raise ConfigError(f"{where}, key 'backward': expected a signal name")
+    return Signal(name, source, tuple(workers), None, backward, bool(body.get("compile", False)),
+                  tuple(mesh.values()), tuple(axes), tuple(mesh))
