@@ -70,6 +70,28 @@ def test_bad_configs_name_file_signal_and_key(config, message):
         parse(config, "<dict>")
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"mesh": {"dp": 2, "tp": 0}, "placement": {"dp": "R", "tp": "R"}}, "key 'mesh'"),
+    ({"mesh": {"dp": 2, "tp": 2}, "placement": {"dp": "R"}}, "key 'placement': expected one of"),
+    ({"mesh": {"dp": 2, "tp": 2}, "placement": {"dp": "R", "tp": "Q"}}, "key 'placement.tp'"),
+    ({"mesh": {"dp": 2, "tp": 2}, "placement": {"dp": "S(0)", "tp": "S(0)"}},
+     "key 'placement': two axes shard the same dim"),
+    ({"mesh": {"dp": 2, "tp": 2}, "placement": {"dp": "R", "tp": "R"},
+      "shard": {"workers": [0, 1, 2]}}, "key 'shard.workers': a mesh of 4 needs 4"),
+    ({"mesh": {"dp": 2}, "placement": {"dp": "R"}, "shard": {"axis": 0}}, "key 'shard.axis'"),
+])
+def test_bad_named_meshes(body, message):
+    with pytest.raises(ConfigError, match=rf"<dict>: signal 'm', {message}"):
+        parse({"m": body}, "<dict>")
+
+
+def test_named_mesh_config():
+    (s,) = parse({"m": {"mesh": {"dp": 2, "tp": 3}, "placement": {"dp": "S(0)", "tp": "P"}}},
+                 "<dict>").values()
+    assert (s.grid, s.axes, s.axis_names, s.workers) == \
+        ((2, 3), (("S", 0), ("P", 0)), ("dp", "tp"), tuple(range(6)))
+
+
 def test_yaml_configs_load_and_bad_files_are_named(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("data:\n  shard:\n    axis: 0\n    workers: [0, 1]\n  backward: data\n")
@@ -133,6 +155,50 @@ def test_sharded_tensors_read_whole_even_uneven(gen):
         r = gtmpi.randn(7, 2)
     gtmpi.manual_seed(0)  # random values do not depend on the placement
     assert where(r) == f"S(0)@{WORKERS[:2]}"
+
+
+@spread
+def test_reshards_move_the_fewest_bytes(gen):
+    host = torch.randn(5, 7, generator=gen)
+    x = gtmpi.signal.tensor(host, "data")
+    before = collectives()
+    y = gtmpi.signal.tensor(x, "row")  # S(0) -> S(1): each worker sends the other its part
+    assert ran_since(before) == {"all_to_all": 2}
+    assert where(y) == f"S(1)@{WORKERS[:2]}"
+    assert_same(y, host)
+    partial = x.sum(0, keepdim=True) * 1.0
+    assert where(partial) == f"P@{WORKERS[:2]}"
+    before = collectives()
+    z = gtmpi.signal.tensor(partial, "row")  # P -> S(1): a reduce-scatter (gloo: all-reduce)
+    assert ran_since(before) in ({"reduce_scatter": 2}, {"all_reduce": 2})
+    assert_same(z, host.sum(0, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+@spread
+def test_nested_signals_inner_wins_outer_returns():
+    with gtmpi.signal.context("weights"):
+        a = gtmpi.ones(4, 2)
+        gtmpi.signal.enter("data")
+        b = gtmpi.ones(4, 2)
+        gtmpi.signal.exit("data")
+        c = gtmpi.ones(4, 2)
+    d = gtmpi.ones(4, 2)
+    assert [where(t) for t in (a, b, c, d)] == [f"R@{WORKERS[:2]}", f"S(0)@{WORKERS[:2]}",
+                                               f"R@{WORKERS[:2]}", f"R@[{WORKERS[0]}]"]
+
+
+@spread
+def test_backward_runs_on_the_named_signals_workers(gen):
+    w_host, x_host = torch.randn(3, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    with gtmpi.signal.context("stage0", backward="stage1"):
+        w = gtmpi.tensor(w_host, requires_grad=True)
+        loss = F.linear(gtmpi.tensor(x_host), w).tanh().sum()
+    assert where(loss) == f"R@[{WORKERS[0]}]"
+    loss.backward()
+    assert where(w.grad) == f"R@[{WORKERS[1]}]"  # the gradient ops ran on stage1's worker
+    ref = w_host.clone().requires_grad_()
+    torch.nn.functional.linear(x_host, ref).tanh().sum().backward()
+    assert_same(w.grad, ref.grad, rtol=1e-5, atol=1e-6)
 
 
 @spread

@@ -203,7 +203,13 @@ class Placer:
         for a in sorted(range(len(axes)), key=lambda a: axes[a][0] == "R"):
             if axes[a] == target[a]:
                 continue
-            if axes[a][0] != "R":
+            free = all(axes[b] != ("S", target[a][1]) for b in range(len(axes)) if b != a)
+            if axes[a][0] in "PS" and target[a][0] == "S" and free:
+                # one step, the fewest bytes: reduce-scatter (P), all-to-all (S(i) -> S(j))
+                before = make(want.mesh, grid, axes)
+                axes[a] = target[a]
+                current = self._reshard_along(current, sig, before, make(want.mesh, grid, axes), a)
+            elif axes[a][0] != "R":
                 current = self._whole_along(current, sig, make(want.mesh, grid, axes), a)
                 axes[a] = ("R", 0)
         for a in range(len(axes)):
@@ -223,6 +229,24 @@ class Placer:
             self._emit(rank, ("all_reduce", out, (tid,), 1, like) if kind == "P" else
                        ("all_gather", out, (tid,), 1,
                         {**like, "dim": dim, "sizes": p.sizes(tuple(shape), axis)}))
+        return out
+
+    def _reshard_along(self, tid: int, sig: tuple, have: Placement, want: Placement,
+                       axis: int) -> int:
+        shape, dtype = sig
+        (kind, dim), (_, to) = have.per_axis()[axis], want.per_axis()[axis]
+        out = next(self._temp)
+        for m, rank in enumerate(have.mesh):
+            like = {"group": self._group(have.along(axis, m)), "index": have.coords(m)[axis],
+                    "shape": have.local_shape(tuple(shape), m), "dtype": dtype}
+            if kind == "P":
+                op = ("reduce_scatter", out, (tid,), 1,
+                      {**like, "dim": to, "sizes": want.sizes(tuple(shape), axis)})
+            else:
+                op = ("all_to_all", out, (tid,), 1,
+                      {**like, "src": dim, "dst": to, "src_sizes": have.sizes(tuple(shape), axis),
+                       "dst_sizes": want.sizes(tuple(shape), axis)})
+            self._emit(rank, op)
         return out
 
     def _cut_along(self, tid: int, sig: tuple, p: Placement, axis: int) -> int:

@@ -216,6 +216,11 @@ _ops += [
        lambda x, group, shape, dtype, plane: plane.all_reduce(x, group, inplace=True)),
     Op("all_gather", Kind.COMM, lambda x, group, dim, sizes, shape, dtype, plane:
        plane.all_gather(x, group, dim, sizes)),
+    Op("reduce_scatter", Kind.COMM, lambda x, group, dim, sizes, index, shape, dtype, plane:
+       plane.reduce_scatter(x, group, dim, sizes, index)),
+    Op("all_to_all", Kind.COMM,
+       lambda x, group, src, dst, src_sizes, dst_sizes, index, shape, dtype, plane:
+       plane.all_to_all(x, group, src, dst, src_sizes, dst_sizes, index)),
     Op("send", Kind.COMM, lambda x, dst, shape, dtype, plane: plane.send(x, dst)),
     Op("recv", Kind.COMM, lambda shape, dtype, src, plane: plane.recv(shape, dtype, src)),
 ]

@@ -24,6 +24,7 @@ class DataPlane:
         self.device = device
         self.workers_comm = workers_comm  # an MPI communicator of the workers only
         self.groups: dict[int, Any] = {}
+        self.backend = ""
         self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
         self._sends: list[Any] = []
 
@@ -51,6 +52,7 @@ class DataPlane:
         # dispatcher gives them all; NCCL warns about exactly that serialisation
         os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         kw = {"device_id": self.device} if backend == "nccl" else {}
+        self.backend = backend
         dist.init_process_group(backend, store=store, rank=comm.Get_rank(),
                                 world_size=comm.Get_size(), **kw)
         self.groups[0] = dist.group.WORLD
@@ -76,16 +78,41 @@ class DataPlane:
 
     def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
         """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded."""
-        longest = max(sizes)
-        piece = x.contiguous()
-        if piece.shape[dim] < longest:
-            pad = list(piece.shape)
-            pad[dim] = longest - piece.shape[dim]
-            piece = torch.cat([piece, piece.new_zeros(pad)], dim)
+        piece = _pad(x.contiguous(), dim, max(sizes))
         parts = [torch.empty_like(piece) for _ in sizes]
         dist.all_gather(parts, piece, group=self.groups[group])
         self._count("all_gather", piece)
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+
+    def reduce_scatter(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...],
+                       index: int) -> torch.Tensor:
+        """P -> S(dim): each member gets the sum of its piece only (half the bytes of an
+        all-reduce); gloo has no reduce-scatter, so there it sums everything and cuts."""
+        if self.backend != "nccl":
+            y = x.clone()
+            dist.all_reduce(y, group=self.groups[group])
+            self._count("all_reduce", y)
+            return y.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
+        pieces = list(torch.split(x.contiguous(), list(sizes), dim))
+        longest = max(sizes)
+        padded = [_pad(p, dim, longest) for p in pieces]
+        out = torch.empty_like(padded[0])
+        dist.reduce_scatter(out, padded, group=self.groups[group])
+        self._count("reduce_scatter", x)
+        return out.narrow(dim, 0, sizes[index]).contiguous()
+
+    def all_to_all(self, x: torch.Tensor, group: int, src: int, dst: int,
+                   src_sizes: tuple[int, ...], dst_sizes: tuple[int, ...], index: int) -> torch.Tensor:
+        """S(src) -> S(dst): each member sends every other the part of its piece that the other
+        keeps, and keeps what it gets, joined along src (the fewest bytes for a reshard)."""
+        # uneven pieces travel padded to one size (gloo insists on it)
+        parts = [_pad(_pad(p.contiguous(), dst, max(dst_sizes)), src, max(src_sizes))
+                 for p in torch.split(x, list(dst_sizes), dst)]
+        outs = [torch.empty_like(parts[0]) for _ in src_sizes]
+        dist.all_to_all(outs, parts, group=self.groups[group])
+        self._count("all_to_all", x)
+        return torch.cat([o.narrow(src, 0, n).narrow(dst, 0, dst_sizes[index])
+                          for o, n in zip(outs, src_sizes)], src)
 
     def send(self, x: torch.Tensor, dst: int) -> tuple:
         """Without waiting: the receiver takes it when its stream gets there. No results. A
@@ -109,6 +136,15 @@ class DataPlane:
         self._sends.clear()
         if self.started:
             dist.destroy_process_group()
+
+
+def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """x made ``length`` long along dim with zeros (collectives want pieces of one size)."""
+    if x.shape[dim] == length:
+        return x
+    pad = list(x.shape)
+    pad[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad)], dim)
 
 
 def _host() -> str:

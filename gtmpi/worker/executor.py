@@ -124,9 +124,7 @@ class Executor:
     def _stand_in(self, op, kw: dict) -> None:
         """An operand of a collective failed here: take part with zeros all the same (the
         other members would wait forever), keeping the result poisoned."""
-        shape = list(kw["shape"])
-        if op.name == "all_gather":
-            shape[kw["dim"]] = max(kw["sizes"])
+        shape = list(kw["shape"])  # this member's piece
         zeros = torch.zeros(shape, dtype=kw["dtype"], device=self.device)
         op.kernel(zeros, **kw, plane=self.plane)
 
