@@ -175,6 +175,36 @@ def test_reshards_move_the_fewest_bytes(gen):
 
 
 @spread
+def test_invariant_varying_and_partial_from_configs(gen):
+    from gtmpi.placement.rules import PlacementError
+    one = {"dp": 2}
+    gtmpi.load_config({name: {"mesh": one, "placement": {"dp": kind}}
+                       for name, kind in (("inv", "I"), ("var", "V"), ("part", "P"))})
+    with gtmpi.signal.context("inv"):
+        a = gtmpi.ones(3)
+    b = a * 2.0 + 1.0
+    assert where(a) == where(b) == f"I@{WORKERS[:2]}"  # invariant in, invariant out
+    assert_same(b, torch.full((3,), 3.0))
+    with gtmpi.signal.context("part"):
+        z = gtmpi.ones(3)  # the first member holds the value, the other zeros
+    assert where(z) == f"P@{WORKERS[:2]}"
+    assert_same(z, torch.ones(3))
+    with gtmpi.signal.context("var"):
+        r = gtmpi.randn(64)
+    s = r * 2.0 + 1.0
+    assert where(r) == where(s) == f"V@{WORKERS[:2]}"
+    with pytest.raises(PlacementError, match="varying .V. across workers"):
+        r.numpy()
+    x = gtmpi.signal.tensor(torch.randn(64, generator=gen), "data")
+    with pytest.raises(PlacementError, match="a varying .V. operand cannot meet S"):
+        r + x
+    total = gtmpi.signal.tensor(r, "part").numpy()        # r0 + r1
+    squares = gtmpi.signal.tensor(r * r, "part").numpy()  # r0² + r1²
+    assert not np.allclose(squares, total ** 2 / 2)  # the members drew different numbers
+    assert_same(gtmpi.signal.tensor(r * 0.0 + 1.0, "part"), torch.full((64,), 2.0))
+
+
+@spread
 def test_nested_signals_inner_wins_outer_returns():
     with gtmpi.signal.context("weights"):
         a = gtmpi.ones(4, 2)

@@ -17,12 +17,14 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..ops.table import OPS, Kind as OpKind
-from ..placement.rules import MUTATED, plan
+from ..placement.rules import MUTATED, PlacementError, plan
 from ..placement.types import Placement, make
 from ..signals.config import ConfigError
 from ..trace.events import Flag, Kind, Lane
 
 _COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
+# per-member values that may be read another way, with no data moved
+_RELABEL = {("R", "V"), ("I", "V"), ("P", "V"), ("V", "P")}
 
 
 class Placer:
@@ -125,7 +127,10 @@ class Placer:
     def read_source(self, tid: int, sig: tuple) -> tuple[int, int]:
         """(rank, id) holding the whole tensor, gathering it there first if it is in pieces."""
         p = self.placement(tid)
-        rid = tid if p.kind == "R" else self._as(tid, sig, Placement(p.mesh, "R"))
+        if any(k == "V" for k, _ in p.per_axis()):
+            raise PlacementError(f"tensor {tid} is varying (V) across workers {list(p.mesh)}: it "
+                                 "has no global value to read (place it as a partial sum first)")
+        rid = tid if p.kind in ("R", "I") else self._as(tid, sig, Placement(p.mesh, "R"))
         self._flush_touched()
         return p.mesh[0], rid
 
@@ -156,8 +161,8 @@ class Placer:
     def _as(self, tid: int, sig: tuple, want: Placement) -> int:
         """The id of ``tid`` with placement ``want``: itself, a kept copy, or a new copy."""
         have = self.placement(tid)
-        if have == want:
-            return tid
+        if have == want or (have.mesh == want.mesh and {have.kind, want.kind} == {"R", "I"}):
+            return tid  # R and I: the same values
         if have.kind == "P" and want == have.whole and tid not in self.viewed:
             # summed where it lies, as DDP does with gradients: no copy
             shape, dtype = sig
@@ -200,8 +205,15 @@ class Placer:
         target = [_axis(want, a) for a in range(len(grid) or 1)]
         current = tid
         # gather and sum along axes first (while the other axes still hold their pieces), then cut
-        for a in sorted(range(len(axes)), key=lambda a: axes[a][0] == "R"):
-            if axes[a] == target[a]:
+        for a in sorted(range(len(axes)), key=lambda a: axes[a][0] in "RI"):
+            if axes[a] == target[a] or {axes[a][0], target[a][0]} == {"R", "I"}:
+                axes[a] = target[a]
+                continue
+            if axes[a][0] == "V" or target[a][0] == "V":
+                if (axes[a][0], target[a][0]) not in _RELABEL:
+                    raise PlacementError("a varying (V) tensor has no global value: it can only "
+                                         "be taken as a partial sum (P)")
+                axes[a] = target[a]  # the same values per member, read another way
                 continue
             free = all(axes[b] != ("S", target[a][1]) for b in range(len(axes)) if b != a)
             if axes[a][0] in "PS" and target[a][0] == "S" and free:
@@ -209,7 +221,7 @@ class Placer:
                 before = make(want.mesh, grid, axes)
                 axes[a] = target[a]
                 current = self._reshard_along(current, sig, before, make(want.mesh, grid, axes), a)
-            elif axes[a][0] != "R":
+            elif axes[a][0] not in "RI":
                 current = self._whole_along(current, sig, make(want.mesh, grid, axes), a)
                 axes[a] = ("R", 0)
         for a in range(len(axes)):
@@ -269,10 +281,16 @@ class Placer:
     def _create(self, ins: tuple, sig: tuple, target: Placement) -> None:
         """Every member makes the whole tensor (random ones from the same seed, so the values
         are those of a one-worker run) and keeps its piece."""
-        for rank in target.mesh:
+        name, out, args, tmask, kw = ins
+        varying = [a for a, (k, _) in enumerate(target.per_axis()) if k == "V"]
+        for m, rank in enumerate(target.mesh):
+            if varying and name in ("randn", "rand"):  # each member draws its own numbers
+                position = sum(target.coords(m)[a] for a in varying) + 1
+                ins = (name, out, (*args[:-1], (args[-1] * 1_000_003 + position) % (1 << 63)),
+                       tmask, kw)
             self.d.enqueue(rank, ins, True)
-        self._record(ins[1], sig, target.whole)
-        self.replace(ins[1], sig, target)
+        self._record(out, sig, target.whole)
+        self.replace(out, sig, target)
         self._flush_touched()
 
     def _signal_target(self, sig: tuple) -> Placement:

@@ -18,6 +18,10 @@ from ..ops.table import OPS, Kind
 from .types import Placement, make
 
 
+class PlacementError(ValueError):
+    """An op whose operands' placements cannot be combined (a varying tensor meeting pieces)."""
+
+
 class Plan(NamedTuple):
     wants: tuple[Placement | None, ...]  # per operand: the placement it must have (None: constant)
     out: Placement
@@ -72,8 +76,18 @@ def _nested(p: Placement) -> bool:
 def _plan_axis(name: str, mesh: tuple[int, ...], args: tuple, tmask: int, kw: dict | None,
                kinds: list[Placement | None], sigs: list) -> Plan:
     tensors = [p for p in kinds if p is not None]
-    if all(p.kind == "R" for p in tensors):
-        return Plan(tuple(kinds), Placement(mesh, "R"))
+    if any(p.kind == "V" for p in tensors):
+        clash = sorted({p.kind for p in tensors} - {"R", "I", "V"})
+        if clash:
+            raise PlacementError(f"op '{name}': a varying (V) operand cannot meet {clash[0]}: "
+                                 "its values have no global meaning to combine with pieces")
+        return Plan(tuple(kinds), Placement(mesh, "V"))
+    if all(p.kind in ("R", "I") for p in tensors):
+        out = "I" if tensors and all(p.kind == "I" for p in tensors) else "R"
+        return Plan(tuple(kinds), Placement(mesh, out))
+    # beyond here I counts as R: the same values
+    kinds = [Placement(mesh, "R") if p is not None and p.kind == "I" else p for p in kinds]
+    tensors = [p for p in kinds if p is not None]
     rule = RULES.get(name) or _KIND_RULES.get(OPS[name].kind)
     result = rule(name, mesh, args, kw, kinds, sigs) if rule is not None else None
     if result is None and any(p.kind == "P" for p in tensors) and \

@@ -5,6 +5,10 @@ Per mesh axis, one of
   S(d)   shard: member i along the axis holds the i-th piece along dim d (torch.tensor_split's
          sizes: uneven shards allowed, the first ones one longer)
   P      partial: the members along the axis hold tensors of the same shape that sum to it
+  I      invariant: identical copies of one logical computation (the same values as R; its
+         gradient is I, not a partial sum, where R's would be)
+  V      varying: per-member values with no global meaning (a per-worker random mask, local
+         statistics); they meet only R, I and V, and are read or moved only as partial sums
 
 A mesh of one axis (the common case: ``Placement((1, 2), "S", 0)``) has ``kind`` and ``dim``;
 a named mesh of several axes (dp × tp) has its axis sizes in ``grid`` and one (kind, dim) per
@@ -18,13 +22,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Placement:
     mesh: tuple[int, ...]  # worker ranks, in order (row-major over the axes)
-    kind: str = "R"        # one axis: "R", "S" or "P"; several axes: "grid"
+    kind: str = "R"        # one axis: "R", "I", "S", "P" or "V"; several axes: "grid"
     dim: int = 0           # the sharded dim, for S
     grid: tuple[int, ...] = ()               # several axes: their sizes
     axes: tuple[tuple[str, int], ...] = ()   # several axes: (kind, dim) each
 
     def __post_init__(self) -> None:
-        if self.kind not in ("R", "S", "P", "grid"):
+        if self.kind not in ("R", "I", "S", "P", "V", "grid"):
             raise ValueError(f"unknown placement type {self.kind!r}")
 
     def __str__(self) -> str:
@@ -96,8 +100,8 @@ def make(mesh: tuple[int, ...], grid: tuple[int, ...], axes: list[tuple[str, int
     if not grid or len(grid) == 1:
         (kind, dim), = axes
         return Placement(tuple(mesh), kind, dim)
-    if all(k == "R" for k, _ in axes):
-        return Placement(tuple(mesh), "R")
+    if all(k == "R" for k, _ in axes) or all(k == "I" for k, _ in axes):
+        return Placement(tuple(mesh), axes[0][0])
     return Placement(tuple(mesh), "grid", 0, tuple(grid), tuple(axes))
 
 

@@ -131,14 +131,14 @@ def _named_mesh(name: str, body: dict, shard: dict, mesh: Any, where: str, sourc
                               "laid out per axis in 'placement'")
     placement = body.get("placement")
     if not isinstance(placement, dict) or set(placement) != set(mesh):
-        raise ConfigError(f"{where}, key 'placement': expected one of R, S(i), P for each mesh "
+        raise ConfigError(f"{where}, key 'placement': expected one of R, I, S(i), P, V for each mesh "
                           f"axis ({', '.join(mesh)}), got {placement!r}")
     axes = []
     for axis in mesh:
-        match = re.fullmatch(r"\s*(R|P|S\(\s*(-?\d+)\s*\))\s*", str(placement[axis]))
+        match = re.fullmatch(r"\s*(R|I|P|V|S\(\s*(-?\d+)\s*\))\s*", str(placement[axis]))
         if match is None:
-            raise ConfigError(f"{where}, key 'placement.{axis}': expected R, S(i) or P, got "
-                              f"{placement[axis]!r}")
+            raise ConfigError(f"{where}, key 'placement.{axis}': expected R, I, S(i), P or V, "
+                              f"got {placement[axis]!r}")
         axes.append(("S", int(match.group(2))) if match.group(2) else (match.group(1), 0))
     sharded = [d for k, d in axes if k == "S"]
     if len(sharded) != len(set(sharded)):
