@@ -1,6 +1,7 @@
 """Sharding by signals: the same two-layer model trained three ways, each equal to one worker.
 
-    mpiexec -n 3 python examples/signals_demo.py
+    mpiexec -n 3 python examples/signals_demo.py      # 2 workers: DP, TP, pipeline
+    mpiexec -n 5 python examples/signals_demo.py      # 4 workers: DP × TP as well
 
 The model code never changes; signals name where tensors go, and a YAML config (configs/)
 says what each name means. The dispatcher inserts the collectives the placements need.
@@ -65,6 +66,8 @@ patterns = {
     "pipeline": {"data": "stage0", "p0": "stage0", "p1": "stage0", "p2": "stage1",
                  "p3": "stage1", "stage0": "stage0", "stage1": "stage1"},
 }
+if len(gtmpi.info()["workers"]) >= 4:  # one 2 × 2 mesh: batch over dp, the MLP over tp
+    patterns["dp_tp"] = {"data": "act", "p0": "col", "p1": "col", "p2": "row", "p3": "rep"}
 for name, places in patterns.items():
     gtmpi.load_config(os.path.join(HERE, "..", "configs", f"{name}.yaml"))
     before = collectives()

@@ -412,7 +412,7 @@ MANY = """
 @pytest.mark.parametrize("workers", [3, 4])
 def test_patterns_on_3_and_4_workers(tmp_path, workers):
     import json
-    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1)
+    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1, retry_killed=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert out["workers"] == workers
@@ -468,7 +468,7 @@ GRID = """
                     reason="starts its own jobs; run once, from the serial suite")
 def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
     import json
-    proc, _ = run_job(tmp_path, GRID, 150, n=5)
+    proc, _ = run_job(tmp_path, GRID, 150, n=5, retry_killed=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     (ref_losses, ref_params, _), (losses, params, where) = out["ref"], out["got"]
