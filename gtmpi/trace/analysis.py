@@ -103,9 +103,9 @@ def transfer_rows(trace: Trace) -> tuple[list[dict], list[dict]]:
             peer = int(e["peer"])
             if e["kind"] == Kind.COLLECTIVE:
                 by_pair[(rank, -1)] += int(e["bytes"])
-            elif kind in ("instructions", "upload", "recv"):
+            elif kind in ("instructions", "upload"):
                 by_pair[(peer, rank)] += int(e["bytes"])
-            else:  # read, send
+            elif kind != "recv":  # read, send (a send's bytes are its receive's)
                 by_pair[(rank, peer)] += int(e["bytes"])
     kinds = [{"kind": k, "count": c, "bytes": b} for k, (c, b) in sorted(by_kind.items())]
     pairs = [{"src": s, "dst": d, "bytes": b} for (s, d), b in sorted(by_pair.items())]
