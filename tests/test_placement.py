@@ -479,3 +479,25 @@ def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
     assert where == [["S(0)", "S(1)"], ["R", "S(0)"], ["R", "S(1)"]]
     for rank, kinds in out["collectives"].items():
         assert kinds["all_reduce"][0] > 0 and kinds["all_gather"][0] > 0, (rank, kinds)
+
+
+@spread
+def test_traces_show_inserted_collectives(gen, tmp_path):
+    from gtmpi.trace import analysis, fileformat
+    from gtmpi.trace.events import Flag, Kind
+    path = str(tmp_path / "sharded.h5")
+    host = torch.randn(6, 4, generator=gen)
+    x = gtmpi.signal.tensor(host, "data")
+    gtmpi.trace.start(path)
+    total = x.sum().numpy()  # a partial sum, summed where it lies, then read
+    gtmpi.trace.stop()
+    np.testing.assert_allclose(total, host.sum().numpy(), rtol=1e-5)
+    trace = fileformat.read(path)
+    for rank in WORKERS[:2]:
+        (e,) = analysis.select(trace.events[rank], (Kind.COLLECTIVE,))
+        assert trace.name(int(e["name"])) == "all_reduce_" and e["bytes"] == 4
+        assert trace.name(int(e["detail"])).startswith("group ")
+    inserted = analysis.select(trace.events[0], (Kind.DISPATCH,))
+    inserted = inserted[(inserted["flags"] & Flag.INSERTED) != 0]
+    assert sorted(int(p) for p in inserted["peer"]) == WORKERS[:2]
+    assert {r["collective"] for r in analysis.collective_rows(trace)} == {"all_reduce_"}
