@@ -298,9 +298,10 @@ def test_data_parallel_training_equals_one_worker(gen):
         assert_same(p.detach(), w.detach().cpu_torch(), rtol=1e-5, atol=1e-6)
         halves = gtmpi.signal.tensor(p.detach(), "data")  # each worker's rows from its own copy
         assert_same(halves, w.detach().cpu_torch(), rtol=1e-5, atol=1e-6)
-    # per step: one all-reduce per gradient that came out partial (both weights, the first
-    # bias), on each of the 2 workers
-    assert ran["all_reduce"] == 3 * 3 * 2
+    # per step, on each of the 2 workers: one all-reduce per gradient (all four come out as
+    # partial sums) and two for the loss (the sum of the rows' losses, the count of rows);
+    # nothing is gathered: the logits stay split
+    assert ran["all_reduce"] == 3 * (4 + 2) * 2 and "all_gather" not in ran
 
 
 @spread
@@ -501,3 +502,26 @@ def test_traces_show_inserted_collectives(gen, tmp_path):
     inserted = inserted[(inserted["flags"] & Flag.INSERTED) != 0]
     assert sorted(int(p) for p in inserted["peer"]) == WORKERS[:2]
     assert {r["collective"] for r in analysis.collective_rows(trace)} == {"all_reduce_"}
+
+
+@spread
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_over_split_rows(gen, reduction):
+    logits = torch.randn(7, 5, generator=gen)
+    target = torch.randint(0, 5, (7,), generator=gen)
+    target[2] = -100  # ignored: the mean divides by the 6 rows that count
+    x = gtmpi.signal.tensor(logits, "data").requires_grad_()
+    t = gtmpi.signal.tensor(target, "data")
+    before = collectives()
+    loss = F.cross_entropy(x, t, reduction=reduction, label_smoothing=0.1)
+    assert where(loss) == {"mean": f"R@{WORKERS[:2]}", "sum": f"P@{WORKERS[:2]}",
+                           "none": f"S(0)@{WORKERS[:2]}"}[reduction]
+    assert "all_gather" not in ran_since(before)  # the logits never travel
+    ref = logits.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(ref, target, reduction=reduction, label_smoothing=0.1)
+    assert_same(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    weights = torch.randn(want.shape, generator=gen)
+    (loss * gtmpi.tensor(weights)).sum().backward()
+    (want * weights).sum().backward()
+    assert where(x.grad) == f"S(0)@{WORKERS[:2]}"
+    assert_same(x.grad, ref.grad, rtol=1e-5, atol=1e-6)

@@ -111,7 +111,16 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
     """input (N, C) logits; target (N,) class indices. One instruction forward, one backward."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"{reduction} is not a valid value for reduction")
+    if reduction == "mean" and _rows_split(input):
+        # each worker sums its rows' losses; the mean divides by all the rows that count
+        total = apply("cross_entropy", input, target, ignore_index, "sum", label_smoothing)
+        return total / (target != ignore_index).sum().to(total.dtype)
     return apply("cross_entropy", input, target, ignore_index, reduction, label_smoothing)
+
+
+def _rows_split(t: Tensor) -> bool:
+    from ..client.runtime import runtime
+    return ("S", 0) in runtime().dispatcher.placer.placement(t.id).per_axis()
 
 
 def binary_cross_entropy(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:

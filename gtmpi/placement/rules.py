@@ -251,11 +251,32 @@ def _inplace(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return None if wants is None else Plan(wants, target)
 
 
+def _cross_entropy(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Rows of logits and their targets split alike: each member's losses are its rows'. A
+    sum is then partial, per-row losses stay split; a mean needs the global count of rows
+    (nn.functional.cross_entropy divides a sum by it when the rows are split)."""
+    x, target = kinds[0], kinds[1]
+    reduction = args[-2]
+    if name == "cross_entropy_grad":
+        g, x, target = kinds[0], kinds[1], kinds[2]
+        if x.kind != "S" or x.dim != 0 or target != x:
+            return None
+        if reduction == "sum" and g.kind == "R":
+            return Plan(tuple(kinds), x)
+        if reduction == "none" and g.kind in ("R", "S"):  # per-row gradients: cut alike
+            return Plan((x, *kinds[1:]), x) if g.kind == "R" or g == x else None
+        return None
+    if x.kind == "S" and x.dim == 0 and target == x and reduction in ("sum", "none"):
+        return Plan(tuple(kinds), Placement(mesh, "P") if reduction == "sum" else x)
+    return None
+
+
 _KIND_RULES = {Kind.ELEMENTWISE: _elementwise, Kind.REDUCE: _reduction, Kind.SHAPE: _dim_map,
                Kind.INPLACE: _inplace}
-RULES.update({"matmul": _matmul, "linear": _linear})
+RULES.update({"matmul": _matmul, "linear": _linear, "cross_entropy": _cross_entropy,
+              "cross_entropy_grad": _cross_entropy})
 # mix or index dims: right only on whole tensors, or on partial sums where linear
-for _name in ("cross_entropy", "cross_entropy_grad", "cat", "stack", "split", "chunk", "narrow",
+for _name in ("cat", "stack", "split", "chunk", "narrow",
               "getitem", "getitem_grad", "setitem", "expand", "reshape", "view", "flatten",
               "squeeze"):
     RULES[_name] = lambda name, mesh, args, kw, kinds, sigs: _partial(name, mesh, kinds)
