@@ -17,6 +17,9 @@ __all__ = ["linear", "relu", "gelu", "silu", "softmax", "log_softmax", "dropout"
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x Wᵀ + b as one instruction (three as matmul, transpose and add)."""
+    if bias is not None and _split_along(weight, 1):
+        # row parallel: the products are partial sums; the bias is added once, after them
+        return apply("linear", x, weight, None) + bias
     return apply("linear", x, weight, bias)
 
 
@@ -111,16 +114,18 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
     """input (N, C) logits; target (N,) class indices. One instruction forward, one backward."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    if reduction == "mean" and _rows_split(input):
+    if reduction == "mean" and _split_along(input, 0):
         # each worker sums its rows' losses; the mean divides by all the rows that count
         total = apply("cross_entropy", input, target, ignore_index, "sum", label_smoothing)
         return total / (target != ignore_index).sum().to(total.dtype)
     return apply("cross_entropy", input, target, ignore_index, reduction, label_smoothing)
 
 
-def _rows_split(t: Tensor) -> bool:
+def _split_along(t: Tensor, dim: int) -> bool:
+    """Whether t lies in pieces along ``dim`` on some mesh axis (where a fused op would need
+    its operands whole)."""
     from ..client.runtime import runtime
-    return ("S", 0) in runtime().dispatcher.placer.placement(t.id).per_axis()
+    return ("S", dim) in runtime().dispatcher.placer.placement(t.id).per_axis()
 
 
 def binary_cross_entropy(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
