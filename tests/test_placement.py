@@ -478,8 +478,8 @@ def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     # activations: batch over dp, hidden units over tp; weights: replicated over dp, split over tp
     assert where == [["S(0)", "S(1)"], ["R", "S(0)"], ["R", "S(1)"]]
-    for rank, kinds in out["collectives"].items():
-        assert kinds["all_reduce"][0] > 0 and kinds["all_gather"][0] > 0, (rank, kinds)
+    for rank, kinds in out["collectives"].items():  # sums only: nothing is ever gathered
+        assert kinds["all_reduce"][0] > 0 and "all_gather" not in kinds, (rank, kinds)
 
 
 @spread

@@ -306,8 +306,9 @@ class Placer:
         if self.signals:
             p = self.signals[-1][0]
         else:
-            p = max((p for p in kinds if p is not None), key=lambda p: len(p.mesh),
-                    default=self.home)
+            # the widest; among those, one in pieces (a replicated operand fits any layout)
+            p = max((p for p in kinds if p is not None),
+                    key=lambda p: (len(p.mesh), p.kind != "R"), default=self.home)
         return p.mesh, p.grid
 
     def _record(self, tid: int, sig: tuple, p: Placement) -> None:
