@@ -1,7 +1,9 @@
 """Turns the client's instruction stream into batches for workers.
 
-Where each tensor lives is decided here. Until placements by signals exist, every tensor
-lives on the home worker (the first one), as a one-device program expects.
+Where each tensor lives is decided here. Until a signal places a tensor elsewhere, every
+tensor lives on the home worker (the first one), as a one-device program expects, and no
+instruction pays for placement; afterwards every instruction goes through the placer
+(dispatcher/placer.py).
 
 Batching is the whole cost model: one MPI message carries up to BATCH_MAX instructions.
 A batch is sent early while its worker is idle (latency: a GPU must never wait for the
