@@ -49,16 +49,19 @@ def launcher_env() -> dict[str, str]:
 
 
 def run_job(tmp_path, body: str, limit_s: float, *, n: int | None = 3, args=(), env=None,
-            module: bool = False, launcher_args=(), retry_killed: bool = False
+            module: bool = False, launcher_args=(), retries_if_killed: int = 0
             ) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``body`` as a user's script: under ``mpiexec -n n`` (plain python if n is None),
     bounded by ``limit_s``; return the finished process and its wall time.
 
-    ``retry_killed``: run once more if the launcher reports a rank killed by signal 9 after
-    the program's work (an open problem at shutdown with the MPICH wheel on this 2-core
-    machine, several percent of 4- and 5-process jobs, with or without sharding)."""
+    ``retries_if_killed``: run again (up to that many times) if the launcher reports a rank
+    killed by signal 9: an open problem at shutdown with the MPICH wheel on a 2-core machine,
+    several percent of 4- and 5-process jobs (more while other jobs share the cores), with or
+    without sharding. Every other failure fails at once."""
     proc, took = _run_job_once(tmp_path, body, limit_s, n, args, env, module, launcher_args)
-    if retry_killed and proc.returncode != 0 and "Killed (signal 9)" in proc.stdout + proc.stderr:
+    for _ in range(retries_if_killed):
+        if proc.returncode == 0 or "Killed (signal 9)" not in proc.stdout + proc.stderr:
+            break
         proc, took = _run_job_once(tmp_path, body, limit_s, n, args, env, module, launcher_args)
     return proc, took
 

@@ -413,7 +413,7 @@ MANY = """
 @pytest.mark.parametrize("workers", [3, 4])
 def test_patterns_on_3_and_4_workers(tmp_path, workers):
     import json
-    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1, retry_killed=True)
+    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1, retries_if_killed=2)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert out["workers"] == workers
@@ -468,7 +468,7 @@ GRID = """
                     reason="starts its own jobs; run once, from the serial suite")
 def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
     import json
-    proc, _ = run_job(tmp_path, GRID, 150, n=5, retry_killed=True)
+    proc, _ = run_job(tmp_path, GRID, 150, n=5, retries_if_killed=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     (ref_losses, ref_params, _, _), (losses, params, where, trained) = out["ref"], out["got"]
@@ -524,3 +524,20 @@ def test_cross_entropy_over_split_rows(gen, reduction):
     (want * weights).sum().backward()
     assert where(x.grad) == f"S(0)@{WORKERS[:2]}"
     assert_same(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@spread
+def test_a_placed_upload_is_traced_where_it_went(tmp_path):
+    from gtmpi.trace import analysis, fileformat
+    from gtmpi.trace.events import Kind
+    path = str(tmp_path / "upload.h5")
+    gtmpi.trace.start(path)
+    with gtmpi.signal.context("stage1"):
+        x = gtmpi.tensor(torch.ones(3))
+    gtmpi.trace.stop()
+    trace = fileformat.read(path)
+    (sent,) = analysis.select(trace.events[0], (Kind.TRANSFER,))
+    assert int(sent["peer"]) == WORKERS[1] and int(sent["id"]) == x.id
+    (placed,) = [e for e in analysis.select(trace.events[0], (Kind.DISPATCH,))
+                 if trace.name(int(e["name"])) == "upload"]
+    assert int(placed["peer"]) == WORKERS[1]

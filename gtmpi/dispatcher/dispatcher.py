@@ -75,12 +75,14 @@ class Dispatcher:
         rec = self.trace
         if rec is not None:
             received = _clock()
-        if self.log is not None:
-            self.log.received(ins, self.home)
-        if self.placer.active:
+        if self.placer.active:  # logged once placed: only then is its worker known
             rank = self.placer.submit(ins, sigs, outs, urgent)
+            if self.log is not None:
+                self.log.received(ins, rank)
         else:
             rank = self.home
+            if self.log is not None:
+                self.log.received(ins, rank)
             self.enqueue(rank, ins, urgent)
         if rec is not None:
             rec.issues.append((issued or received, received, _clock(), ins[0], ins[1], rank))
@@ -93,15 +95,14 @@ class Dispatcher:
             self.flush(rank)
 
     def upload(self, ins: tuple, data: np.ndarray) -> None:
+        """Host bytes, to the worker the 'upload' instruction ``ins`` goes to."""
+        rank = self.placer.upload_rank(ins[2]) if self.placer.active else self.home
+        self.links[rank].upload(data)
         if self.trace is not None:
             t = _clock()
-            self.trace.event(Kind.TRANSFER, Lane.DISPATCHER, t, t, "upload", ins[1], self.home,
+            self.trace.event(Kind.TRANSFER, Lane.DISPATCHER, t, t, "upload", ins[1], rank,
                              data.nbytes)
-        if self.placer.active:
-            self.placer.upload(ins, data)
-        else:
-            self.links[self.home].upload(data)
-            self.submit(ins)
+        self.submit(ins)
 
     def read(self, tensor_id: int, buf: np.ndarray, sig: tuple | None = None) -> Fault | None:
         """Fill ``buf`` with the raw bytes of a tensor (of ``sig``: shape, dtype), or return

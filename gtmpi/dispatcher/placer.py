@@ -79,6 +79,8 @@ class Placer:
     def submit(self, ins: tuple, sigs: list, outs: list, urgent: bool) -> int:
         """Place one client instruction; return the first rank it went to."""
         name, out, args, tmask, kw = ins
+        if name == "upload":
+            return self._upload(ins)
         op = OPS[name]
         if op.kind is OpKind.CREATE:
             target = self._signal_target(outs[0])
@@ -113,16 +115,19 @@ class Placer:
         self._flush_touched()
         return mesh[0]
 
-    def upload(self, ins: tuple, data: Any) -> None:
-        """Host bytes: to the first member of the active signal's mesh, then to its placement."""
+    def upload_rank(self, sig: tuple) -> int:
+        """Where host bytes go: the first member of the active signal's mesh."""
+        return self._signal_target(sig).mesh[0]
+
+    def _upload(self, ins: tuple) -> int:
+        """The bytes are at the first member: from there, to the signal's placement."""
         target = self._signal_target(ins[2])
         first = target.mesh[0]
-        self.d.links[first].upload(data)
         self.d.enqueue(first, ins, True)
         self._record(ins[1], ins[2], Placement((first,), "R"))
-        if target != Placement((first,), "R"):
-            self.replace(ins[1], ins[2], target)
+        self.replace(ins[1], ins[2], target)
         self._flush_touched()
+        return first
 
     def read_source(self, tid: int, sig: tuple) -> tuple[int, int]:
         """(rank, id) holding the whole tensor, gathering it there first if it is in pieces."""
