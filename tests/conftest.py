@@ -57,7 +57,10 @@ def run_job(tmp_path, body: str, limit_s: float, *, n: int | None = 3, args=(), 
     ``retries_if_killed``: run again (up to that many times) if the launcher reports a rank
     killed by signal 9: an open problem at shutdown with the MPICH wheel on a 2-core machine,
     several percent of 4- and 5-process jobs (more while other jobs share the cores), with or
-    without sharding. Every other failure fails at once."""
+    without sharding. Every other failure fails at once.
+
+    The job's workers use the CPU unless ``GTMPI_TEST_JOB_DEVICE`` says otherwise (``auto``
+    on a machine with a GPU per worker runs the job's data plane on NCCL)."""
     proc, took = _run_job_once(tmp_path, body, limit_s, n, args, env, module, launcher_args)
     for _ in range(retries_if_killed):
         if proc.returncode == 0 or "Killed (signal 9)" not in proc.stdout + proc.stderr:
@@ -73,7 +76,8 @@ def _run_job_once(tmp_path, body, limit_s, n, args, env, module, launcher_args):
     if n is not None:
         cmd = [mpiexec(), "-n", str(n), *launcher_args] + cmd
     full_env = {k: v for k, v in os.environ.items() if k not in ("GTMPI_VERBOSE", "GTMPI_TRACE")}
-    full_env.update({**launcher_env(), "GTMPI_DEVICE": "cpu", **(env or {})})
+    job_device = os.environ.get("GTMPI_TEST_JOB_DEVICE", "cpu")
+    full_env.update({**launcher_env(), "GTMPI_DEVICE": job_device, **(env or {})})
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=full_env,
                           start_new_session=True)

@@ -527,17 +527,39 @@ def test_cross_entropy_over_split_rows(gen, reduction):
 
 
 @spread
-def test_a_placed_upload_is_traced_where_it_went(tmp_path):
+def test_placed_uploads_go_piece_by_piece_from_the_host(gen, tmp_path):
+    """Each member gets its own piece straight from rank 0: no worker forwards bytes."""
     from gtmpi.trace import analysis, fileformat
     from gtmpi.trace.events import Kind
+    gtmpi.load_config({"part": {"mesh": {"dp": 2}, "placement": {"dp": "P"}}})
+    host = torch.randn(7, 4, generator=gen)
     path = str(tmp_path / "upload.h5")
+    before = collectives()
     gtmpi.trace.start(path)
     with gtmpi.signal.context("stage1"):
-        x = gtmpi.tensor(torch.ones(3))
+        one = gtmpi.tensor(torch.ones(3))
+    with gtmpi.signal.context("data"):
+        rows = gtmpi.tensor(host)
+    with gtmpi.signal.context("weights"):
+        both = gtmpi.tensor(host)
+    with gtmpi.signal.context("part"):
+        part = gtmpi.tensor(host)
     gtmpi.trace.stop()
+    assert ran_since(before) == {}
     trace = fileformat.read(path)
-    (sent,) = analysis.select(trace.events[0], (Kind.TRANSFER,))
-    assert int(sent["peer"]) == WORKERS[1] and int(sent["id"]) == x.id
-    (placed,) = [e for e in analysis.select(trace.events[0], (Kind.DISPATCH,))
-                 if trace.name(int(e["name"])) == "upload"]
-    assert int(placed["peer"]) == WORKERS[1]
+    sent = [(int(e["id"]), int(e["peer"]), int(e["bytes"]))
+            for e in analysis.select(trace.events[0], (Kind.TRANSFER,))]
+    w0, w1 = WORKERS[:2]
+    assert sent == [(one.id, w1, 12), (rows.id, w0, 64), (rows.id, w1, 48),
+                    (both.id, w0, 112), (both.id, w1, 112), (part.id, w0, 112)]
+    placed = sorted((trace.name(int(e["name"])), int(e["id"]), int(e["peer"]))
+                    for e in analysis.select(trace.events[0], (Kind.DISPATCH,)))
+    # one event per instruction the program wrote, at its first member; the zeros inserted
+    assert placed == sorted([("upload", one.id, w1), ("upload", rows.id, w0),
+                             ("upload", both.id, w0), ("upload", part.id, w0),
+                             ("zeros", part.id, w1)])
+    assert [where(t) for t in (one, rows, both, part)] == [
+        f"R@{[w1]}", f"S(0)@{[w0, w1]}", f"R@{[w0, w1]}", f"P@{[w0, w1]}"]
+    for t in (rows, both, part):
+        assert_same(t, host)
+    assert gtmpi.debug.placement(rows)["shards"] == {w0: (4, 4), w1: (3, 4)}

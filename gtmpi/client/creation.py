@@ -46,7 +46,7 @@ def upload(host: torch.Tensor) -> Tensor:
     rt = runtime()
     out = rt.new_id()
     sig = (host.shape, host.dtype)
-    rt.dispatcher.upload(("upload", out, sig, 0, None), host.reshape(-1).view(torch.uint8).numpy())
+    rt.dispatcher.upload(("upload", out, sig, 0, None), host)
     rt.note_site(out)
     return Tensor(out, sig)
 

@@ -19,7 +19,9 @@ import time
 from typing import Any, Callable, Protocol
 
 import numpy as np
+import torch
 
+from ..client.dtypes import as_bytes
 from ..errors import Fault
 from ..trace.events import Kind, Lane
 from ..transport.poll import wait_for
@@ -67,16 +69,17 @@ class Dispatcher:
         self.placer = Placer(self)
 
     def submit(self, ins: tuple, urgent: bool = True, issued: int = 0, sigs: list | None = None,
-               outs: list | None = None) -> None:
+               outs: list | None = None, host: torch.Tensor | None = None) -> None:
         """A tensor instruction from the client, routed to the workers that hold its operands.
         ``urgent`` marks work big enough that an idle worker should start on it now; ``issued``
         is when the client started on it (traces only); ``sigs`` and ``outs`` are the
-        (shape, dtype) of its operands and results, which placing needs."""
+        (shape, dtype) of its operands and results, which placing needs; ``host`` is an upload's
+        data."""
         rec = self.trace
         if rec is not None:
             received = _clock()
         if self.placer.active:  # logged once placed: only then is its worker known
-            rank = self.placer.submit(ins, sigs, outs, urgent)
+            rank = self.placer.submit(ins, sigs, outs, urgent, host)
             if self.log is not None:
                 self.log.received(ins, rank)
         else:
@@ -94,15 +97,24 @@ class Dispatcher:
         if len(batch) >= BATCH_MAX or ((urgent or len(batch) > 1) and self._idle(rank)):
             self.flush(rank)
 
-    def upload(self, ins: tuple, data: np.ndarray) -> None:
-        """Host bytes, to the worker the 'upload' instruction ``ins`` goes to."""
-        rank = self.placer.upload_rank(ins[2]) if self.placer.active else self.home
+    def upload(self, ins: tuple, host: torch.Tensor) -> None:
+        """A contiguous CPU tensor, to the workers the 'upload' instruction ``ins`` makes it on:
+        the home worker, or each member of a signal's placement its own piece, straight from
+        here (a worker never forwards another's bytes)."""
+        if self.placer.active:
+            self.submit(ins, host=host)
+            return
+        self.send_bytes(self.home, ins[1], host)
+        self.submit(ins)
+
+    def send_bytes(self, rank: int, tid: int, host: torch.Tensor) -> None:
+        """Host bytes for the next 'upload' instruction ``rank`` executes."""
+        data = as_bytes(host.contiguous())
         self.links[rank].upload(data)
         if self.trace is not None:
             t = _clock()
-            self.trace.event(Kind.TRANSFER, Lane.DISPATCHER, t, t, "upload", ins[1], rank,
+            self.trace.event(Kind.TRANSFER, Lane.DISPATCHER, t, t, "upload", tid, rank,
                              data.nbytes)
-        self.submit(ins)
 
     def read(self, tensor_id: int, buf: np.ndarray, sig: tuple | None = None) -> Fault | None:
         """Fill ``buf`` with the raw bytes of a tensor (of ``sig``: shape, dtype), or return

@@ -16,6 +16,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import torch
+
 from ..ops.table import OPS, Kind as OpKind
 from ..placement.rules import MUTATED, PlacementError, plan
 from ..placement.types import Placement, make
@@ -76,11 +78,13 @@ class Placer:
     def exit(self) -> None:
         self.signals.pop()
 
-    def submit(self, ins: tuple, sigs: list, outs: list, urgent: bool) -> int:
-        """Place one client instruction; return the first rank it went to."""
+    def submit(self, ins: tuple, sigs: list, outs: list, urgent: bool,
+               host: torch.Tensor | None = None) -> int:
+        """Place one client instruction (``host``: an upload's data); return the first rank
+        it went to."""
         name, out, args, tmask, kw = ins
         if name == "upload":
-            return self._upload(ins)
+            return self._upload(ins, host)
         op = OPS[name]
         if op.kind is OpKind.CREATE:
             target = self._signal_target(outs[0])
@@ -115,19 +119,24 @@ class Placer:
         self._flush_touched()
         return mesh[0]
 
-    def upload_rank(self, sig: tuple) -> int:
-        """Where host bytes go: the first member of the active signal's mesh."""
-        return self._signal_target(sig).mesh[0]
-
-    def _upload(self, ins: tuple) -> int:
-        """The bytes are at the first member: from there, to the signal's placement."""
-        target = self._signal_target(ins[2])
-        first = target.mesh[0]
-        self.d.enqueue(first, ins, True)
-        self._record(ins[1], ins[2], Placement((first,), "R"))
-        self.replace(ins[1], ins[2], target)
-        self._flush_touched()
-        return first
+    def _upload(self, ins: tuple, host: torch.Tensor) -> int:
+        """Each member of the signal's placement gets its own piece of the host data (the
+        first member along a partial-sum axis the value, the others zeros)."""
+        _, out, sig, _, _ = ins
+        shape, dtype = sig
+        target = self._signal_target(sig)
+        for m, rank in enumerate(target.mesh):
+            local = target.local_shape(tuple(shape), m)
+            if any(k == "P" and c for (k, _), c in zip(target.per_axis(), target.coords(m))):
+                self._emit(rank, ("zeros", out, (local, dtype), 0, None))
+                continue
+            piece = host
+            for dim, start, length in target.piece(tuple(shape), m):
+                piece = piece.narrow(dim, start, length)
+            self.d.send_bytes(rank, out, piece)
+            self.d.enqueue(rank, ("upload", out, (local, dtype), 0, None), True)
+        self._record(out, sig, target)
+        return target.mesh[0]
 
     def read_source(self, tid: int, sig: tuple) -> tuple[int, int]:
         """(rank, id) holding the whole tensor, gathering it there first if it is in pieces."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import Fault
-from ..client.dtypes import NUMPY_DTYPES
+from ..client.dtypes import as_bytes
 from ..ops.table import OPS, Kind
 from ..trace import events
 from ..trace.recorder import Recorder
@@ -45,14 +45,6 @@ class HostLink(Protocol):
     def reply(self, tag: int, obj: Any) -> None: ...
     def reply_later(self, tag: int, obj: Any) -> None: ...
     def clock_pongs(self, rounds: int) -> None: ...
-
-
-def as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A uint8 numpy view of a contiguous CPU tensor (bfloat16 and 0-d tensors included).
-    numpy's views cost a fraction of torch's, and reads are latency-bound."""
-    if t.dtype in NUMPY_DTYPES:
-        return t.numpy().reshape(-1).view(np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 class Executor:
