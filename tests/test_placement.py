@@ -48,6 +48,39 @@ def ran_since(before: dict[str, int]) -> dict[str, int]:
     return {k: now[k] - before.get(k, 0) for k in now if now[k] != before.get(k, 0)}
 
 
+def waits_in_one_order(trace) -> int:
+    """Check that the steps where workers wait for each other (making a group: all workers,
+    as NCCL splits the world's communicator; the n-th collective in a group: its members; the
+    n-th transfer between two workers: both) fit one order that every worker's own order
+    agrees with. Where none does, NCCL deadlocks (gloo may not: its groups are made by their
+    members alone). Returns the number of such steps."""
+    import graphlib
+    from gtmpi.trace.events import Kind
+    after: dict[tuple, set] = {}
+    for rank, events in trace.events.items():
+        seen: dict = {}
+        last = None
+        for e in events:
+            name = trace.name(int(e["name"]))
+            if e["kind"] == Kind.COLLECTIVE:
+                key = trace.name(int(e["detail"]))
+            elif e["kind"] == Kind.CONTROL and name == "new_group":
+                key = "new group"
+            elif e["kind"] == Kind.TRANSFER and name in ("send", "recv"):
+                key = tuple(sorted((rank, int(e["peer"]))))
+            else:
+                continue
+            step = (key, seen.setdefault(key, 0))
+            seen[key] += 1
+            after.setdefault(step, set()).update([last] if last else [])
+            last = step
+    try:
+        graphlib.TopologicalSorter(after).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"workers wait for each other in a cycle: {e.args[1]}") from None
+    return len(after)
+
+
 def where(t) -> str:
     d = gtmpi.debug.placement(t)
     return f"{d['type']}@{d['mesh']}"
@@ -413,8 +446,12 @@ MANY = """
 @pytest.mark.parametrize("workers", [3, 4])
 def test_patterns_on_3_and_4_workers(tmp_path, workers):
     import json
-    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1, retries_if_killed=2)
+    from gtmpi.trace import fileformat
+    trace = tmp_path / "many.h5"
+    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1, retries_if_killed=2,
+                      env={"GTMPI_TRACE": str(trace)})
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert waits_in_one_order(fileformat.read(str(trace))) > 10
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert out["workers"] == workers
     np.testing.assert_allclose(out["dp"], out["ref"], rtol=1e-4)
@@ -468,8 +505,12 @@ GRID = """
                     reason="starts its own jobs; run once, from the serial suite")
 def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
     import json
-    proc, _ = run_job(tmp_path, GRID, 150, n=5, retries_if_killed=2)
+    from gtmpi.trace import fileformat
+    trace = tmp_path / "grid.h5"
+    proc, _ = run_job(tmp_path, GRID, 150, n=5, retries_if_killed=2,
+                      env={"GTMPI_TRACE": str(trace)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert waits_in_one_order(fileformat.read(str(trace))) > 20
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     (ref_losses, ref_params, _, _), (losses, params, where, trained) = out["ref"], out["got"]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)

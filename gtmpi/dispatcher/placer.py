@@ -249,9 +249,9 @@ class Placer:
         shape, dtype = sig
         kind, dim = p.per_axis()[axis]
         out = next(self._temp)
+        groups = self._groups_along(p, axis)
         for m, rank in enumerate(p.mesh):
-            like = {"group": self._group(p.along(axis, m)),
-                    "shape": p.local_shape(tuple(shape), m), "dtype": dtype}
+            like = {"group": groups[m], "shape": p.local_shape(tuple(shape), m), "dtype": dtype}
             self._emit(rank, ("all_reduce", out, (tid,), 1, like) if kind == "P" else
                        ("all_gather", out, (tid,), 1,
                         {**like, "dim": dim, "sizes": p.sizes(tuple(shape), axis)}))
@@ -262,8 +262,9 @@ class Placer:
         shape, dtype = sig
         (kind, dim), (_, to) = have.per_axis()[axis], want.per_axis()[axis]
         out = next(self._temp)
+        groups = self._groups_along(have, axis)
         for m, rank in enumerate(have.mesh):
-            like = {"group": self._group(have.along(axis, m)), "index": have.coords(m)[axis],
+            like = {"group": groups[m], "index": have.coords(m)[axis],
                     "shape": have.local_shape(tuple(shape), m), "dtype": dtype}
             if kind == "P":
                 op = ("reduce_scatter", out, (tid,), 1,
@@ -350,6 +351,13 @@ class Placer:
             copy = self.copies.pop(key)
             held += [(rank, copy) for rank in key[1].mesh]
         return held
+
+    def _groups_along(self, p: Placement, axis: int) -> list[int]:
+        """Each member's group along ``axis``, every one made before any member is given a
+        collective in it. NCCL makes a group with all workers (it splits the world's
+        communicator), and a communicator's first collective waits for all its members: a
+        group made between one line's collectives would have each side wait for the other."""
+        return [self._group(p.along(axis, m)) for m in range(len(p.mesh))]
 
     def _group(self, mesh: tuple[int, ...]) -> int:
         """The data-plane group of a mesh, made on every worker the first time."""
