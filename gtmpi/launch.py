@@ -9,6 +9,7 @@ Three ways to start:
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import socket
 import sys
@@ -108,7 +109,15 @@ def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], d
     MPI.Finalize()
     if detach:
         _wait_gone(host0[1])
-    os._exit(0)  # never run the rest of the user's program
+    _leave()
+
+
+def _leave() -> None:
+    """End a worker with status 0, never returning to the user's program. The C library's exit
+    handlers run (os._exit would skip them): MPICH tells its process manager that the rank
+    finalized from one of them, and hydra SIGKILLs every rank still running (rank 0 among
+    them, while it finishes its own exit) when a rank leaves without saying so."""
+    ctypes.CDLL(None).exit(0)
 
 
 def _part(detach: list) -> None:
