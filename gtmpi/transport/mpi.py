@@ -51,6 +51,12 @@ class _Sends:
         self._pending.clear()
 
 
+def _finished(req: MPI.Request) -> tuple[bool, Any] | None:
+    """(True, the object) once a pickled receive is complete, else None."""
+    done = req.test()
+    return done if done[0] else None
+
+
 class WorkerLink:
     """Rank 0's end of the conversation with one worker."""
 
@@ -58,6 +64,7 @@ class WorkerLink:
         self.comms = comms
         self.rank = rank
         self._sends = _Sends()
+        self._receiving: dict[Tag, MPI.Request] = {}  # replies whose bytes are still coming
 
     def send(self, batch: list, seq: int) -> None:
         self._sends.keep(self.comms.ctrl.isend(batch, self.rank, Tag.BATCH))
@@ -84,13 +91,26 @@ class WorkerLink:
         return latest
 
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
-        msg = wait_for(lambda: self.comms.reply.improbe(self.rank, tag), watchdog)
-        return msg.recv()
+        req = self._receiving.pop(tag, None)
+        if req is None:
+            return wait_for(lambda: self.comms.reply.improbe(self.rank, tag), watchdog).recv()
+        return wait_for(lambda: _finished(req), watchdog)[1]  # begun by poll_reply: it is first
 
     def poll_reply(self, tag: Tag) -> Any:
-        """A reply if one has arrived, else None."""
-        msg = self.comms.reply.improbe(self.rank, tag)
-        return None if msg is None else msg.recv()
+        """A reply if all of it has arrived, else None. Never waits: a big message moves only
+        while its sender calls MPI, and a worker inside a collective does not until the other
+        members get their part of it, which rank 0 may still have to send them."""
+        req = self._receiving.get(tag)
+        if req is None:
+            msg = self.comms.reply.improbe(self.rank, tag)
+            if msg is None:
+                return None
+            req = self._receiving[tag] = msg.irecv()
+        done = _finished(req)
+        if done is None:
+            return None
+        del self._receiving[tag]
+        return done[1]
 
     def measure_clock(self, rounds: int) -> tuple[int, int, int]:
         """Ping-pong with a worker inside its 'clock' control word (see HostLink.clock_pongs):
