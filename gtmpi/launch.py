@@ -20,7 +20,6 @@ import torch
 from .client import runtime as session
 from .client.runtime import Runtime
 from .transport.local import LocalLink
-from .transport.poll import alive
 from .transport.tags import Tag
 from .worker.device import local_worker_index, select_device, visible_gpus
 from .worker.executor import Executor
@@ -107,8 +106,6 @@ def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], d
     sys.stderr.flush()
     _part(detach)
     MPI.Finalize()
-    if detach:
-        _wait_gone(host0[1])
     _leave()
 
 
@@ -125,15 +122,6 @@ def _part(detach: list) -> None:
         for comm in detach[:-1]:
             comm.Free()
         detach[-1].Disconnect()
-
-
-def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
-    """Spawned workers outlive their parent: MPICH's spawn helper kills the parent's whole
-    process group (the user's shell included) once all spawned processes have exited."""
-    import time
-    deadline = time.monotonic() + timeout_s
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _abort_on_uncaught(comm):

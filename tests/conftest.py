@@ -49,27 +49,12 @@ def launcher_env() -> dict[str, str]:
 
 
 def run_job(tmp_path, body: str, limit_s: float, *, n: int | None = 3, args=(), env=None,
-            module: bool = False, launcher_args=(), retries_if_killed: int = 0
-            ) -> tuple[subprocess.CompletedProcess, float]:
+            module: bool = False, launcher_args=()) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``body`` as a user's script: under ``mpiexec -n n`` (plain python if n is None),
     bounded by ``limit_s``; return the finished process and its wall time.
 
-    ``retries_if_killed``: run again (up to that many times) if the launcher reports a rank
-    killed by signal 9: an open problem at shutdown with the MPICH wheel on a 2-core machine,
-    several percent of 4- and 5-process jobs (more while other jobs share the cores), with or
-    without sharding. Every other failure fails at once.
-
     The job's workers use the CPU unless ``GTMPI_TEST_JOB_DEVICE`` says otherwise (``auto``
     on a machine with a GPU per worker runs the job's data plane on NCCL)."""
-    proc, took = _run_job_once(tmp_path, body, limit_s, n, args, env, module, launcher_args)
-    for _ in range(retries_if_killed):
-        if proc.returncode == 0 or "Killed (signal 9)" not in proc.stdout + proc.stderr:
-            break
-        proc, took = _run_job_once(tmp_path, body, limit_s, n, args, env, module, launcher_args)
-    return proc, took
-
-
-def _run_job_once(tmp_path, body, limit_s, n, args, env, module, launcher_args):
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(body))
     cmd = [sys.executable] + (["-m", "gtmpi"] if module else []) + [str(script), *args]

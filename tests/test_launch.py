@@ -40,6 +40,27 @@ def test_mpiexec_rank0_runs_the_program_workers_exit_zero(tmp_path):
     assert proc.stderr == ""  # nothing printed by default
 
 
+@pytest.mark.parametrize("start", ["mpiexec", "spawn"])
+def test_rank0_may_take_its_time_to_exit_after_the_workers(tmp_path, start):
+    """Workers end after MPI_Finalize while rank 0 is still exiting (here: in its last exit
+    handler). A worker that leaves without telling the process manager it finalized gets
+    every process still running killed: MPICH's hydra SIGKILLs rank 0 (the job's exit code
+    is then sometimes 9, sometimes 0), and its spawn helper the parent's process group."""
+    proc, _ = run(tmp_path, """
+        import atexit, sys, time
+        atexit.register(lambda: (time.sleep(1.0), print("LAST", flush=True)))  # after Finalize
+        if sys.argv[1] == "mpiexec":
+            from mpi4py import MPI
+            atexit.register(MPI.Finalize)
+        import gtmpi
+        if sys.argv[1] == "spawn":
+            gtmpi.workers(2)
+        print("VALUE", (gtmpi.ones(3) * 2).sum().item())
+    """, n=3 if start == "mpiexec" else None, args=[start])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "VALUE 6.0" in proc.stdout and "LAST" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_python_m_gtmpi_with_a_late_import_and_arguments(tmp_path):
     proc, _ = run(tmp_path, """
         import sys

@@ -448,8 +448,7 @@ def test_patterns_on_3_and_4_workers(tmp_path, workers):
     import json
     from gtmpi.trace import fileformat
     trace = tmp_path / "many.h5"
-    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1, retries_if_killed=2,
-                      env={"GTMPI_TRACE": str(trace)})
+    proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1, env={"GTMPI_TRACE": str(trace)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert waits_in_one_order(fileformat.read(str(trace))) > 10
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
@@ -507,8 +506,7 @@ def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
     import json
     from gtmpi.trace import fileformat
     trace = tmp_path / "grid.h5"
-    proc, _ = run_job(tmp_path, GRID, 150, n=5, retries_if_killed=2,
-                      env={"GTMPI_TRACE": str(trace)})
+    proc, _ = run_job(tmp_path, GRID, 150, n=5, env={"GTMPI_TRACE": str(trace)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert waits_in_one_order(fileformat.read(str(trace))) > 20
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
