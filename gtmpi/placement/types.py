@@ -61,9 +61,6 @@ class Placement:
             line.append(self.mesh[_index(c, self.shape())])
         return tuple(line)
 
-    def with_axes(self, axes: list[tuple[str, int]]) -> "Placement":
-        return make(self.mesh, self.grid, axes)
-
     @property
     def whole(self) -> "Placement":
         """Replicated on the same mesh."""
@@ -103,10 +100,6 @@ def make(mesh: tuple[int, ...], grid: tuple[int, ...], axes: list[tuple[str, int
     if all(k == "R" for k, _ in axes) or all(k == "I" for k, _ in axes):
         return Placement(tuple(mesh), axes[0][0])
     return Placement(tuple(mesh), "grid", 0, tuple(grid), tuple(axes))
-
-
-def replicated(rank: int) -> Placement:
-    return Placement((rank,), "R")
 
 
 def _name(kind: str, dim: int) -> str:
