@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import ContextDecorator
+from contextlib import ContextDecorator, nullcontext
 from typing import Any, Iterable, Sequence
 
 _state = threading.local()
@@ -135,11 +135,9 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                 raise RuntimeError("Trying to backward through the graph a second time (or directly "
                                    "access saved tensors after they have already been freed). "
                                    "Specify retain_graph=True if you need to backward a second time.")
-            if node.backward is None:
+            # backward= on the signal of its forward: its gradient ops run there
+            with nullcontext() if node.backward is None else signals.context(node.backward):
                 results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
-            else:  # backward= on the signal of its forward: its gradient ops run there
-                with signals.context(node.backward):
-                    results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
             for operand, g in zip(node.operands, results):
                 if g is None or not isinstance(operand, Tensor) or not operand.requires_grad:
                     continue

@@ -89,10 +89,8 @@ class DataPlane:
         """P -> S(dim): each member gets the sum of its piece only (half the bytes of an
         all-reduce); gloo has no reduce-scatter, so there it sums everything and cuts."""
         if self.backend != "nccl":
-            y = x.clone()
-            dist.all_reduce(y, group=self.groups[group])
-            self._count("all_reduce", y)
-            return y.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
+            return self.all_reduce(x, group).narrow(dim, sum(sizes[:index]),
+                                                    sizes[index]).contiguous()
         pieces = list(torch.split(x.contiguous(), list(sizes), dim))
         longest = max(sizes)
         padded = [_pad(p, dim, longest) for p in pieces]
