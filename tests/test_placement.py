@@ -112,6 +112,10 @@ def test_bad_configs_name_file_signal_and_key(config, message):
     ({"mesh": {"dp": 2, "tp": 2}, "placement": {"dp": "R", "tp": "R"},
       "shard": {"workers": [0, 1, 2]}}, "key 'shard.workers': a mesh of 4 needs 4"),
     ({"mesh": {"dp": 2}, "placement": {"dp": "R"}, "shard": {"axis": 0}}, "key 'shard.axis'"),
+    ({"mesh": {"dp": 2}, "placement": {"dp": "R"}, "compile": "yes"}, "key 'compile'"),
+    ({"mesh": {"dp": 2}, "placement": {"dp": "R"}, "backward": 3}, "key 'backward'"),
+    ({"mesh": {"dp": 2}, "placement": {"dp": "R"}, "shard": {"workers": [[0], 1]}},
+     "key 'shard.workers'"),
 ])
 def test_bad_named_meshes(body, message):
     with pytest.raises(ConfigError, match=rf"<dict>: signal 'm', {message}"):

@@ -85,18 +85,29 @@ def _mapping(body: Any, known: set[str], where: str, prefix: str) -> None:
                           f"(known: {', '.join(sorted(known))})")
 
 
+def _indices(workers: Any) -> bool:
+    """A list of distinct worker indices (0, 1, ...)."""
+    return isinstance(workers, list) and \
+        all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in workers) and \
+        len(set(workers)) == len(workers)
+
+
 def _signal(name: str, body: Any, source: str) -> Signal:
     where = f"{source}: signal '{name}'"
     _mapping(body, _SIGNAL_KEYS, where, "")
     shard = body.get("shard", {})
     _mapping(shard, _SHARD_KEYS, f"{where}, key 'shard'", "shard.")
+    backward = body.get("backward")
+    if backward is not None and not isinstance(backward, str):
+        raise ConfigError(f"{where}, key 'backward': expected a signal name")
+    compile_ = body.get("compile", False)
+    if not isinstance(compile_, bool):
+        raise ConfigError(f"{where}, key 'compile': expected true or false")
     mesh = body.get("mesh")
     if mesh is not None:
-        return _named_mesh(name, body, shard, mesh, where, source)
+        return _named_mesh(name, body, shard, mesh, where, source, backward, compile_)
     workers = shard.get("workers", [0])
-    if not isinstance(workers, list) or not workers or \
-            not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in workers) \
-            or len(set(workers)) != len(workers):
+    if not _indices(workers) or not workers:
         raise ConfigError(f"{where}, key 'shard.workers': expected a list of distinct worker "
                           f"indices (0, 1, ...), got {workers!r}")
     replicated = shard.get("replicated", False)
@@ -111,16 +122,11 @@ def _signal(name: str, body: Any, source: str) -> Signal:
     if not replicated and axis is None and len(workers) > 1:
         raise ConfigError(f"{where}, key 'shard.axis': several workers need an axis to shard "
                           "along, or replicated: true")
-    backward = body.get("backward")
-    if backward is not None and not isinstance(backward, str):
-        raise ConfigError(f"{where}, key 'backward': expected a signal name")
-    compile_ = body.get("compile", False)
-    if not isinstance(compile_, bool):
-        raise ConfigError(f"{where}, key 'compile': expected true or false")
     return Signal(name, source, tuple(workers), None if replicated else axis, backward, compile_)
 
 
-def _named_mesh(name: str, body: dict, shard: dict, mesh: Any, where: str, source: str) -> Signal:
+def _named_mesh(name: str, body: dict, shard: dict, mesh: Any, where: str, source: str,
+                backward: str | None, compile_: bool) -> Signal:
     if not isinstance(mesh, dict) or not mesh or \
             not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in mesh.values()):
         raise ConfigError(f"{where}, key 'mesh': expected axis names with their sizes, like "
@@ -145,12 +151,8 @@ def _named_mesh(name: str, body: dict, shard: dict, mesh: Any, where: str, sourc
         raise ConfigError(f"{where}, key 'placement': two axes shard the same dim")
     size = math.prod(mesh.values())
     workers = shard.get("workers", list(range(size)))
-    if not isinstance(workers, list) or len(workers) != size or len(set(workers)) != size or \
-            not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in workers):
+    if not _indices(workers) or len(workers) != size:
         raise ConfigError(f"{where}, key 'shard.workers': a mesh of {size} needs {size} distinct "
                           f"worker indices, got {workers!r}")
-    backward = body.get("backward")
-    if backward is not None and not isinstance(backward, str):
-        raise ConfigError(f"{where}, key 'backward': expected a signal name")
-    return Signal(name, source, tuple(workers), None, backward, bool(body.get("compile", False)),
+    return Signal(name, source, tuple(workers), None, backward, compile_,
                   tuple(mesh.values()), tuple(axes), tuple(mesh))
