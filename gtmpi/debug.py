@@ -5,10 +5,14 @@ import sys
 from typing import Any, TextIO
 
 
-def worker_stats() -> dict[int, dict]:
-    """Per worker: ops executed, faults, tensor bytes received and sent, tensors held, memory."""
+def worker_stats(reset_peak: bool = False) -> dict[int, dict]:
+    """Per worker: ops executed, faults, tensor bytes received and sent, tensors held, memory
+    (``memory_bytes`` in use; on a GPU torch's ``peak_bytes`` allocated and ``reserved_bytes``
+    and ``peak_reserved_bytes``), the process's ``peak_rss_bytes``, collectives run.
+    ``reset_peak``: start the GPU peaks afresh after this reading, as
+    torch.cuda.reset_peak_memory_stats does."""
     from .client.runtime import runtime
-    return runtime().worker_stats()
+    return runtime().worker_stats(reset_peak)
 
 
 def print_worker_stats(file: TextIO | None = None) -> None:
@@ -26,7 +30,6 @@ def print_tape(tensor: Any = None, file: TextIO | None = None) -> None:
     """Print the autograd tape of the graph behind ``tensor`` (by default the graph that
     recorded the latest op), one line per op in the order it ran: its results and operands."""
     from .autograd.engine import tape
-    from .client.tensor import Tensor
     out = file or sys.stdout
     if tensor is not None and tensor._node is None:
         print(f"tensor {tensor.id} has no autograd graph (a leaf, or computed without grad)",
@@ -40,13 +43,13 @@ def print_tape(tensor: Any = None, file: TextIO | None = None) -> None:
     for i, node in enumerate(nodes):
         results = ", ".join(f"t{id_} {list(sig[0])} {str(sig[1]).replace('torch.', '')}"
                             for id_, sig in node.results)
-        operands = ", ".join(_operand(a, Tensor) for a in node.operands)
+        operands = ", ".join(_operand(a) for a in node.operands)
         state = "  (freed by backward)" if node.freed else ""
         print(f"  #{i:<3} {node.op:<18} {results}  <-  {operands}{state}", file=out)
 
 
-def _operand(a: Any, tensor_type: type) -> str:
-    if isinstance(a, tensor_type):
+def _operand(a: Any) -> str:
+    if hasattr(a, "_sig"):  # a tensor, or the Ghost of one its rule does not read
         kind = "leaf" if a.requires_grad and a._node is None else ""
         return f"t{a.id} {list(a.shape)}{' ' + kind if kind else ''}"
     text = repr(a)

@@ -41,18 +41,49 @@ def enable_grad() -> _GradMode:
 
 
 def zero_grads(params: Iterable[Any], set_to_none: bool = True) -> None:
-    """Module.zero_grad and Optimizer.zero_grad: drop (or zero, on the worker) each .grad."""
-    for p in params:
-        if set_to_none or p.grad is None:
+    """Module.zero_grad and Optimizer.zero_grad: drop each .grad, or zero them on the workers
+    with one instruction per placement (torch's foreach zero)."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if set_to_none:
+        for p in params:
             p.grad = None
-        else:
-            with no_grad():
-                p.grad.zero_()
+        return
+    from ..client.runtime import runtime
+    from ..client.tensor import apply
+    with no_grad():
+        for group in runtime().alike([g.id for g in grads], [None] * len(grads)):
+            apply("zero_foreach", *(grads[i] for i in group))
+
+
+class Ghost:
+    """An operand whose data its gradient rule never reads: its id, shape, dtype and place in
+    the graph, without the handle that keeps the worker's tensor alive (torch likewise saves
+    only what each backward formula needs)."""
+
+    __slots__ = ("id", "_sig", "requires_grad", "_node", "_slot")
+
+    def __init__(self, t: Any):
+        self.id, self._sig, self.requires_grad = t.id, t._sig, t.requires_grad
+        self._node, self._slot = t._node, t._slot
+
+    @property
+    def shape(self):
+        return self._sig[0]
+
+    @property
+    def dtype(self):
+        return self._sig[1]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._sig[0])
 
 
 class Node:
-    """One recorded op: its name, operands (tensors and constants), keyword constants and
-    what its rule saved; ``outputs`` is the number of results."""
+    """One recorded op: its name, operands (tensors, Ghosts of those its rule does not read,
+    and constants), keyword constants and what its rule saved; ``outputs`` is the number of
+    results."""
 
     __slots__ = ("op", "operands", "kw", "outputs", "saved", "freed", "results", "backward",
                  "__weakref__")
@@ -70,12 +101,13 @@ class Node:
                 yield node
 
 
-def record(op: str, operands: Sequence, kw: dict | None, result: Any) -> None:
-    """Called by every op: link the result into the graph if an operand requires grad."""
+def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any = None) -> None:
+    """Called by every op: link the result into the graph if an operand requires grad.
+    ``graph``: a fused op's handle to torch's record of it on the worker, which its rule reads."""
     from ..client.runtime import runtime
     from ..client.tensor import Tensor
     from ..ops import OPS, Kind
-    from .grads import GRADS, needs_output
+    from .grads import GRADS, kept
     if not any(isinstance(a, Tensor) and a.requires_grad for a in operands):
         return
     if OPS[op].kind is Kind.INPLACE:
@@ -88,11 +120,16 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any) -> None:
     if op not in GRADS:
         return  # not differentiable (comparisons, argmax, ...): results do not require grad
     outs = result if isinstance(result, tuple) else (result,)
-    saved = None
-    if needs_output(op):
+    keep, uses_output = kept(op, len(operands))
+    saved = (graph,) if graph is not None else None
+    if uses_output:
         with no_grad():
             saved = tuple(o.detach() for o in outs)
-    node = Node(op, tuple(operands), kw, len(outs), saved)
+    # a leaf that requires grad stays itself: backward accumulates into it
+    operands = tuple(a if i in keep or not isinstance(a, Tensor) or
+                     (a.requires_grad and a._node is None) else Ghost(a)
+                     for i, a in enumerate(operands))
+    node = Node(op, operands, kw, len(outs), saved)
     node.results = tuple((o.id, o._sig) for o in outs)
     node.backward = runtime().signals.backward()
     _state.last = weakref.ref(node)  # weak: printing must not keep a dropped graph alive
@@ -139,7 +176,7 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
             with nullcontext() if node.backward is None else signals.context(node.backward):
                 results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
             for operand, g in zip(node.operands, results):
-                if g is None or not isinstance(operand, Tensor) or not operand.requires_grad:
+                if g is None or not getattr(operand, "requires_grad", False):
                     continue
                 if operand._node is None:
                     _accumulate(operand, g)
@@ -147,9 +184,11 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                     slots = pending.setdefault(id(operand._node), [None] * operand._node.outputs)
                     prev = slots[operand._slot]
                     slots[operand._slot] = g if prev is None else prev + g
-            if not retain_graph:
+            if not retain_graph:  # what the rule read is dropped now, as torch does
                 node.freed = True
                 node.saved = None
+                node.operands = tuple(Ghost(a) if isinstance(a, Tensor) else a
+                                      for a in node.operands)
 
 
 def _accumulate(leaf: Any, g: Any) -> None:

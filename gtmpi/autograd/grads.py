@@ -13,16 +13,37 @@ from typing import Any, Callable
 from ..client.creation import zeros
 from ..client.functions import cat, where
 from ..client.tensor import Tensor, apply
+from ..ops.table import FUSED_FNS
 from .engine import Node
 
 Rule = Callable[[Node, Any], tuple]
 GRADS: dict[str, Rule] = {}
-_USES_OUTPUT = {"exp", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "softmax", "log_softmax",
-                "amax", "amin", "std", "pow", "max_dim", "min_dim"}
+
+# What each rule reads beyond shapes and dtypes: (operand positions, whether it reads the op's
+# results). The graph keeps only those alive; an op missing here keeps all its operands.
+_NOTHING: tuple = ((), False)
+SAVES: dict[str, tuple[tuple[int, ...] | slice, bool]] = {
+    **dict.fromkeys(["add", "sub", "neg", "to", "sum", "mean", "reshape", "view", "flatten",
+                     "squeeze", "unsqueeze", "contiguous", "clone", "alias", "permute",
+                     "transpose", "expand", "cat", "stack", "split", "chunk", *FUSED_FNS],
+                    _NOTHING),
+    **dict.fromkeys(["exp", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "softmax",
+                     "log_softmax", "max_dim", "min_dim"], ((), True)),
+    **dict.fromkeys(["abs", "log", "sin", "cos", "gelu", "silu", "where", "var"], ((0,), False)),
+    **dict.fromkeys(["mul", "truediv", "mod", "maximum", "minimum", "matmul"], ((0, 1), False)),
+    "pow": ((0, 1), True), "clamp": ((0, 1, 2), False), "amax": ((0,), True),
+    "amin": ((0,), True), "std": ((0,), True),
+    "linear": ((0, 1, 2), False),  # the bias too: its placement decides its gradient's
+    "getitem": (slice(1, None), False),  # the index tensors, not the indexed one
+}
 
 
-def needs_output(op: str) -> bool:
-    return op in _USES_OUTPUT
+def kept(op: str, n: int) -> tuple[set[int] | range, bool]:
+    """The operand positions (of n) that op's rule reads, and whether it reads the results."""
+    keep, uses_output = SAVES.get(op, (None, False))
+    if keep is None:
+        return range(n), uses_output
+    return set(range(n)[keep] if isinstance(keep, slice) else keep), uses_output
 
 
 def rule(*names: str):
@@ -45,7 +66,8 @@ def sum_to(g: Tensor, shape) -> Tensor:
 
 
 def _t(x: Any) -> bool:
-    return isinstance(x, Tensor) and x.requires_grad
+    """Whether operand x (a tensor or its Ghost; constants never) wants a gradient."""
+    return getattr(x, "requires_grad", False)
 
 
 def _each(node: Node, *grads: Any) -> tuple:
@@ -161,9 +183,7 @@ def _gelu(node, g):
 
 @rule("silu")
 def _silu(node, g):
-    x = node.operands[0]
-    s = apply("sigmoid", x)
-    return (g * s * (1 + x * (1 - s)),)
+    return (apply("silu_grad", g, node.operands[0]),)
 
 
 @rule("to")
@@ -220,22 +240,25 @@ def _shaped(g: Tensor, shape) -> Tensor:
 
 @rule("linear")
 def _linear(node, g):
-    x, w, b = node.operands
-    gx = g @ w if _t(x) else None
-    gw = None
-    if _t(w):
-        g2 = g if g.ndim == 2 else g.reshape(-1, g.shape[-1])
-        x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
-        gw = g2.transpose(0, 1) @ x2 if x.ndim > 1 else g.unsqueeze(1) @ x.unsqueeze(0)
-    gb = sum_to(g, b.shape) if _t(b) else None
-    return gx, gw, gb
+    wanted = tuple(i for i, t in enumerate(node.operands) if _t(t))
+    return _scatter(node, wanted, apply("linear_grad", g, *node.operands, grads=wanted))
 
 
-@rule("cross_entropy")
-def _cross_entropy(node, g):
-    x, target, ignore_index, reduction, smoothing = node.operands
-    return (apply("cross_entropy_grad", g, x, target, ignore_index, reduction, smoothing),
-            None, None, None, None)
+@rule(*FUSED_FNS)
+def _fused(node, g):
+    """torch's own backward kernel, on the worker's record of the forward (ops/table.py)."""
+    wanted = node.kw["grads"]
+    like = tuple(node.operands[i]._sig for i in wanted)
+    return _scatter(node, wanted, apply(f"{node.op}_grad", node.saved[0], g, grads=wanted,
+                                        like=like))
+
+
+def _scatter(node: Node, positions: tuple[int, ...], grads: tuple) -> tuple:
+    """One gradient per operand: ``grads`` at ``positions``, None elsewhere."""
+    out: list = [None] * len(node.operands)
+    for i, grad in zip(positions, grads):
+        out[i] = grad
+    return tuple(out)
 
 
 # reductions ---------------------------------------------------------------------------------

@@ -87,6 +87,16 @@ class Runtime:
         self._random_ops += 1
         return (self._seed * 0x9E3779B97F4A7C15 + self._random_ops) % (1 << 63)
 
+    def alike(self, ids: list[int], keys: list[Any]) -> list[list[int]]:
+        """Positions of tensors that one multi-tensor instruction can take together: alike in
+        ``keys`` and in where they live (each instruction runs on one placement)."""
+        placer = self.dispatcher.placer
+        groups: dict[Any, list[int]] = {}
+        for i, (tid, key) in enumerate(zip(ids, keys)):
+            where = placer.placement(tid) if placer.active else None
+            groups.setdefault((where, key), []).append(i)
+        return list(groups.values())
+
     # reads and waits -----------------------------------------------------------------------
 
     def read(self, tensor_id: int, sig: tuple) -> np.ndarray:
@@ -105,8 +115,8 @@ class Runtime:
     def synchronize(self) -> None:
         self.dispatcher.ask_all("sync", Tag.SYNC)
 
-    def worker_stats(self) -> dict[int, dict]:
-        return self.dispatcher.ask_all("stats", Tag.STATS)
+    def worker_stats(self, reset_peak: bool = False) -> dict[int, dict]:
+        return self.dispatcher.ask_all("stats", Tag.STATS, (reset_peak,))
 
     # traces ---------------------------------------------------------------------------------
 

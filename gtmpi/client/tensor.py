@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..ops import OPS, Kind, infer
+from ..ops.table import FUSED_FNS
 from ..ops.shapes import SCALARS
 from .dtypes import NUMPY_DTYPES, as_dtype
 from .. import autograd
@@ -356,6 +357,10 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
             sigs.append(a)
     if key is not None:
         kw["key"] = key
+    recording = grad and autograd.is_grad_enabled()
+    if recording and name in _RECORDED:  # torch records it on the worker for these operands
+        kw["grads"] = tuple(i for i, a in enumerate(operands)
+                            if isinstance(a, Tensor) and a.requires_grad)
     kw = kw or None
     if shape_as is None:
         outs, multi = infer(name, tuple(sigs), tmask, kw)
@@ -366,7 +371,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
                             tmask & ((1 << lead) - 1) | ((1 << len(index_sigs)) - 1) << lead,
                             {**kw, "key": template})
     if name in _INPLACE:
-        if grad and autograd.is_grad_enabled():
+        if recording:
             autograd.engine.record(name, operands, kw, None)  # raises: in place needs no_grad()
         rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw), True, issued, sigs,
                              outs)
@@ -378,6 +383,11 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         for i in ids:
             rt.note_site(i)
         result = tuple(Tensor(i, s) for i, s in zip(ids, outs))
+        if name in _RECORDED:  # a fused kernel: its result, and the Graph its gradient reads
+            result, graph = result
+            if recording:
+                autograd.engine.record(name, operands, kw, result, graph)
+            return result
     else:
         out = rt.new_id()
         rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
@@ -385,7 +395,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
                              sigs, outs)
         rt.note_site(out)
         result = Tensor(out, outs[0])
-    if grad and autograd.is_grad_enabled():
+    if recording:
         autograd.engine.record(name, operands, kw, result)
     return result
 
@@ -393,6 +403,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
 _PLAIN = (Tensor, *SCALARS)  # operands that need no conversion
 _URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker
 _INPLACE = frozenset(name for name, op in OPS.items() if op.kind is Kind.INPLACE)
+_RECORDED = frozenset(FUSED_FNS)
 
 
 def _operand(a) -> Any:

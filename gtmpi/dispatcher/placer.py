@@ -19,7 +19,8 @@ from typing import Any, Iterator
 import torch
 
 from ..ops.table import OPS, Kind as OpKind
-from ..placement.rules import MUTATED, PlacementError, plan
+from ..placement.rules import DUAL, Plan, PlacementError, dual, plan, written
+from ..placement.rules import outs as outs_of
 from ..placement.types import Placement, make
 from ..signals.config import ConfigError
 from ..trace.events import Flag, Kind, Lane
@@ -45,6 +46,8 @@ class Placer:
         # ids that ops may have viewed (shape and index ops, to): a partial sum seen through a
         # view must stay a piece, so it is summed into a copy rather than in place
         self.viewed: set[int] = set()
+        # a fused op's Graph id -> the op's plan, from which its gradient op is placed
+        self.forward: dict[int, Plan] = {}
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -91,33 +94,56 @@ class Placer:
             self._create(ins, outs[0], target)
             return target.mesh[0]
         kinds = [self.placement(a) if tmask >> i & 1 else None for i, a in enumerate(args)]
-        mesh, grid = self._mesh(kinds)
-        written = MUTATED.get(name, (0,)) if op.kind is OpKind.INPLACE else ()
+        forward = None
+        if name in DUAL and name != "linear_grad":  # (graph, g): where the forward op ran
+            forward = self.forward.get(args[0]) or \
+                Plan((self.home,) * (max(kw["grads"]) + 1), self.home)  # made before placing
+        mesh, grid = (forward.out.mesh, forward.out.grid) if forward else self._mesh(kinds)
+        changed = written(name, args, tmask) if op.kind is OpKind.INPLACE else ()
         # operands elsewhere, or laid out over other axes, count as whole here
         on_mesh = [None if p is None else
                    (p if p.mesh == mesh and (p.grid == grid or p.kind == "R") else
                     Placement(mesh, "R")) for p in kinds]
-        for i in written:
+        for i in changed:
             self.replace(args[i], sigs[i], on_mesh[i])
-        p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
-        for i in written:
+        if name in DUAL:
+            p = self._dual(name, forward, args, tmask, kw, mesh, grid, on_mesh, sigs)
+        else:
+            p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
+        for i in changed:
             self.replace(args[i], sigs[i], p.wants[i])
         wire = list(args)
         for i, want in enumerate(p.wants):
-            if want is not None and i not in written:
+            if want is not None and i not in changed:
                 wire[i] = self._as(args[i], sigs[i], want)
         placed = (name, out, tuple(wire), tmask, kw)
         for rank in mesh:
             self.d.enqueue(rank, placed, urgent)
         if op.kind in (OpKind.SHAPE, OpKind.INDEX) or name == "to":
             self.viewed.update(w for i, w in enumerate(wire) if tmask >> i & 1)
-        for i in written:
+        for i in changed:
             self._changed(args[i])
-        if not written:
-            for oid, sig in zip((out,) if type(out) is int else out, outs):
-                self._record(oid, sig, p.out)
+        if not changed:
+            ids = (out,) if type(out) is int else out
+            for oid, sig, where in zip(ids, outs, outs_of(p.out, len(ids))):
+                self._record(oid, sig, where)
+            if op.kind is OpKind.FUSED and kw and kw.get("grads") and name not in DUAL:
+                self.forward[ids[1]] = p
         self._flush_touched()
         return mesh[0]
+
+    def _dual(self, name: str, forward: Plan | None, args: tuple, tmask: int, kw: dict,
+              mesh: tuple[int, ...], grid: tuple[int, ...], on_mesh: list, sigs: list) -> Plan:
+        """A gradient op's plan, the dual of its forward op's: linear_grad(g, x, w, b) from
+        linear's plan on the same operands, a fused op's gradient(graph, g) from the plan its
+        forward op was placed with."""
+        if forward is None:
+            forward = plan("linear", mesh, grid, args[1:], tmask >> 1, None, on_mesh[1:],
+                           sigs[1:])
+            grad, grads = dual(forward, kw["grads"], mesh, grid)
+            return Plan((grad, *forward.wants), grads)
+        grad, grads = dual(forward, kw["grads"], mesh, grid)
+        return Plan((outs_of(forward.out)[0], grad), grads)
 
     def _upload(self, ins: tuple, host: torch.Tensor) -> int:
         """Each member of the signal's placement gets its own piece of the host data (the
@@ -345,6 +371,7 @@ class Placer:
         """(rank, id) of ``tid`` and its copies everywhere, dropped from the books."""
         entry = self.table.pop(tid, None)
         self.viewed.discard(tid)
+        self.forward.pop(tid, None)
         mesh = entry[1].mesh if entry is not None else self.home.mesh
         held = [(rank, tid) for rank in mesh]
         for key in [key for key in self.copies if key[0] == tid]:

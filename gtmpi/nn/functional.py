@@ -1,10 +1,8 @@
-"""Layers and losses as functions of gtmpi tensors, written with the op vocabulary (so their
-gradients come from the ops' rules). Semantics and defaults follow torch.nn.functional."""
+"""Layers and losses as functions of gtmpi tensors. Where torch has a fused kernel (layer and
+RMS norm, attention, embedding, cross-entropy, linear) the function is that one instruction,
+with torch's backward kernel as its gradient; the rest are composed from the op vocabulary.
+Semantics and defaults follow torch.nn.functional."""
 from __future__ import annotations
-
-import math
-
-import torch
 
 from ..client.creation import arange, rand
 from ..client.functions import gelu, log_softmax, relu, silu, softmax, where
@@ -43,43 +41,31 @@ def _last_dims(shape) -> tuple[int, ...]:
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
-    dims = _last_dims(normalized_shape)
-    mean = x.mean(dims, keepdim=True)
-    centred = x - mean
-    y = centred * ((centred * centred).mean(dims, keepdim=True) + eps).rsqrt()
-    if weight is not None:
-        y = y * weight
-    return y if bias is None else y + bias
+    return apply("layer_norm", x, normalized(normalized_shape), weight, bias, eps)
 
 
 def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
              eps: float | None = None) -> Tensor:
-    dims = _last_dims(normalized_shape)
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
-    y = x * ((x * x).mean(dims, keepdim=True) + eps).rsqrt()
-    return y if weight is None else y * weight
+    return apply("rms_norm", x, normalized(normalized_shape), weight, eps)
 
 
-def embedding(indices: Tensor, weight: Tensor) -> Tensor:
-    return weight[indices]
+def embedding(indices: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return apply("embedding", indices, weight, padding_idx)
 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: float | None = None) -> Tensor:
-    """softmax(q kᵀ · scale + mask) v over the last two dims; ``is_causal`` masks the future."""
-    L, S = q.shape[-2], k.shape[-2]
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    if is_causal:
-        allowed = arange(L).unsqueeze(1) >= arange(S).unsqueeze(0)
-        scores = where(allowed, scores, float("-inf"))
-    if attn_mask is not None:
-        scores = where(attn_mask, scores, float("-inf")) if attn_mask.dtype == torch.bool \
-            else scores + attn_mask
-    weights = softmax(scores, -1)
+    """softmax(q kᵀ · scale + mask) v over the last two dims as torch's fused kernel (flash or
+    memory-efficient attention on GPUs: the scores are never materialised); ``is_causal``
+    masks the future without a mask tensor."""
     if dropout_p:
-        weights = dropout(weights, dropout_p)
-    return weights @ v
+        from ..client.runtime import runtime
+        return apply("scaled_dot_product_attention", q, k, v, attn_mask, dropout_p, is_causal,
+                     scale, seed=runtime().next_seed())
+    return apply("scaled_dot_product_attention", q, k, v, attn_mask, dropout_p, is_causal, scale)
 
 
 def _reduce(loss: Tensor, reduction: str) -> Tensor:

@@ -32,13 +32,20 @@ class Linear(Module):
 
 
 class Embedding(Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 padding_idx: int | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = Parameter(randn(num_embeddings, embedding_dim))
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.padding_idx = padding_idx
+        weight = randn(num_embeddings, embedding_dim)
+        if padding_idx is not None:
+            weight[padding_idx] = 0.0
+        self.weight = Parameter(weight)
 
     def forward(self, indices: Tensor) -> Tensor:
-        return F.embedding(indices, self.weight)
+        return F.embedding(indices, self.weight, self.padding_idx)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"

@@ -95,6 +95,8 @@ def _check_matmul(a: torch.Size, b: torch.Size) -> None:
 
 def _evaluate(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tuple[Sig, ...], bool]:
     op = OPS[name]
+    if op.sigs is not None:
+        return op.sigs(args), False
     if op.kind is Kind.ELEMENTWISE or op.scalar_by_type:
         fast = _probe(op, args, tmask, kw)
         if fast is not None:

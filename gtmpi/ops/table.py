@@ -7,6 +7,12 @@ Gradient and placement rules join the table as further columns, keyed by the sam
 A kernel takes torch tensors and plain constants positionally (plus keyword constants) and
 returns a tensor or a tuple of tensors. Kernels of kind CREATE also get ``device=``, kernels of
 kind COMM the worker's data plane as ``plane=``.
+
+Rows of kind FUSED are torch's fused kernels (layer norm, flash/efficient attention, embedding,
+cross-entropy). Each runs under torch's own autograd on the worker and returns its result and a
+Graph: the record holding what torch's backward kernel needs (mean and rstd, log-sum-exp and
+RNG state, log-probabilities). Its gradient row, NAME_grad, runs that backward kernel, so
+gtmpi saves exactly what torch saves and computes gradients with torch's kernels.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ class Kind(Enum):
     SHAPE = "shape"              # moves or views data without arithmetic
     INDEX = "index"
     INPLACE = "inplace"          # writes into its first operand; result id is that operand's
+    FUSED = "fused"              # one of torch's fused kernels, with a Graph for its gradient
     COMM = "comm"                # between workers (worker.dataplane); inserted by placement
 
 
@@ -41,6 +48,9 @@ class Op:
     scalar_by_type: bool = False
     # Evaluated on meta tensors instead of the kernel, where the kernel cannot run on meta.
     meta: Callable[..., Any] | None = None
+    # Result (shape, dtype)s straight from the operands' (no meta tensors): for ops of many
+    # operands, such as the multi-tensor optimizer steps, whose result is their first operand.
+    sigs: Callable[[tuple], tuple] | None = None
 
 
 def _seeded(sample: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -76,29 +86,57 @@ def _copy(x, src):
     return x.copy_(src)
 
 
-def _sgd_step(p, g, buf, lr, momentum, dampening, weight_decay, nesterov, first):
-    """torch.optim.SGD's update of one parameter, in place (buf: the momentum buffer)."""
+def _sgd_foreach(*args):
+    """torch.optim.SGD's multi-tensor update (foreach) of all parameters of a group, in place.
+    args: params, grads, momentum buffers (only with momentum), then lr, momentum, dampening,
+    weight_decay, nesterov and first (the buffers start as the gradients)."""
+    lr, momentum, dampening, weight_decay, nesterov, first = args[-6:]
+    tensors = args[:-6]
+    n = len(tensors) // (3 if momentum else 2)
+    params, grads = list(tensors[:n]), list(tensors[n:2 * n])
     if weight_decay:
-        g = g.add(p, alpha=weight_decay)
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
     if momentum:
+        bufs = list(tensors[2 * n:])
         if first:
-            buf.copy_(g)
+            torch._foreach_copy_(bufs, grads)
         else:
-            buf.mul_(momentum).add_(g, alpha=1 - dampening)
-        g = g.add(buf, alpha=momentum) if nesterov else buf
-    return p.add_(g, alpha=-lr)
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads, alpha=1 - dampening)
+        grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
+    torch._foreach_add_(params, grads, alpha=-lr)
+    return tensors[0]
 
 
-def _adam_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, decoupled, step):
-    """torch.optim.Adam's (decoupled: AdamW's) update of one parameter, in place."""
+def _adam_foreach(*args):
+    """torch.optim.Adam's (decoupled: AdamW's) multi-tensor update of all parameters of a group
+    at one step count, in place, with torch's foreach arithmetic. args: params, grads,
+    exp_avgs, exp_avg_sqs, then lr, beta1, beta2, eps, weight_decay, decoupled, step."""
+    lr, beta1, beta2, eps, weight_decay, decoupled, step = args[-7:]
+    tensors = args[:-7]
+    n = len(tensors) // 4
+    params, grads, avgs, sqs = (list(tensors[i * n:(i + 1) * n]) for i in range(4))
     if weight_decay and decoupled:
-        p.mul_(1 - lr * weight_decay)
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
     elif weight_decay:
-        g = g.add(p, alpha=weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
-    return p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(avgs, grads, 1 - beta1)
+    torch._foreach_mul_(sqs, beta2)
+    torch._foreach_addcmul_(sqs, grads, grads, 1 - beta2)
+    denom = torch._foreach_sqrt(sqs)
+    torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, avgs, denom, -lr / (1 - beta1 ** step))
+    return tensors[0]
+
+
+def _zero_foreach(*tensors):
+    torch._foreach_zero_(list(tensors))
+    return tensors[0]
+
+
+def _first_operand(sigs: tuple) -> tuple:
+    return (sigs[0],)
 
 
 def _torch_grad(fn, x, g):
@@ -110,11 +148,93 @@ def _torch_grad(fn, x, g):
     return grad
 
 
-def _cross_entropy_grad(g, x, target, ignore_index, reduction, label_smoothing):
-    """d cross_entropy / d logits."""
-    return _torch_grad(lambda logits: F.cross_entropy(
-        logits, target, ignore_index=ignore_index, reduction=reduction,
-        label_smoothing=label_smoothing), x, g)
+class Graph:
+    """torch's autograd record of one fused op on a worker, kept under the op's second result
+    id until the client drops it (after backward): the tensors torch's backward kernel reads
+    live in it, exactly those torch itself would save."""
+
+    __slots__ = ("output", "leaves", "slots")
+
+    def __init__(self, output: torch.Tensor, leaves: list[torch.Tensor]):
+        self.output, self.leaves = output, leaves
+        # One backward node whose inputs are the leaves (layer norm, attention, embedding): it
+        # is called directly, which skips the autograd engine's set-up (a third of the cost).
+        nexts = output.grad_fn.next_functions
+        variables = [getattr(node, "variable", None) for node, _ in nexts]
+        slots = [next((j for j, v in enumerate(variables) if v is leaf), None) for leaf in leaves]
+        self.slots = None if None in slots else slots
+
+    def backward(self, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.slots is not None:
+            with torch.no_grad():  # else results computed from the saved leaves record a graph
+                got = self.output.grad_fn(grad)
+            got = got if isinstance(got, tuple) else (got,)
+            grads = [got[j] for j in self.slots]
+        else:
+            grads = torch.autograd.grad(self.output, self.leaves, grad, retain_graph=True,
+                                        allow_unused=True)
+        return tuple(torch.zeros_like(leaf) if g is None else g
+                     for g, leaf in zip(grads, self.leaves))
+
+
+def _recorded(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple]:
+    """The kernel of a FUSED row: ``fn`` on the operands, recorded by torch's autograd for the
+    operands at positions ``grads`` (none: nothing is recorded, the Graph is None)."""
+    def kernel(*args, grads=(), **kw):
+        if not grads:
+            return fn(*args, **kw), None
+        leaves = list(args)
+        with torch.enable_grad():
+            for i in grads:
+                leaves[i] = args[i].detach().requires_grad_()
+            out = fn(*leaves, **kw)
+        return out.detach(), Graph(out, [leaves[i] for i in grads])
+    return kernel
+
+
+def _recorded_meta(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple]:
+    def meta(*args, grads=(), **kw):
+        return fn(*args, **kw), torch.empty(0, dtype=torch.uint8, device="meta")
+    return meta
+
+
+def _graph_backward(graph: Graph, g: torch.Tensor, grads: tuple, like: tuple) -> tuple:
+    return graph.backward(g)
+
+
+def _graph_backward_meta(graph, g, grads: tuple, like: tuple) -> tuple:
+    return tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in like)
+
+
+def _attention(q, k, v, mask, dropout_p, is_causal, scale, seed=None):
+    if seed is not None:  # dropout: the same mask from the same gtmpi seed, on any worker
+        torch.manual_seed(seed)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale)
+
+
+# torch's fused kernels, each with its gradient row NAME_grad (Graph.backward)
+FUSED_FNS: dict[str, Callable[..., torch.Tensor]] = {
+    "layer_norm": lambda x, shape, weight, bias, eps: F.layer_norm(x, shape, weight, bias, eps),
+    "rms_norm": lambda x, shape, weight, eps: F.rms_norm(x, shape, weight, eps),
+    "scaled_dot_product_attention": _attention,
+    "embedding": lambda indices, weight, padding_idx: F.embedding(indices, weight, padding_idx),
+    "cross_entropy": lambda x, target, ignore_index, reduction, label_smoothing: F.cross_entropy(
+        x, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing),
+}
+
+
+def _linear_grad(g, x, w, b, grads):
+    """The gradients of linear(x, w, b) wanted (``grads``: operand positions), each one matmul
+    or sum, as torch's linear backward computes them."""
+    out = [g @ w] if 0 in grads else []
+    if 1 in grads or 2 in grads:
+        g2 = g.reshape(-1, g.shape[-1])
+        if 1 in grads:
+            out.append(g2.t() @ x.reshape(-1, x.shape[-1]))
+        if 2 in grads:
+            out.append(g2.sum(0))
+    return tuple(out)
 
 
 def _getitem_grad(g, *tensors, key, shape):
@@ -148,14 +268,14 @@ _ops = [
     ]),
     Op("gelu_grad", Kind.ELEMENTWISE,
        lambda g, x, approximate="none": torch.ops.aten.gelu_backward(g, x, approximate=approximate)),
+    Op("silu_grad", Kind.ELEMENTWISE, torch.ops.aten.silu_backward),
     Op("to", Kind.ELEMENTWISE, lambda x, dtype: x.to(dtype)),
     Op("matmul", Kind.MATMUL, operator.matmul),
     Op("linear", Kind.MATMUL, F.linear),
-    Op("cross_entropy", Kind.REDUCE, lambda x, target, ignore_index, reduction, label_smoothing:
-       F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction,
-                       label_smoothing=label_smoothing)),
-    Op("cross_entropy_grad", Kind.REDUCE, _cross_entropy_grad,
-       meta=lambda g, x, *rest: torch.empty_like(x)),
+    Op("linear_grad", Kind.MATMUL, _linear_grad),
+    *(Op(name, Kind.FUSED, _recorded(fn), meta=_recorded_meta(fn)) for name, fn in FUSED_FNS.items()),
+    *(Op(f"{name}_grad", Kind.FUSED, _graph_backward, meta=_graph_backward_meta)
+      for name in FUSED_FNS),
     # reductions over all elements (dim=None) or over dims
     Op("sum", Kind.REDUCE, lambda x, dim, keepdim: x.sum(dim=dim, keepdim=keepdim)),
     Op("mean", Kind.REDUCE, lambda x, dim, keepdim: x.mean(dim=dim, keepdim=keepdim)),
@@ -202,10 +322,11 @@ _ops = [
     Op("zero_", Kind.INPLACE, torch.Tensor.zero_),
     Op("fill_", Kind.INPLACE, torch.Tensor.fill_, scalar_by_type=True),
     Op("copy_", Kind.INPLACE, _copy),
-    # optimizer updates: one instruction per parameter; hyper-parameters and the step count
-    # change every step, so the shape cache keys them by type
-    Op("sgd_step", Kind.INPLACE, _sgd_step, scalar_by_type=True),
-    Op("adam_step", Kind.INPLACE, _adam_step, scalar_by_type=True),
+    # multi-tensor updates: one instruction for all parameters of a group (torch's foreach);
+    # hyper-parameters and the step count change every step, so the shape cache keys them by type
+    Op("sgd_foreach", Kind.INPLACE, _sgd_foreach, scalar_by_type=True, sigs=_first_operand),
+    Op("adam_foreach", Kind.INPLACE, _adam_foreach, scalar_by_type=True, sigs=_first_operand),
+    Op("zero_foreach", Kind.INPLACE, _zero_foreach, sigs=_first_operand),
 ]
 
 # between workers: inserted by the dispatcher where placements need them, never by the client

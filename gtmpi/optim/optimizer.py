@@ -1,12 +1,14 @@
 """Optimizers with torch's update rules, applied in place on the workers under no_grad (never
-recorded on a graph; no tensor data reaches the client): one fused instruction per parameter
-(ops/table.py: sgd_step, adam_step)."""
+recorded on a graph; no tensor data reaches the client): one multi-tensor instruction per
+group of parameters that live alike (ops/table.py: sgd_foreach, adam_foreach), with torch's
+foreach arithmetic."""
 from __future__ import annotations
 
 from typing import Any, Iterable
 
 from ..autograd import no_grad, zero_grads
 from ..client.creation import zeros_like
+from ..client.runtime import runtime
 from ..client.tensor import Tensor, apply
 
 
@@ -26,11 +28,17 @@ class Optimizer:
     @no_grad()
     def step(self) -> None:
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.update(p, p.grad, self.state.setdefault(id(p), {}), group)
+            params = [p for p in group["params"] if p.grad is not None]
+            states = [self.state.setdefault(id(p), {}) for p in params]
+            for bucket in runtime().alike([p.id for p in params],
+                                          [self.bucket_key(s) for s in states]):
+                self.update([params[i] for i in bucket], [states[i] for i in bucket], group)
 
-    def update(self, p: Tensor, g: Tensor, state: dict, group: dict) -> None:
+    def bucket_key(self, state: dict) -> Any:
+        """What parameters updated by one instruction must share besides their placement."""
+        return None
+
+    def update(self, params: list[Tensor], states: list[dict], group: dict) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -45,16 +53,21 @@ class SGD(Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
-    def update(self, p, g, state, group):
-        buf = None
+    def bucket_key(self, state: dict) -> Any:
+        return "momentum_buffer" in state  # a buffer's first step copies the gradient
+
+    def update(self, params, states, group):
+        bufs = []
         first = False
         if group["momentum"]:
-            buf = state.get("momentum_buffer")
-            first = buf is None
+            first = "momentum_buffer" not in states[0]
             if first:
-                buf = state["momentum_buffer"] = zeros_like(p)
-        apply("sgd_step", p, g, buf, group["lr"], group["momentum"], group["dampening"],
-              group["weight_decay"], group["nesterov"], first)
+                for p, state in zip(params, states):
+                    state["momentum_buffer"] = zeros_like(p)
+            bufs = [state["momentum_buffer"] for state in states]
+        apply("sgd_foreach", *params, *(p.grad for p in params), *bufs, group["lr"],
+              group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"],
+              first)
 
 
 class Adam(Optimizer):
@@ -64,15 +77,20 @@ class Adam(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
-    def update(self, p, g, state, group):
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = zeros_like(p)
-            state["exp_avg_sq"] = zeros_like(p)
-        state["step"] += 1
+    def bucket_key(self, state: dict) -> Any:
+        return state.get("step", 0)  # bias corrections depend on it
+
+    def update(self, params, states, group):
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = zeros_like(p)
+                state["exp_avg_sq"] = zeros_like(p)
+            state["step"] += 1
         b1, b2 = group["betas"]
-        apply("adam_step", p, g, state["exp_avg"], state["exp_avg_sq"], group["lr"], b1, b2,
-              group["eps"], group["weight_decay"], self.decoupled, state["step"])
+        apply("adam_foreach", *params, *(p.grad for p in params),
+              *(s["exp_avg"] for s in states), *(s["exp_avg_sq"] for s in states), group["lr"],
+              b1, b2, group["eps"], group["weight_decay"], self.decoupled, states[0]["step"])
 
 
 class AdamW(Adam):

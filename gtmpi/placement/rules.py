@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from ..ops.table import OPS, Kind
+from ..ops.table import FUSED_FNS, OPS, Kind
 from .types import Placement, make
 
 
@@ -24,15 +24,26 @@ class PlacementError(ValueError):
 
 class Plan(NamedTuple):
     wants: tuple[Placement | None, ...]  # per operand: the placement it must have (None: constant)
-    out: Placement
+    out: Placement | tuple[Placement, ...]  # of the result, or of each result
 
 
 Rule = Callable[..., Plan]
 RULES: dict[str, Rule] = {}
 
-# the operands an in-place op writes (default: the first): these are placed where the op runs
-# themselves, never copied, or the write would land in the copy
-MUTATED: dict[str, tuple[int, ...]] = {"sgd_step": (0, 2), "adam_step": (0, 2, 3)}
+
+def written(name: str, args: tuple, tmask: int) -> tuple[int, ...]:
+    """The operands an in-place op writes (default: the first): these are placed where the op
+    runs themselves, never copied, or the write would land in the copy. The multi-tensor
+    updates write their parameters and optimizer state, not the gradients."""
+    n = bin(tmask).count("1")  # their tensors come first: params, grads, then state
+    if name == "adam_foreach":
+        return (*range(n // 4), *range(n // 2, n))
+    if name == "sgd_foreach":
+        params = n // 3 if args[-5] else n // 2  # args[-5]: the momentum
+        return (*range(params), *range(2 * params, n))
+    if name == "zero_foreach":
+        return tuple(range(n))
+    return (0,)
 
 # linear in each tensor operand: P in every tensor operand gives P
 _LINEAR = {"add", "sub", "neg", "to", "sum", "mean", "alias", "contiguous", "clone", "transpose",
@@ -56,10 +67,48 @@ def plan(name: str, mesh: tuple[int, ...], grid: tuple[int, ...], args: tuple, t
     wants = tuple(None if p is None else make(mesh, grid, [(q.wants[i].kind, q.wants[i].dim)
                                                            for q in plans])
                   for i, p in enumerate(kinds))
-    out = make(mesh, grid, [(q.out.kind, q.out.dim) for q in plans])
-    if any(_nested(p) for p in (*wants, out) if p is not None):
+    if isinstance(plans[0].out, tuple):
+        out = tuple(make(mesh, grid, [(q.out[j].kind, q.out[j].dim) for q in plans])
+                    for j in range(len(plans[0].out)))
+    else:
+        out = make(mesh, grid, [(q.out.kind, q.out.dim) for q in plans])
+    if any(_nested(p) for p in (*wants, *outs(out)) if p is not None):
         return replicate(mesh, kinds)  # one dim cut along two axes: not supported, made whole
     return Plan(wants, out)
+
+
+def outs(out: Placement | tuple[Placement, ...], n: int = 1) -> tuple[Placement, ...]:
+    """A plan's placement of each of its n results."""
+    return out if isinstance(out, tuple) else (out,) * n
+
+
+def dual(forward: Plan, wanted: tuple[int, ...], mesh: tuple[int, ...],
+         grid: tuple[int, ...]) -> tuple[Placement, tuple[Placement, ...]]:
+    """Where a gradient op runs, from its forward op's plan (the duality law, per mesh axis):
+    the incoming gradient as the dual of the forward result (P -> R, S(d) -> S(d), R -> R), and
+    the gradient of each operand at positions ``wanted`` as the dual of the placement it had:
+    S(k) -> S(k), P -> R, and R -> P where the result lay in pieces (each member's piece
+    contributes a part), R where every member computed the whole."""
+    out = outs(forward.out)[0]
+    out_axes = _axes(out, grid)
+    grad = make(mesh, grid, [("R", 0) if k == "P" else (k, d) for k, d in out_axes])
+    duals = []
+    for i in wanted:
+        axes = []
+        for (k, d), (ko, _) in zip(_axes(forward.wants[i], grid), out_axes):
+            if k == "P":
+                axes.append(("R", 0))
+            elif k == "R" and ko in ("S", "P"):
+                axes.append(("P", 0))
+            else:
+                axes.append((k, d))
+        duals.append(make(mesh, grid, axes))
+    return grad, tuple(duals)
+
+
+def _axes(p: Placement, grid: tuple[int, ...]) -> list[tuple[str, int]]:
+    """(kind, dim) per axis; a replicated placement is R along every axis."""
+    return p.per_axis() if p.grid or p.kind != "R" else [("R", 0)] * max(len(grid), 1)
 
 
 def _view(p: Placement, axis: int) -> Placement:
@@ -257,24 +306,68 @@ def _cross_entropy(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     (nn.functional.cross_entropy divides a sum by it when the rows are split)."""
     x, target = kinds[0], kinds[1]
     reduction = args[-2]
-    if name == "cross_entropy_grad":
-        g, x, target = kinds[0], kinds[1], kinds[2]
-        if x.kind != "S" or x.dim != 0 or target != x:
-            return None
-        if reduction == "sum" and g.kind == "R":
-            return Plan(tuple(kinds), x)
-        if reduction == "none" and g.kind in ("R", "S"):  # per-row gradients: cut alike
-            return Plan((x, *kinds[1:]), x) if g.kind == "R" or g == x else None
-        return None
     if x.kind == "S" and x.dim == 0 and target == x and reduction in ("sum", "none"):
         return Plan(tuple(kinds), Placement(mesh, "P") if reduction == "sum" else x)
     return None
 
 
+def _norm(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """layer_norm and rms_norm: rows split along a dim before the normalized ones stay split;
+    the weight and bias are used whole."""
+    x = kinds[0]
+    if x.kind != "S" or x.dim >= len(sigs[0][0]) - len(args[1]):
+        return None
+    r = Placement(mesh, "R")
+    return Plan((x, *(None if p is None else r for p in kinds[1:])), x)
+
+
+def _embedding(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Indices split along any dim (batch, sequence) look up a whole table: rows split alike."""
+    indices, weight = kinds[0], kinds[1]
+    if indices.kind != "S" or weight.kind != "R":
+        return None
+    return Plan((indices, weight, None), indices)
+
+
+def _attention(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """q, k, v split alike along a dim before the last two (batch, or heads as tensor
+    parallelism splits them): each member attends within its piece. A mask is cut alike where
+    it spans that dim, used whole where it broadcasts along it."""
+    qkv = kinds[:3]
+    ndim = len(sigs[0][0])
+    dims = {p.dim for p in qkv if p.kind == "S"}
+    if len(dims) != 1 or any(p.kind not in ("S", "R") for p in qkv):
+        return None
+    (d,) = dims
+    if d >= ndim - 2 or any(len(s[0]) != ndim or s[0][d] != sigs[0][0][d] for s in sigs[1:3]):
+        return None
+    split = Placement(mesh, "S", d)
+    mask = kinds[3]
+    if mask is not None:
+        lined = _lined_up(mesh, d, ndim, [split, mask], [sigs[0], sigs[3]])
+        if lined is None:
+            return None
+        mask = lined[1]
+    return Plan((split, split, split, mask, *kinds[4:]), split)
+
+
+def _alike(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Multi-tensor updates: every tensor operand where the first lives (the optimizer groups
+    parameters by placement; gradients are brought to them). Zeroing keeps partial sums."""
+    p = kinds[0]
+    if p.kind not in ("R", "S") and name != "zero_foreach":
+        return None
+    return Plan(tuple(None if k is None else p for k in kinds), p)
+
+
 _KIND_RULES = {Kind.ELEMENTWISE: _elementwise, Kind.REDUCE: _reduction, Kind.SHAPE: _dim_map,
                Kind.INPLACE: _inplace}
 RULES.update({"matmul": _matmul, "linear": _linear, "cross_entropy": _cross_entropy,
-              "cross_entropy_grad": _cross_entropy})
+              "layer_norm": _norm, "rms_norm": _norm, "embedding": _embedding,
+              "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
+              "adam_foreach": _alike, "zero_foreach": _alike})
+# gradient ops placed by dual() from their forward op's plan, in the dispatcher's placer
+DUAL = {"linear_grad", *(f"{name}_grad" for name in FUSED_FNS)}
 # mix or index dims: right only on whole tensors, or on partial sums where linear
 for _name in ("cat", "stack", "split", "chunk", "narrow",
               "getitem", "getitem_grad", "setitem", "expand", "reshape", "view", "flatten",

@@ -13,6 +13,7 @@ at the first read of any dependent tensor, and unrelated work carries on.
 """
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any, Protocol
 
@@ -21,7 +22,7 @@ import torch
 
 from ..errors import Fault
 from ..client.dtypes import as_bytes
-from ..ops.table import OPS, Kind
+from ..ops.table import OPS, Graph, Kind
 from ..trace import events
 from ..trace.recorder import Recorder
 from ..transport.tags import Tag
@@ -186,11 +187,14 @@ class Executor:
             torch.cuda.synchronize(self.device)
         self.link.reply(Tag.SYNC, None)
 
-    def _stats(self, out, args) -> None:
+    def _stats(self, out, args: tuple) -> None:
+        """(reset,): after replying, start the peaks afresh."""
         comm = {k: tuple(v) for k, v in self.plane.stats.items()} if self.plane else {}
         self.link.reply(Tag.STATS, {**self.stats, "rank": self.rank, "device": str(self.device),
-                                    "tensors": len(self.env), "memory_bytes": self.memory_in_use(),
+                                    "tensors": len(self.env), **self.memory(),
                                     "collectives": comm})
+        if args and args[0] and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _clock(self, out, args: tuple) -> None:
         self.link.clock_pongs(*args)
@@ -228,9 +232,21 @@ class Executor:
     def _new_group(self, out, args: tuple) -> None:
         self.plane.new_group(*args)
 
-    def memory_in_use(self) -> int:
+    def memory(self) -> dict[str, int]:
+        """Bytes of tensor memory in use and at peak (torch's allocator on a GPU: allocated and
+        reserved), and the process's peak resident size."""
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in self.env.values()}
-        return sum(storages.values())
+            return {"memory_bytes": torch.cuda.memory_allocated(self.device),
+                    "peak_bytes": torch.cuda.max_memory_allocated(self.device),
+                    "reserved_bytes": torch.cuda.memory_reserved(self.device),
+                    "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+                    "peak_rss_bytes": rss}
+        held = []
+        for t in self.env.values():
+            if isinstance(t, Graph):
+                held += [t.output, *t.leaves]
+            elif t is not None:
+                held.append(t)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        return {"memory_bytes": sum(storages.values()), "peak_rss_bytes": rss}
