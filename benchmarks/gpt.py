@@ -1,0 +1,171 @@
+"""A GPT trained by plain PyTorch and by gtmpi, side by side on the same device, in one run.
+
+    mpiexec -n 2 python benchmarks/gpt.py --size gpt2     # gtmpi with one worker process
+    python benchmarks/gpt.py --size d384                  # gtmpi's embedded worker
+    python benchmarks/gpt.py --size tiny --steps 3        # a CPU check
+
+The model is examples/gpt/model.py, defined once for both libraries. Both start from the same
+seeded weights (torch's, loaded into gtmpi's model) and train on the same random batches with
+AdamW, so their first losses must agree: the benchmark checks it and fails where they do not.
+Per side: ms per step (the mean over --steps after --warmup steps; losses are read after the
+timed steps, as a loop that logs every few steps does), tokens/s, MFU (on an H100/H200, against
+989 TFLOP/s dense bf16) and peak memory (torch's allocator: the most allocated, and reserved).
+torch.compile of the same model is timed as a reference (--compile). gtmpi's worker instruction
+count per step is printed too. Ends with one JSON line of the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import gtmpi  # noqa: E402  (under mpiexec, ranks > 0 become workers here)
+from examples.gpt.model import SIZES, build, flops_per_token, parameters  # noqa: E402
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
+
+
+def batches(c, batch: int, count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, c.vocab, (count, batch, c.seq + 1), generator=gen)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def train(model, opt, data, steps: int, warmup: int, sync) -> tuple[list[float], float]:
+    """Losses of every step, and seconds per step over the timed ones."""
+    losses = []
+    for i in range(warmup + steps):
+        if i == warmup:  # the warm-up ends on the device before the clock starts
+            sync()
+            start = time.perf_counter()
+        x, y = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss)
+    losses[-1].item()
+    sync()
+    seconds = (time.perf_counter() - start) / steps
+    return [float(loss.item()) for loss in losses], seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default: 20 on GPU, 3 on CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="steps before timing (default: 5 on GPU, 1 on CPU)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                   help="weights and activations (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile (a reference)")
+    p.add_argument("--no-torch", action="store_true", help="time gtmpi alone (profiling)")
+    args = p.parse_args()
+
+    world = gtmpi.info()
+    device = torch.device(world["workers"][min(world["workers"])]["device"])
+    gpu = device.type == "cuda"
+    if gpu:
+        torch.cuda.set_device(device)
+    steps = args.steps or (20 if gpu else 3)
+    warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if gpu else "fp32")]
+    c = SIZES[args.size]
+    data = batches(c, args.batch, 4)
+    name = torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu"
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    tokens = args.batch * c.seq
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    torch.manual_seed(0)
+    reference = build(torch)(c)
+    init = {k: v.clone() for k, v in reference.state_dict().items()}
+    res: dict[str, dict] = {}
+
+    def run_torch(label: str, compiled: bool) -> None:
+        model = build(torch)(c).to(device=device)
+        model.load_state_dict(init)
+        model.to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        step_model = torch.compile(model) if compiled else model
+        on_device = [(x.to(device), y.to(device)) for x, y in data]
+        if gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        losses, seconds = train(step_model, opt, on_device, steps, warmup, sync)
+        res[label] = {"losses": losses, "s": seconds,
+                      "peak": torch.cuda.max_memory_allocated(device) if gpu else None,
+                      "reserved": torch.cuda.max_memory_reserved(device) if gpu else None}
+        del model, opt, step_model, on_device
+        if gpu:
+            torch.cuda.empty_cache()
+
+    if not args.no_torch:
+        run_torch("torch", False)
+        if args.compile:
+            run_torch("compile", True)
+
+    model = build(gtmpi)(c)
+    model.load_state_dict(init)
+    model.to(dtype)
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    on_workers = [(gtmpi.tensor(x), gtmpi.tensor(y)) for x, y in data]
+    home = min(world["workers"])
+    before = gtmpi.debug.worker_stats(reset_peak=True)[home]
+    losses, seconds = train(model, opt, on_workers, steps, warmup, gtmpi.synchronize)
+    after = gtmpi.debug.worker_stats()[home]
+    res["gtmpi"] = {"losses": losses, "s": seconds, "peak": after.get("peak_bytes"),
+                    "reserved": after.get("peak_reserved_bytes"),
+                    "instructions": (after["ops"] - before["ops"] - 1) / (warmup + steps)}
+
+    flops = flops_per_token(c, c.seq) * tokens
+    print(f"GPT {args.size} ({parameters(c) / 1e6:.1f}M parameters: {c.layers} layers, dim {c.dim}, "
+          f"{c.heads} heads, seq {c.seq}, vocab {c.vocab}), batch {args.batch}, {str(dtype)[6:]}, "
+          f"AdamW; {steps} steps timed after {warmup}")
+    print(f"device {device} ({name}, {platform.node()}); gtmpi: {len(world['workers'])} worker(s)"
+          f"{' (embedded)' if world['embedded'] else ' (mpiexec)'}; torch {torch.__version__}")
+    print(f"{'':<10} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'peak GB':>9} {'reserved GB':>12} "
+          f"{'first loss':>11} {'last loss':>10}")
+    for label, r in res.items():
+        r["tokens_per_s"] = tokens / r["s"]
+        r["mfu"] = flops / r["s"] / peak if peak else None
+        mfu = f"{r['mfu'] * 100:6.1f}%" if r["mfu"] is not None else f"{'-':>7}"
+        mem = f"{r['peak'] / 1e9:9.2f} {r['reserved'] / 1e9:12.2f}" if r["peak"] else f"{'-':>9} {'-':>12}"
+        print(f"{label:<10} {r['s'] * 1e3:9.2f} {r['tokens_per_s']:11.0f} {mfu} {mem} "
+              f"{r['losses'][0]:11.4f} {r['losses'][-1]:10.4f}")
+    print(f"gtmpi: {res['gtmpi']['instructions']:.0f} worker instructions per step")
+    out = {"benchmark": "gpt", "size": args.size, "batch": args.batch, "dtype": str(dtype)[6:],
+           "device": name, "host": platform.node(), "workers": len(world["workers"]),
+           "embedded": world["embedded"], "steps": steps, "warmup": warmup,
+           "gtmpi_instructions_per_step": round(res["gtmpi"]["instructions"], 1)}
+    for label, r in res.items():
+        out.update({f"{label}_ms": round(r["s"] * 1e3, 3), f"{label}_tokens_per_s": round(r["tokens_per_s"]),
+                    f"{label}_mfu": None if r["mfu"] is None else round(r["mfu"], 4),
+                    f"{label}_peak_bytes": r["peak"], f"{label}_reserved_bytes": r["reserved"],
+                    f"{label}_losses": [round(v, 5) for v in r["losses"]]})
+    if "torch" in res:
+        t, g = res["torch"], res["gtmpi"]
+        out["speed_ratio"] = round(g["tokens_per_s"] / t["tokens_per_s"], 4)
+        out["memory_ratio"] = round(g["peak"] / t["peak"], 4) if t["peak"] else None
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        out["first_losses_agree"] = abs(g["losses"][0] - t["losses"][0]) <= tol * abs(t["losses"][0])
+        print(f"gtmpi/torch: speed {out['speed_ratio']:.3f}, peak memory "
+              f"{out['memory_ratio'] if out['memory_ratio'] else '-'}; first losses "
+              f"{'agree' if out['first_losses_agree'] else 'DIFFER'}")
+    print(json.dumps(out))
+    if "torch" in res and not out["first_losses_agree"]:
+        sys.exit("gtmpi's first loss differs from torch's")
+
+
+if __name__ == "__main__":
+    main()

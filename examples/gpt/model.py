@@ -1,0 +1,96 @@
+"""A GPT (nanoGPT's shape: token and position embeddings, pre-norm blocks of causal multi-head
+attention and a GELU MLP, a final LayerNorm and a language-model head), written once for
+either library: ``build(torch)`` gives a plain PyTorch model, ``build(gtmpi)`` the same model
+on gtmpi. The two have the same parameter names, so one's state_dict loads into the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int
+    seq: int       # the longest sequence (the position table's size)
+    layers: int
+    heads: int
+    dim: int
+
+
+SIZES = {
+    "tiny": Config(vocab=256, seq=64, layers=2, heads=4, dim=64),
+    "d384": Config(vocab=4096, seq=256, layers=6, heads=6, dim=384),
+    "gpt2": Config(vocab=50304, seq=1024, layers=12, heads=12, dim=768),   # GPT-2 small
+    "mini": Config(vocab=50257, seq=1024, layers=8, heads=16, dim=1024),   # the seed's Mini-GPT
+}
+
+
+def build(lib: ModuleType) -> type:
+    """The GPT class on ``lib`` (torch or gtmpi)."""
+    nn, F = lib.nn, lib.nn.functional
+
+    class Attention(nn.Module):
+        def __init__(self, c: Config) -> None:
+            super().__init__()
+            self.heads = c.heads
+            self.qkv = nn.Linear(c.dim, 3 * c.dim)
+            self.proj = nn.Linear(c.dim, c.dim)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.qkv(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    class Block(nn.Module):
+        def __init__(self, c: Config) -> None:
+            super().__init__()
+            self.ln1 = nn.LayerNorm(c.dim)
+            self.attn = Attention(c)
+            self.ln2 = nn.LayerNorm(c.dim)
+            self.fc = nn.Linear(c.dim, 4 * c.dim)
+            self.out = nn.Linear(4 * c.dim, c.dim)
+
+        def forward(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self, c: Config) -> None:
+            super().__init__()
+            self.config = c
+            self.tokens = nn.Embedding(c.vocab, c.dim)
+            self.positions = nn.Embedding(c.seq, c.dim)
+            self.blocks = nn.ModuleList([Block(c) for _ in range(c.layers)])
+            self.ln = nn.LayerNorm(c.dim)
+            self.head = nn.Linear(c.dim, c.vocab, bias=False)
+            self.register_buffer("position_ids", lib.arange(c.seq))
+
+        def forward(self, idx, targets=None):
+            B, T = idx.shape
+            x = self.tokens(idx) + self.positions(self.position_ids[:T])
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.ln(x))
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
+
+    return GPT
+
+
+def parameters(c: Config) -> int:
+    """The true parameter count."""
+    block = 4 * c.dim + (3 * c.dim * c.dim + 3 * c.dim) + (c.dim * c.dim + c.dim) + \
+        (4 * c.dim * c.dim + 4 * c.dim) + (4 * c.dim * c.dim + c.dim)
+    return c.vocab * c.dim + c.seq * c.dim + c.layers * block + 2 * c.dim + c.dim * c.vocab
+
+
+def flops_per_token(c: Config, T: int) -> float:
+    """Training FLOPs per token (forward and backward): 6 per weight of the matmuls and the
+    embeddings' lookups excluded, plus attention's 12·layers·dim·T (PaLM's appendix B; causal
+    kernels skip half of it, counted whole as is customary)."""
+    matmul_weights = parameters(c) - c.vocab * c.dim - c.seq * c.dim
+    return 6 * matmul_weights + 12 * c.layers * c.dim * T
