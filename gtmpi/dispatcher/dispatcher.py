@@ -58,8 +58,8 @@ class Dispatcher:
         self._seq = dict.fromkeys(links, 0)
         self._acked = dict.fromkeys(links, 0)
         self._last_poll = 0.0
-        # Tensor.__del__ appends here; frees travel at the end of the home worker's next batch,
-        # after every instruction that could still use them.
+        # Tensor.__del__ appends here; frees travel before the next instruction (or at the end
+        # of the next batch sent), after every instruction that could still use them.
         self.frees: list[int] = []
         self.trace = None  # a trace.Recorder while tracing: this rank's client and dispatcher lanes
         self.log = None  # a trace.InstructionLog: GT's text log of the instruction stream
@@ -78,6 +78,8 @@ class Dispatcher:
         rec = self.trace
         if rec is not None:
             received = _clock()
+        if self.frees:  # in stream order, so that their memory serves what comes next
+            self._route_frees()
         if self.placer.active:  # logged once placed: only then is its worker known
             rank = self.placer.submit(ins, sigs, outs, urgent, host)
             if self.log is not None:
@@ -162,15 +164,7 @@ class Dispatcher:
         batch = self._batch[rank]
         rec = self.trace
         if self.frees and (rank == self.home or self.placer.active):
-            frees, self.frees = self.frees, []
-            by_rank = self.placer.free(frees) if self.placer.active else {rank: frees}
-            for r, ids in by_rank.items():
-                self._batch[r].append(("free", None, tuple(ids), 0, None))
-                if rec is not None:
-                    t = _clock()
-                    rec.event(Kind.FREE, Lane.DISPATCHER, t, t, "free", peer=r, count=len(ids))
-                if self.log is not None:
-                    self.log.received(self._batch[r][-1], r)
+            self._route_frees()
         if not batch:
             return
         self._batch[rank] = []
@@ -192,6 +186,19 @@ class Dispatcher:
                 self.trace_tick()
         if self.log is not None:
             self.log.sent(batch, rank, self._seq[rank])
+
+    def _route_frees(self) -> None:
+        """The ids the client dropped, into the batches of the workers that hold them, behind
+        every instruction that could still use them."""
+        frees, self.frees = self.frees, []
+        by_rank = self.placer.free(frees) if self.placer.active else {self.home: frees}
+        for r, ids in by_rank.items():
+            self._batch[r].append(("free", None, tuple(ids), 0, None))
+            if self.trace is not None:
+                t = _clock()
+                self.trace.event(Kind.FREE, Lane.DISPATCHER, t, t, "free", peer=r, count=len(ids))
+            if self.log is not None:
+                self.log.received(self._batch[r][-1], r)
 
     def flush_all(self) -> None:
         for rank in self.links:

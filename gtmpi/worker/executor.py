@@ -55,7 +55,10 @@ class Executor:
         self.link = link
         self.env: dict[int, torch.Tensor] = {}
         self.poison: dict[int, Fault] = {}
-        self.stats = {"ops": 0, "batches": 0, "faults": 0, "bytes_received": 0, "bytes_sent": 0}
+        # ops: instructions executed; control: those of them that are control words (frees,
+        # reads, stats, ...), not ops of the table
+        self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "bytes_received": 0,
+                      "bytes_sent": 0}
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
@@ -71,12 +74,15 @@ class Executor:
         marks = rec.marks if rec is not None else None
         gpu_every = self._gpu_every if rec is not None else 0
         countdown = self._gpu_countdown
+        stats = self.stats
         for ins in batch:
+            stats["ops"] += 1  # counted as it runs: a stats word within the batch sees it
             name, out, args, tmask, kw = ins
             if marks is not None:
                 marks.append((_clock(), name, out))
             op = OPS.get(name)
             if op is None:
+                stats["control"] += 1
                 self._control[name](out, args)
                 continue
             if poison and tmask and self._propagate(out, args, tmask):
@@ -111,8 +117,7 @@ class Executor:
             marks.append((_clock(), None, None))
             rec.compact()
             self._gpu_countdown = countdown
-        self.stats["ops"] += len(batch)
-        self.stats["batches"] += 1
+        stats["batches"] += 1
 
     def _stand_in(self, op, kw: dict) -> None:
         """An operand of a collective failed here: take part with zeros all the same (the

@@ -1,0 +1,379 @@
+"""torch's fused kernels as single instructions: each one and its gradient against torch on
+random inputs (fp32 and bf16; causal, non-causal and masked attention; ignore_index), the
+instructions a forward and a backward take, where results and gradients live when rows or
+heads are split over workers, the multi-tensor optimizer steps, and memory: what autograd
+keeps alive and a training loop's memory from step to step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gtmpi
+import gtmpi.nn as gnn
+import gtmpi.nn.functional as GF
+from conftest import HOME_DEVICE, assert_same
+from test_autograd import grad_check, r
+
+TF = torch.nn.functional
+WORKERS = sorted(gtmpi.info()["workers"])
+HOME = WORKERS[0]
+spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+
+
+def pick(t, fn_torch, fn_gtmpi):
+    return fn_torch if isinstance(t, torch.Tensor) else fn_gtmpi
+
+
+def lib_f(t):
+    return TF if isinstance(t, torch.Tensor) else GF
+
+
+def ops_on_home() -> int:
+    """Instructions of the op table the home worker has run (no frees, reads, stats)."""
+    stats = gtmpi.debug.worker_stats()[HOME]
+    return stats["ops"] - stats["control"]
+
+
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+# values and gradients against torch --------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_layer_norm(dtype, affine):
+    x, w, b = r(3, 5, 16), r(16), r(16)
+    args = {"both": (w, b), "weight": (w,), "none": ()}[affine]
+    grad_check(lambda x, *wb: lib_f(x).layer_norm(x, (16,), *wb, eps=1e-5), x, *args,
+               dtype=dtype, **TOLERANCE[dtype])
+    # two normalized dims
+    grad_check(lambda x, w: lib_f(x).layer_norm(x, (5, 16), w), x, r(5, 16), dtype=dtype,
+               **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm(dtype):
+    grad_check(lambda x, w: lib_f(x).rms_norm(x, (16,), w), r(4, 16), r(16), dtype=dtype,
+               **TOLERANCE[dtype])
+    grad_check(lambda x: lib_f(x).rms_norm(x, (16,), eps=1e-3), r(2, 3, 16), dtype=dtype,
+               **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention(dtype, causal):
+    q, k, v = r(2, 3, 8, 16), r(2, 3, 8, 16), r(2, 3, 8, 16)
+    grad_check(lambda q, k, v: lib_f(q).scaled_dot_product_attention(q, k, v, is_causal=causal),
+               q, k, v, dtype=dtype, **TOLERANCE[dtype])
+    # keys longer than queries, and a scale of one's own
+    grad_check(lambda q, k, v: lib_f(q).scaled_dot_product_attention(q, k, v, scale=0.3),
+               r(2, 3, 5, 16), r(2, 3, 8, 16), r(2, 3, 8, 16), dtype=dtype, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_with_padding_masks(dtype):
+    q, k, v = r(2, 3, 6, 16), r(2, 3, 6, 16), r(2, 3, 6, 16)
+    lengths = torch.tensor([6, 4])
+    keep = (torch.arange(6)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    bias = torch.where(keep, 0.0, -1e4).to(torch.float64)
+
+    def boolean(q, k, v):
+        mask = keep if isinstance(q, torch.Tensor) else gtmpi.tensor(keep)
+        return lib_f(q).scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def additive(q, k, v):
+        mask = bias.to(q.dtype) if isinstance(q, torch.Tensor) else gtmpi.tensor(bias).to(q.dtype)
+        return lib_f(q).scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    grad_check(boolean, q, k, v, dtype=dtype, **TOLERANCE[dtype])
+    grad_check(additive, q, k, v, dtype=dtype, **TOLERANCE[dtype])
+
+
+def test_attention_dropout_follows_the_seed():
+    q = r(1, 2, 8, 16).float()
+    outs = []
+    for _ in range(2):
+        gtmpi.manual_seed(7)
+        outs.append(GF.scaled_dot_product_attention(*(gtmpi.tensor(q),) * 3, dropout_p=0.5).numpy())
+    assert (outs[0] == outs[1]).all()
+    x = gtmpi.tensor(q, requires_grad=True)
+    GF.scaled_dot_product_attention(x, x, x, dropout_p=0.5).sum().backward()
+    assert x.grad.shape == x.shape and torch.isfinite(x.grad.cpu_torch()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_embedding_with_padding_row(dtype):
+    idx = torch.tensor([[0, 3, 1, 3], [2, 2, 0, 1]])
+    grad_check(lambda w: lib_f(w).embedding(idx if isinstance(w, torch.Tensor) else gtmpi.tensor(idx), w),
+               r(5, 8), dtype=dtype, **TOLERANCE[dtype])
+    grad_check(lambda w: lib_f(w).embedding(idx if isinstance(w, torch.Tensor) else gtmpi.tensor(idx),
+                                            w, padding_idx=-2), r(5, 8), dtype=dtype)
+    torch.manual_seed(3)
+    t, g = torch.nn.Embedding(5, 8, padding_idx=1), gnn.Embedding(5, 8, padding_idx=1)
+    assert (g.weight[1].numpy() == 0).all()
+    g.load_state_dict(t.state_dict())
+    assert_same(g(gtmpi.tensor(idx)), t(idx).detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_ignore_index_and_smoothing(dtype, reduction):
+    target = torch.tensor([0, 6, -100, 2, 1, -100])
+    for smoothing in (0.0, 0.1):
+        grad_check(lambda x: lib_f(x).cross_entropy(
+            x, target if isinstance(x, torch.Tensor) else gtmpi.tensor(target),
+            ignore_index=-100, reduction=reduction, label_smoothing=smoothing),
+            r(6, 7), dtype=dtype, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_and_silu_gradients(approximate):
+    grad_check(lambda x: lib_f(x).gelu(x, approximate=approximate), r(4, 6))
+    grad_check(lambda x: lib_f(x).silu(x), r(4, 6))
+
+
+# instructions -------------------------------------------------------------------------------
+
+def test_each_fused_op_is_one_instruction_each_way():
+    """Forward one instruction, backward one (torch's backward kernel), for every fused op."""
+    x = gtmpi.randn(2, 3, 8, 16, requires_grad=True)
+    w = gtmpi.randn(16, requires_grad=True)
+    b = gtmpi.randn(16, requires_grad=True)
+    k, v = gtmpi.randn(2, 3, 8, 16, requires_grad=True), gtmpi.randn(2, 3, 8, 16, requires_grad=True)
+    idx = gtmpi.tensor([[1, 2], [0, 3]])
+    table = gtmpi.randn(5, 16, requires_grad=True)
+    target = gtmpi.tensor([1, 0, 4])
+    logits = gtmpi.randn(3, 5, requires_grad=True)
+    cases = [
+        lambda: GF.layer_norm(x, (16,), w, b),
+        lambda: GF.rms_norm(x, (16,), w),
+        lambda: GF.scaled_dot_product_attention(x, k, v, is_causal=True),
+        lambda: GF.embedding(idx, table),
+        lambda: GF.cross_entropy(logits, target, reduction="sum"),
+        lambda: GF.linear(x, table, None),
+    ]
+    for make in cases:
+        before = ops_on_home()
+        out = make()
+        forward = ops_on_home() - before
+        assert forward == 1, (make.__code__.co_firstlineno, forward)
+        grad = gtmpi.ones(out.shape)
+        for leaf in (x, w, b, k, v, table, logits):
+            leaf.grad = None
+        before = ops_on_home()
+        out.backward(grad)
+        ran = ops_on_home() - before
+        assert ran == 1, (make.__code__.co_firstlineno, ran)  # leaves take its results
+
+
+def test_a_gpt_block_step_takes_few_instructions():
+    """The instruction count of one training step of a small GPT, the figure RESULTS.md tracks:
+    3 blocks of attention and MLP in at most 95 instructions a block."""
+    import sys
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from examples.gpt.model import Config, build
+    c = Config(vocab=32, seq=8, layers=3, heads=2, dim=16)
+    model = build(gtmpi)(c)
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-3)
+    x = gtmpi.tensor(torch.randint(0, 32, (2, 8)))
+
+    def step():
+        opt.zero_grad()
+        loss = model(x, x)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step().item()
+    before = ops_on_home()
+    step().item()
+    assert ops_on_home() - before < 95 * c.layers
+
+
+# the GPT's first losses against torch ----------------------------------------------------------
+
+def test_gpt_first_losses_equal_torch_at_tiny_size():
+    import sys
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from examples.gpt.model import Config, build
+    c = Config(vocab=64, seq=16, layers=2, heads=4, dim=32)
+    torch.manual_seed(0)
+    t_model = build(torch)(c)
+    g_model = build(gtmpi)(c)
+    g_model.load_state_dict(t_model.state_dict())
+    t_opt = torch.optim.AdamW(t_model.parameters(), lr=1e-2, weight_decay=0.1)
+    g_opt = gtmpi.optim.AdamW(g_model.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 64, (4, 3, 17), generator=gen)
+    t_losses, g_losses = [], []
+    for batch in data:
+        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        t_opt.zero_grad()
+        loss = t_model(x, y)
+        loss.backward()
+        t_opt.step()
+        t_losses.append(loss.item())
+        g_opt.zero_grad()
+        loss = g_model(gtmpi.tensor(x), gtmpi.tensor(y))
+        loss.backward()
+        g_opt.step()
+        g_losses.append(loss.item())
+    tol = 1e-4 if HOME_DEVICE.type == "cpu" else 2e-3
+    for a, b in zip(g_losses, t_losses):
+        assert abs(a - b) <= tol * abs(b), (g_losses, t_losses)
+
+
+# optimizers -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, kw", [
+    ("SGD", dict(lr=0.1)), ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    ("Adam", dict(lr=1e-2, weight_decay=0.01)), ("AdamW", dict(lr=1e-2, betas=(0.8, 0.9))),
+])
+def test_multi_tensor_steps_match_torch_in_one_instruction(name, kw):
+    torch.manual_seed(2)
+    t_model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    g_model = gnn.Sequential(gnn.Linear(6, 5), gnn.GELU(), gnn.Linear(5, 3))
+    g_model.load_state_dict(t_model.state_dict())
+    t_model[1] = torch.nn.GELU()
+    t_opt = getattr(torch.optim, name)(t_model.parameters(), **kw)
+    g_opt = getattr(gtmpi.optim, name)(g_model.parameters(), **kw)
+    x = torch.randn(4, 6)
+    for step in range(3):
+        t_opt.zero_grad()
+        t_model(x).pow(2).mean().backward()
+        t_opt.step()
+        g_opt.zero_grad()
+        g_model(gtmpi.tensor(x)).pow(2).mean().backward()
+        before = ops_on_home()
+        g_opt.step()
+        if step:  # the first step also makes the optimizer state
+            assert ops_on_home() - before == 1
+    for (name_, t), g in zip(t_model.state_dict().items(), g_model.state_dict().values()):
+        assert_same(g, t, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_grad_without_none_is_one_instruction():
+    model = gnn.Sequential(gnn.Linear(4, 4), gnn.Linear(4, 2))
+    model(gtmpi.randn(3, 4)).sum().backward()
+    before = ops_on_home()
+    model.zero_grad(set_to_none=False)
+    assert ops_on_home() - before == 1
+    assert all((p.grad.numpy() == 0).all() for p in model.parameters())
+
+
+# memory ------------------------------------------------------------------------------------------
+
+def memory() -> int:
+    gtmpi.synchronize()
+    return gtmpi.debug.worker_stats()[HOME]["memory_bytes"]
+
+
+def test_backward_frees_what_the_graph_saved():
+    layer = gnn.Linear(256, 256)
+    norm = gnn.LayerNorm(256)
+    x = gtmpi.randn(64, 256)
+    base = memory()
+    h = norm(layer(x).relu())
+    out = GF.scaled_dot_product_attention(h.view(4, 16, 256), h.view(4, 16, 256),
+                                          h.view(4, 16, 256), is_causal=True).sum()
+    del h
+    held = memory()
+    assert held > base + 3 * 64 * 256 * 4  # the activations the gradients need stay alive
+    out.backward()
+    grads = sum(p.numel() * 4 for p in (*layer.parameters(), *norm.parameters()))
+    assert memory() <= base + grads + 4096  # all of it freed by backward; the loss remains
+    del out
+    for p in (*layer.parameters(), *norm.parameters()):
+        p.grad = None
+    assert memory() <= base + 4096
+
+
+def test_a_dropped_graph_frees_its_saved_tensors():
+    layer = gnn.Linear(128, 128)
+    base = memory()
+    loss = GF.gelu(layer(gtmpi.randn(32, 128))).sum()
+    assert memory() > base + 32 * 128 * 4
+    del loss
+    assert memory() <= base
+
+
+def test_training_loop_memory_returns_to_one_level_every_step():
+    torch.manual_seed(0)
+    model = gnn.Sequential(gnn.Linear(32, 64), gnn.GELU(), gnn.LayerNorm(64), gnn.Linear(64, 10))
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = gtmpi.randn(16, 32), gtmpi.tensor(torch.randint(0, 10, (16,)))
+    levels = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = GF.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        del loss
+        levels.append(memory())
+    assert len(set(levels[1:])) == 1, levels  # after the first step made the optimizer state
+
+
+# placement: rows and heads split over workers --------------------------------------------------
+
+def where(t) -> str:
+    d = gtmpi.debug.placement(t)
+    return f"{d['type']}@{d['mesh']}"
+
+
+def collectives() -> dict[str, int]:
+    total: dict[str, int] = {}
+    for s in gtmpi.debug.worker_stats().values():
+        for kind, (count, _) in s["collectives"].items():
+            total[kind] = total.get(kind, 0) + count
+    return total
+
+
+@spread
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "embedding", "attention_batch",
+                                "attention_heads"])
+def test_fused_ops_keep_split_rows_and_heads(op):
+    pair = WORKERS[:2]
+    gtmpi.load_config({"rows": {"shard": {"axis": 0, "workers": [0, 1]}},
+                       "heads": {"shard": {"axis": 1, "workers": [0, 1]}},
+                       "whole": {"shard": {"workers": [0, 1], "replicated": True}}})
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 2, 6, 8, generator=gen)
+    w = torch.randn(8, generator=gen)
+    idx = torch.randint(0, 8, (4, 6), generator=gen)
+    table = torch.randn(8, 8, generator=gen)
+    t_leaves = {"x": x.clone().requires_grad_(), "w": w.clone().requires_grad_(),
+                "table": table.clone().requires_grad_()}
+    split = "heads" if op == "attention_heads" else "rows"
+    dim = 1 if op == "attention_heads" else 0
+    g_x = gtmpi.signal.tensor(x, split).requires_grad_()
+    g_w = gtmpi.signal.tensor(w, "whole").requires_grad_()
+    g_table = gtmpi.signal.tensor(table, "whole").requires_grad_()
+    g_idx = gtmpi.signal.tensor(idx, "rows")
+    fn = {
+        "layer_norm": lambda F, x, w, t, i: F.layer_norm(x, (8,), w, w),
+        "rms_norm": lambda F, x, w, t, i: F.rms_norm(x, (8,), w),
+        "embedding": lambda F, x, w, t, i: F.embedding(i, t),
+        "attention_batch": lambda F, x, w, t, i: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+        "attention_heads": lambda F, x, w, t, i: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+    }[op]
+    before = collectives()
+    out = fn(GF, g_x, g_w, g_table, g_idx)
+    assert where(out) == f"S({dim})@{pair}"
+    assert collectives() == before  # the forward moved nothing
+    want = fn(TF, t_leaves["x"], t_leaves["w"], t_leaves["table"], idx)
+    assert_same(out, want.detach(), rtol=1e-4, atol=1e-5)
+    weights = gtmpi.signal.tensor(torch.randn(want.shape, generator=gen),
+                                  split if out.ndim == 4 else "rows")
+    before = collectives()
+    (out * weights).sum().backward()
+    ran = {k for k, v in collectives().items() if v != before.get(k, 0)}
+    assert ran <= {"all_reduce"}, ran  # the loss's sum; the gradients stay where they are
+    (want * weights.cpu_torch()).sum().backward()
+    used = {"layer_norm": ["x", "w"], "rms_norm": ["x", "w"], "embedding": ["table"]}.get(op, ["x"])
+    for name in used:
+        g_leaf = {"x": g_x, "w": g_w, "table": g_table}[name]
+        kind = f"S({dim})" if name == "x" else "P"  # a whole weight's gradient: a partial sum
+        assert where(g_leaf.grad) == f"{kind}@{pair}", name
+        assert_same(g_leaf.grad, t_leaves[name].grad, rtol=1e-4, atol=1e-5)
