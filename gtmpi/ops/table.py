@@ -153,10 +153,12 @@ class Graph:
     id until the client drops it (after backward): the tensors torch's backward kernel reads
     live in it, exactly those torch itself would save."""
 
-    __slots__ = ("output", "leaves", "slots")
+    __slots__ = ("output", "leaves", "slots", "finish")
 
-    def __init__(self, output: torch.Tensor, leaves: list[torch.Tensor]):
-        self.output, self.leaves = output, leaves
+    def __init__(self, output: torch.Tensor, leaves: list[torch.Tensor],
+                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        # finish: the last backward step, outside the record (it maps the one leaf's gradient)
+        self.output, self.leaves, self.finish = output, leaves, finish
         # One backward node straight onto the leaves (layer norm, attention, embedding): it is
         # called directly, which skips the autograd engine's set-up (a third of the cost). A
         # composition (a node feeding others) goes through the engine.
@@ -175,8 +177,12 @@ class Graph:
         else:
             grads = torch.autograd.grad(self.output, self.leaves, grad, retain_graph=True,
                                         allow_unused=True)
-        return tuple(torch.zeros_like(leaf) if g is None else g
-                     for g, leaf in zip(grads, self.leaves))
+        grads = tuple(torch.zeros_like(leaf) if g is None else g
+                      for g, leaf in zip(grads, self.leaves))
+        if self.finish is None:
+            return grads
+        with torch.no_grad():
+            return (self.finish(grads[0]),)
 
 
 def _recorded(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple]:
@@ -215,15 +221,35 @@ def _attention(q, k, v, mask, dropout_p, is_causal, scale, seed=None):
                                           is_causal=is_causal, scale=scale)
 
 
+def _cross_entropy(x, target, ignore_index, reduction, label_smoothing):
+    return F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+
+
+def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing, grads=()):
+    """torch's cross-entropy is log_softmax then nll_loss; torch's record of it keeps the
+    log-probabilities, not the logits. Recorded from the log-probabilities on, ours keeps the
+    same (a record from the logits would hold them too: a whole extra logits tensor)."""
+    if label_smoothing or not grads:
+        return _recorded(_cross_entropy)(x, target, ignore_index, reduction, label_smoothing,
+                                         grads=grads)
+    log_probs = torch.log_softmax(x, 1)
+    with torch.enable_grad():
+        leaf = log_probs.detach().requires_grad_()
+        loss = F.nll_loss(leaf, target, ignore_index=ignore_index, reduction=reduction)
+    return loss.detach(), Graph(loss, [leaf], lambda g: torch._log_softmax_backward_data(
+        g, log_probs, 1, x.dtype))
+
+
 # torch's fused kernels, each with its gradient row NAME_grad (Graph.backward)
 FUSED_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "layer_norm": lambda x, shape, weight, bias, eps: F.layer_norm(x, shape, weight, bias, eps),
     "rms_norm": lambda x, shape, weight, eps: F.rms_norm(x, shape, weight, eps),
     "scaled_dot_product_attention": _attention,
     "embedding": lambda indices, weight, padding_idx: F.embedding(indices, weight, padding_idx),
-    "cross_entropy": lambda x, target, ignore_index, reduction, label_smoothing: F.cross_entropy(
-        x, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing),
+    "cross_entropy": _cross_entropy,
 }
+_KERNELS = {"cross_entropy": _cross_entropy_recorded}
 
 
 def _linear_grad(g, x, w, b, grads):
@@ -275,7 +301,8 @@ _ops = [
     Op("matmul", Kind.MATMUL, operator.matmul),
     Op("linear", Kind.MATMUL, F.linear),
     Op("linear_grad", Kind.MATMUL, _linear_grad),
-    *(Op(name, Kind.FUSED, _recorded(fn), meta=_recorded_meta(fn)) for name, fn in FUSED_FNS.items()),
+    *(Op(name, Kind.FUSED, _KERNELS.get(name) or _recorded(fn), meta=_recorded_meta(fn))
+      for name, fn in FUSED_FNS.items()),
     *(Op(f"{name}_grad", Kind.FUSED, _graph_backward, meta=_graph_backward_meta)
       for name in FUSED_FNS),
     # reductions over all elements (dim=None) or over dims
