@@ -169,9 +169,14 @@ class Graph:
         self.slots = slots if direct and None not in slots else None
 
     def backward(self, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        got = None
         if self.slots is not None:
-            with torch.no_grad():  # else results computed from the saved leaves record a graph
-                got = self.output.grad_fn(grad)
+            try:
+                with torch.no_grad():  # else results computed from the saved leaves record a graph
+                    got = self.output.grad_fn(grad)
+            except TypeError:  # a node of several outputs (CUDA's fused RMS norm) wants each
+                self.slots = None
+        if got is not None:
             got = got if isinstance(got, tuple) else (got,)
             grads = [got[j] for j in self.slots]
         else:
