@@ -21,7 +21,7 @@ class LocalLink:
         self.executor = None  # set once the executor that uses this link exists
         self._uploads: deque[np.ndarray] = deque()
         self._read: np.ndarray | Fault | None = None
-        self._replies: dict[int, Any] = {}
+        self._replies: dict[int, deque] = {}  # per tag, in order (trace parts can queue up)
         self._seq = 0
 
     # rank 0's end (see transport.mpi.WorkerLink) ------------------------------------------
@@ -48,10 +48,11 @@ class LocalLink:
         return self._seq
 
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
-        return self._replies.pop(tag)
+        return self._replies[tag].popleft()
 
     def poll_reply(self, tag: Tag) -> Any:
-        return self._replies.pop(tag, None)
+        waiting = self._replies.get(tag)
+        return waiting.popleft() if waiting else None
 
     def measure_clock(self, rounds: int) -> tuple[int, int, int]:
         return 0, 0, now()  # one process, one clock
@@ -73,7 +74,7 @@ class LocalLink:
         self._read = fault
 
     def reply(self, tag: int, obj: Any) -> None:
-        self._replies[tag] = obj
+        self._replies.setdefault(tag, deque()).append(obj)
 
     reply_later = reply
 
