@@ -5,6 +5,9 @@ heads are split over workers, the multi-tensor optimizer steps, and memory: what
 keeps alive and a training loop's memory from step to step."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -13,6 +16,10 @@ import gtmpi.nn as gnn
 import gtmpi.nn.functional as GF
 from conftest import HOME_DEVICE, assert_same
 from test_autograd import grad_check, r
+from test_placement import collectives, where
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from examples.gpt.model import Config, build  # noqa: E402  (the GPT of the benchmark)
 
 TF = torch.nn.functional
 WORKERS = sorted(gtmpi.info()["workers"])
@@ -169,10 +176,6 @@ def test_each_fused_op_is_one_instruction_each_way():
 def test_a_gpt_block_step_takes_few_instructions():
     """The instruction count of one training step of a small GPT, the figure RESULTS.md tracks:
     3 blocks of attention and MLP in at most 95 instructions a block."""
-    import sys
-    import os
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from examples.gpt.model import Config, build
     c = Config(vocab=32, seq=8, layers=3, heads=2, dim=16)
     model = build(gtmpi)(c)
     opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-3)
@@ -194,10 +197,6 @@ def test_a_gpt_block_step_takes_few_instructions():
 # the GPT's first losses against torch ----------------------------------------------------------
 
 def test_gpt_first_losses_equal_torch_at_tiny_size():
-    import sys
-    import os
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from examples.gpt.model import Config, build
     c = Config(vocab=64, seq=16, layers=2, heads=4, dim=32)
     torch.manual_seed(0)
     t_model = build(torch)(c)
@@ -324,19 +323,6 @@ def test_training_loop_memory_returns_to_one_level_every_step():
 
 
 # placement: rows and heads split over workers --------------------------------------------------
-
-def where(t) -> str:
-    d = gtmpi.debug.placement(t)
-    return f"{d['type']}@{d['mesh']}"
-
-
-def collectives() -> dict[str, int]:
-    total: dict[str, int] = {}
-    for s in gtmpi.debug.worker_stats().values():
-        for kind, (count, _) in s["collectives"].items():
-            total[kind] = total.get(kind, 0) + count
-    return total
-
 
 @spread
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "embedding", "attention_batch",
