@@ -184,7 +184,6 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                     slots = pending.setdefault(id(operand._node), [None] * operand._node.outputs)
                     prev = slots[operand._slot]
                     slots[operand._slot] = g if prev is None else prev + g
-                    slots = None
             grads = results = g = prev = None  # gradients of non-leaves die once passed on
             if not retain_graph:  # what the rule read is dropped now, as torch does
                 node.freed = True

@@ -137,7 +137,7 @@ class Placer:
         """A gradient op's plan, the dual of its forward op's: linear_grad(g, x, w, b) from
         linear's plan on the same operands, a fused op's gradient(graph, g) from the plan its
         forward op was placed with."""
-        if forward is None:
+        if name == "linear_grad":
             forward = plan("linear", mesh, grid, args[1:], tmask >> 1, None, on_mesh[1:],
                            sigs[1:])
             grad, grads = dual(forward, kw["grads"], mesh, grid)

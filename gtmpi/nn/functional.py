@@ -35,10 +35,6 @@ def normalized(shape) -> tuple[int, ...]:
     return (shape,) if isinstance(shape, int) else tuple(shape)
 
 
-def _last_dims(shape) -> tuple[int, ...]:
-    return tuple(range(-len(normalized(shape)), 0))
-
-
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     return apply("layer_norm", x, normalized(normalized_shape), weight, bias, eps)

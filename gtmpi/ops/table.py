@@ -231,13 +231,16 @@ def _cross_entropy(x, target, ignore_index, reduction, label_smoothing):
                            label_smoothing=label_smoothing)
 
 
+_cross_entropy_from_logits = _recorded(_cross_entropy)
+
+
 def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing, grads=()):
     """torch's cross-entropy is log_softmax then nll_loss; torch's record of it keeps the
     log-probabilities, not the logits. Recorded from the log-probabilities on, ours keeps the
     same (a record from the logits would hold them too: a whole extra logits tensor)."""
     if label_smoothing or not grads:
-        return _recorded(_cross_entropy)(x, target, ignore_index, reduction, label_smoothing,
-                                         grads=grads)
+        return _cross_entropy_from_logits(x, target, ignore_index, reduction, label_smoothing,
+                                          grads=grads)
     log_probs = torch.log_softmax(x, 1)
     with torch.enable_grad():
         leaf = log_probs.detach().requires_grad_()
