@@ -145,7 +145,8 @@ def _close(detach: list) -> None:
 def start_embedded() -> Runtime:
     """One worker executor inside this process."""
     device = select_device(os.environ, 0, visible_gpus())
-    link = LocalLink()
+    thread = os.environ.get("GTMPI_EMBEDDED_THREAD", "auto")
+    link = LocalLink(threaded=device.type == "cuda" if thread == "auto" else thread == "1")
     link.executor = Executor(1, device, link)
     info = {"rank": 1, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
             "local_index": 0, "torch": torch.__version__, "embedded": True}
