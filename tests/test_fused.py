@@ -306,6 +306,25 @@ def test_a_dropped_graph_frees_its_saved_tensors():
     assert memory() <= base
 
 
+def test_cross_entropy_keeps_log_probabilities_not_logits():
+    """torch's record of cross-entropy keeps the log-probabilities; the logits die with their
+    last handle (a GPT's logits are its largest activation)."""
+    w = gtmpi.randn(256, 1000, requires_grad=True)
+    target = gtmpi.tensor(torch.randint(0, 1000, (256,)))
+    GF.cross_entropy(w * 1.0, target).backward()
+    w.grad = None
+    base = memory()
+    logits = w * 1.0
+    loss = GF.cross_entropy(logits, target)
+    with_logits = memory()
+    del logits
+    assert memory() <= with_logits - 256 * 1000 * 4
+    loss.backward()
+    del loss
+    w.grad = None
+    assert memory() <= base
+
+
 def test_training_loop_memory_returns_to_one_level_every_step():
     torch.manual_seed(0)
     model = gnn.Sequential(gnn.Linear(32, 64), gnn.GELU(), gnn.LayerNorm(64), gnn.Linear(64, 10))

@@ -242,11 +242,12 @@ def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing,
         return _cross_entropy_from_logits(x, target, ignore_index, reduction, label_smoothing,
                                           grads=grads)
     log_probs = torch.log_softmax(x, 1)
+    dtype = x.dtype  # the closure below must not hold x itself
     with torch.enable_grad():
         leaf = log_probs.detach().requires_grad_()
         loss = F.nll_loss(leaf, target, ignore_index=ignore_index, reduction=reduction)
     return loss.detach(), Graph(loss, [leaf], lambda g: torch._log_softmax_backward_data(
-        g, log_probs, 1, x.dtype))
+        g, log_probs, 1, dtype))
 
 
 # torch's fused kernels, each with its gradient row NAME_grad (Graph.backward)
