@@ -83,6 +83,58 @@ def test_plain_python_is_the_embedded_default(tmp_path):
     assert proc.stdout.strip() == "True 1 [3.0, 3.0]"
 
 
+def test_embedded_worker_process_trains_and_leaves_with_the_program(tmp_path):
+    """The embedded default's worker process (a GPU's default; chosen here on the CPU):
+    training equals the in-process worker's, errors poison as usual, and the worker ends with
+    the program."""
+    body = """
+        import json, os, torch, gtmpi, gtmpi.nn as nn, gtmpi.nn.functional as F
+        gtmpi.manual_seed(1)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+        opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = gtmpi.randn(32, 8), gtmpi.tensor(torch.randint(0, 4, (32,), generator=torch.Generator().manual_seed(2)))
+        losses = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        try:
+            gtmpi.arange(3)[gtmpi.tensor([5])].tolist()
+            error = None
+        except gtmpi.WorkerError as e:
+            error = "index" in str(e)
+        pid = gtmpi.info()["workers"][1]["pid"]
+        print("OUT", json.dumps({"losses": losses, "error": error, "own": pid == os.getpid(),
+                                 "pid": pid, "after": (gtmpi.ones(2) * 2).tolist()}))
+    """
+    results = {}
+    for mode in ("1", "0"):
+        proc, _ = run(tmp_path, body, n=None, env={"GTMPI_EMBEDDED_PROCESS": mode})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""
+        results[mode] = json.loads(proc.stdout.split("OUT ", 1)[1])
+    child, inline = results["1"], results["0"]
+    assert child["losses"] == inline["losses"] and child["losses"][-1] < child["losses"][0]
+    assert child["error"] and child["after"] == [2.0, 2.0]
+    assert not child["own"] and inline["own"]
+    assert not os.path.exists(f"/proc/{child['pid']}")  # gone with the program
+
+
+def test_a_killed_embedded_worker_process_is_named(tmp_path):
+    proc, elapsed = run(tmp_path, """
+        import os, signal, gtmpi
+        x = gtmpi.ones(3)
+        x.sum().item()
+        os.kill(gtmpi.info()["workers"][1]["pid"], signal.SIGKILL)
+        print((x + 1).sum().item())
+    """, n=None, env={"GTMPI_EMBEDDED_PROCESS": "1"})
+    assert proc.returncode != 0
+    assert "worker rank 1" in proc.stderr and "exit status -9" in proc.stderr
+    assert elapsed < 30
+
+
 def test_workers_n_spawns_processes_from_plain_python(tmp_path):
     proc, _ = run(tmp_path, """
         import os, gtmpi

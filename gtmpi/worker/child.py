@@ -1,0 +1,30 @@
+"""The worker process of the embedded default on a GPU (transport.pipe), started by the user's
+process as ``python -m gtmpi.worker.child FD DEVICE``: FD is its end of the socket pair."""
+from __future__ import annotations
+
+import os
+import sys
+from multiprocessing.connection import Connection
+
+import torch
+
+from ..transport.pipe import ParentLink
+from ..transport.tags import Tag
+from .executor import Executor
+
+
+def main(fd: int, device_name: str) -> None:
+    link = ParentLink(Connection(fd))
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    executor = Executor(1, device, link)
+    link.reply(Tag.HELLO, {"pid": os.getpid()})
+    try:
+        link.serve(executor)
+    except (EOFError, ConnectionError):
+        pass  # the user's process is gone: nobody is left to serve
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])
