@@ -22,9 +22,9 @@ import numpy as np
 
 from ..errors import Fault
 from ..trace.events import now
+from .poll import wait_for
 from .tags import Tag
 
-POLL_S = 0.05  # while waiting, how often the watchdog runs
 ACK_EVERY = 8  # while more batches wait, the worker acknowledges every this many
 
 
@@ -67,14 +67,14 @@ class ChildLink:
         return None
 
     def poll_ack(self) -> int:
-        self._take(0.0)
+        self._take()
         return self._acked
 
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
         return self._wait(self._replies.setdefault(tag, deque()), watchdog)
 
     def poll_reply(self, tag: Tag) -> Any:
-        self._take(0.0)
+        self._take()
         waiting = self._replies.get(tag)
         return waiting.popleft() if waiting else None
 
@@ -110,24 +110,24 @@ class ChildLink:
             self._replies.setdefault(msg[1], deque()).append(msg[2])
         return msg
 
-    def _take(self, timeout: float) -> None:
-        """Receive what has arrived (waiting up to ``timeout`` for the first message)."""
+    def _take(self) -> None:
+        """Receive what has arrived, without waiting (the waits spin, then sleep, as
+        transport.poll's do)."""
         if self._said_bye:
             return
         try:
-            while self.conn.poll(timeout):
+            while self.conn.poll():
                 self._receive()
-                timeout = 0.0
         except (EOFError, OSError):
             raise RuntimeError(f"gtmpi: worker rank 1 (the embedded worker process, pid "
                                f"{self.proc.pid}) ended (exit status {self.proc.wait()})") from None
 
     def _wait(self, queue: deque, watchdog: Callable[[], None] | None) -> Any:
-        while not queue:
-            self._take(POLL_S)
-            if not queue and watchdog is not None:
-                watchdog()
-        return queue.popleft()
+        """The next item of ``queue`` (replies may be None: it is taken boxed)."""
+        def arrived():
+            self._take()
+            return (queue.popleft(),) if queue else None
+        return wait_for(arrived, watchdog)[0]
 
 
 class ParentLink:
@@ -160,7 +160,7 @@ class ParentLink:
         conn = self.conn
         done = 0
         while True:
-            conn.poll(None)  # idle until a message comes: a trace times only its receipt
+            wait_for(lambda: True if conn.poll() else None)  # a trace times only the receipt
             start = time.perf_counter_ns()
             msg = conn.recv()
             kind = msg[0]
