@@ -31,6 +31,7 @@ _clock = time.perf_counter_ns
 
 BATCH_MAX = 256
 MAX_INFLIGHT = 64
+FREES_AHEAD = 64  # dropped ids that travel before the next instruction even if it is small
 ACK_POLL_S = 5e-5  # how often a busy worker's acks are polled while ops are issued
 
 
@@ -55,11 +56,12 @@ class Dispatcher:
         self.watchdog = watchdog
         self.home = min(links)
         self._batch: dict[int, list] = {r: [] for r in links}
+        self._frees_in = dict.fromkeys(links, 0)  # free instructions among each batch's
         self._seq = dict.fromkeys(links, 0)
         self._acked = dict.fromkeys(links, 0)
         self._last_poll = 0.0
-        # Tensor.__del__ appends here; frees travel before the next instruction (or at the end
-        # of the next batch sent), after every instruction that could still use them.
+        # Tensor.__del__ appends here; frees travel before the next large instruction (or at
+        # the end of the next batch sent), after every instruction that could still use them.
         self.frees: list[int] = []
         self.trace = None  # a trace.Recorder while tracing: this rank's client and dispatcher lanes
         self.log = None  # a trace.InstructionLog: GT's text log of the instruction stream
@@ -78,7 +80,10 @@ class Dispatcher:
         rec = self.trace
         if rec is not None:
             received = _clock()
-        if self.frees:  # in stream order, so that their memory serves what comes next
+        if self.frees and (urgent or len(self.frees) >= FREES_AHEAD):
+            # ahead of a large result (or of many small ones), in stream order, so that their
+            # memory serves what comes next; otherwise at the end of the batch, which costs
+            # a tiny op no instruction of its own
             self._route_frees()
         if self.placer.active:  # logged once placed: only then is its worker known
             rank = self.placer.submit(ins, sigs, outs, urgent, host)
@@ -96,7 +101,10 @@ class Dispatcher:
         """Into ``rank``'s next batch, which is sent early while the worker is idle."""
         batch = self._batch[rank]
         batch.append(ins)
-        if len(batch) >= BATCH_MAX or ((urgent or len(batch) > 1) and self._idle(rank)):
+        # a lone cheap op waits for the next (often the read of it); frees riding along with
+        # it do not count
+        alone = len(batch) - self._frees_in[rank] <= 1
+        if len(batch) >= BATCH_MAX or ((urgent or not alone) and self._idle(rank)):
             self.flush(rank)
 
     def upload(self, ins: tuple, host: torch.Tensor) -> None:
@@ -168,6 +176,7 @@ class Dispatcher:
         if not batch:
             return
         self._batch[rank] = []
+        self._frees_in[rank] = 0
         if self._seq[rank] - self._acked[rank] >= MAX_INFLIGHT:
             start = _clock()
             wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None, self.watchdog)
@@ -194,6 +203,7 @@ class Dispatcher:
         by_rank = self.placer.free(frees) if self.placer.active else {self.home: frees}
         for r, ids in by_rank.items():
             self._batch[r].append(("free", None, tuple(ids), 0, None))
+            self._frees_in[r] += 1
             if self.trace is not None:
                 t = _clock()
                 self.trace.event(Kind.FREE, Lane.DISPATCHER, t, t, "free", peer=r, count=len(ids))

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import Fault
 from ..trace.events import now
-from .poll import wait_for
+from .poll import SPIN_S, WATCH_EVERY_S
 from .tags import Tag
 
 ACK_EVERY = 8  # while more batches wait, the worker acknowledges every this many
@@ -37,6 +37,19 @@ def start_child(device: Any) -> tuple["ChildLink", int]:
     link = ChildLink(Connection(ours.detach()), proc)
     hello = link.wait_reply(Tag.HELLO)
     return link, hello["pid"]
+
+
+def _readable(conn: Connection, watchdog: Callable[[], None] | None = None) -> None:
+    """Return once ``conn`` has a message: spin a little (the answer to what was just sent
+    usually follows at once), then block in the kernel, which wakes at once when it comes
+    (a sleep would add its own length), running the watchdog now and then."""
+    end = time.perf_counter() + SPIN_S
+    while not conn.poll():
+        if time.perf_counter() > end:
+            while not conn.poll(WATCH_EVERY_S):
+                if watchdog is not None:
+                    watchdog()
+            return
 
 
 class ChildLink:
@@ -111,8 +124,7 @@ class ChildLink:
         return msg
 
     def _take(self) -> None:
-        """Receive what has arrived, without waiting (the waits spin, then sleep, as
-        transport.poll's do)."""
+        """Receive what has arrived, without waiting."""
         if self._said_bye:
             return
         try:
@@ -123,11 +135,12 @@ class ChildLink:
                                f"{self.proc.pid}) ended (exit status {self.proc.wait()})") from None
 
     def _wait(self, queue: deque, watchdog: Callable[[], None] | None) -> Any:
-        """The next item of ``queue`` (replies may be None: it is taken boxed)."""
-        def arrived():
+        """The next item of ``queue``, once the worker has sent it."""
+        self._take()
+        while not queue:
+            _readable(self.conn, watchdog)
             self._take()
-            return (queue.popleft(),) if queue else None
-        return wait_for(arrived, watchdog)[0]
+        return queue.popleft()
 
 
 class ParentLink:
@@ -160,7 +173,7 @@ class ParentLink:
         conn = self.conn
         done = 0
         while True:
-            wait_for(lambda: True if conn.poll() else None)  # a trace times only the receipt
+            _readable(conn)  # a trace times only the receipt
             start = time.perf_counter_ns()
             msg = conn.recv()
             kind = msg[0]
