@@ -106,8 +106,10 @@ def test_embedded_worker_process_trains_and_leaves_with_the_program(tmp_path):
         except gtmpi.WorkerError as e:
             error = "index" in str(e)
         pid = gtmpi.info()["workers"][1]["pid"]
+        big = gtmpi.arange(400_000.0).numpy()  # 1.6 MB: past what rides in a batch's reply
         print("OUT", json.dumps({"losses": losses, "error": error, "own": pid == os.getpid(),
-                                 "pid": pid, "after": (gtmpi.ones(2) * 2).tolist()}))
+                                 "pid": pid, "after": (gtmpi.ones(2) * 2).tolist(),
+                                 "big": [float(big[0]), float(big[-1]), len(big)]}))
     """
     results = {}
     for mode in ("1", "0"):
@@ -118,6 +120,7 @@ def test_embedded_worker_process_trains_and_leaves_with_the_program(tmp_path):
     child, inline = results["1"], results["0"]
     assert child["losses"] == inline["losses"] and child["losses"][-1] < child["losses"][0]
     assert child["error"] and child["after"] == [2.0, 2.0]
+    assert child["big"] == [0.0, 399_999.0, 400_000]
     assert not child["own"] and inline["own"]
     assert not os.path.exists(f"/proc/{child['pid']}")  # gone with the program
 

@@ -1,15 +1,18 @@
 """The embedded default on a GPU: one worker process beside the user's, no MPI.
 
 The user's process starts ``python -m gtmpi.worker.child`` with one end of a socket pair.
-Messages are pickled tuples, in order, and tensor bytes travel raw right after their header:
+Messages are pickled tuples, in order; large tensor bytes travel raw right after a header:
   to the worker    ("batch", seq, instructions), ("upload",) + bytes, ("shutdown",)
-  to rank 0        ("ack", seq), ("read",) + bytes, ("fault", Fault), ("reply", tag, object),
-                   ("bye", stats)
+  to rank 0        ("done", seq, results): a batch executed and what it produced, in order:
+                   ("read", bytes), ("fault", Fault), ("reply", tag, object); before it, a
+                   large read as ("read",) + bytes; at the end ("bye", stats)
+One message a batch: each costs a few system calls and a wake-up of the other process.
 The worker's end is run by gtmpi.worker.child; both ends are here, as in transport.local.
 """
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -26,6 +29,7 @@ from .poll import SPIN_S, WATCH_EVERY_S
 from .tags import Tag
 
 ACK_EVERY = 8  # while more batches wait, the worker acknowledges every this many
+INLINE_BYTES = 1 << 20  # reads up to this size travel inside the message that ends the batch
 
 
 def start_child(device: Any) -> tuple["ChildLink", int]:
@@ -39,17 +43,29 @@ def start_child(device: Any) -> tuple["ChildLink", int]:
     return link, hello["pid"]
 
 
-def _readable(conn: Connection, watchdog: Callable[[], None] | None = None) -> None:
-    """Return once ``conn`` has a message: spin a little (the answer to what was just sent
-    usually follows at once), then block in the kernel, which wakes at once when it comes
-    (a sleep would add its own length), running the watchdog now and then."""
-    end = time.perf_counter() + SPIN_S
-    while not conn.poll():
-        if time.perf_counter() > end:
-            while not conn.poll(WATCH_EVERY_S):
-                if watchdog is not None:
-                    watchdog()
-            return
+class _Channel:
+    """A Connection with a poller made once (Connection.poll builds a selector per call,
+    tens of µs: too slow to spin on)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
+
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        return bool(self._poller.poll(timeout_s * 1000))
+
+    def wait(self, watchdog: Callable[[], None] | None = None) -> None:
+        """Return once a message has come: spin a little (the answer to what was just sent
+        usually follows at once), then block in the kernel, which wakes at once when it
+        comes (a sleep would add its own length), running the watchdog now and then."""
+        end = time.perf_counter() + SPIN_S
+        while not self.ready():
+            if time.perf_counter() > end:
+                while not self.ready(WATCH_EVERY_S):
+                    if watchdog is not None:
+                        watchdog()
+                return
 
 
 class ChildLink:
@@ -57,6 +73,7 @@ class ChildLink:
 
     def __init__(self, conn: Connection, proc: subprocess.Popen):
         self.conn, self.proc = conn, proc
+        self.channel = _Channel(conn)
         self._acked = 0
         self._reads: deque[np.ndarray | Fault] = deque()
         self._replies: dict[int, deque] = {}
@@ -99,7 +116,7 @@ class ChildLink:
 
     def wait_bye(self, deadline: float) -> bool:
         try:
-            while self.conn.poll(max(0.0, deadline - time.monotonic())):
+            while self.channel.ready(max(0.0, deadline - time.monotonic())):
                 if self._receive()[0] == "bye":
                     self._said_bye = True
                     self.proc.wait(max(0.0, deadline - time.monotonic()))
@@ -113,22 +130,30 @@ class ChildLink:
     def _receive(self) -> tuple:
         msg = self.conn.recv()
         kind = msg[0]
-        if kind == "ack":
-            self._acked = msg[1]
+        if kind == "done":
+            if msg[1] is not None:
+                self._acked = msg[1]
+            for result in msg[2]:
+                self._result(result)
         elif kind == "read":
             self._reads.append(np.frombuffer(self.conn.recv_bytes(), np.uint8))
-        elif kind == "fault":
-            self._reads.append(msg[1])
-        elif kind == "reply":
-            self._replies.setdefault(msg[1], deque()).append(msg[2])
         return msg
+
+    def _result(self, result: tuple) -> None:
+        kind = result[0]
+        if kind == "read":
+            self._reads.append(np.frombuffer(result[1], np.uint8))
+        elif kind == "fault":
+            self._reads.append(result[1])
+        else:
+            self._replies.setdefault(result[1], deque()).append(result[2])
 
     def _take(self) -> None:
         """Receive what has arrived, without waiting."""
         if self._said_bye:
             return
         try:
-            while self.conn.poll():
+            while self.channel.ready():
                 self._receive()
         except (EOFError, OSError):
             raise RuntimeError(f"gtmpi: worker rank 1 (the embedded worker process, pid "
@@ -138,7 +163,7 @@ class ChildLink:
         """The next item of ``queue``, once the worker has sent it."""
         self._take()
         while not queue:
-            _readable(self.conn, watchdog)
+            self.channel.wait(watchdog)
             self._take()
         return queue.popleft()
 
@@ -148,22 +173,34 @@ class ParentLink:
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        self.channel = _Channel(conn)
         self.uploads: deque[bytes] = deque()
+        self.results: list[tuple] = []  # for the message that ends the batch
 
     def recv_upload(self, buf: np.ndarray) -> None:
         buf[:] = np.frombuffer(self.uploads.popleft(), np.uint8)
 
     def send_read(self, data: np.ndarray) -> None:
+        if data.nbytes <= INLINE_BYTES:
+            self.results.append(("read", data.tobytes()))
+            return
+        self.done(None)  # what came before it goes first; a copy into a pickle it is spared
         self.conn.send(("read",))
         self.conn.send_bytes(data)
 
     def send_read_fault(self, fault: Fault) -> None:
-        self.conn.send(("fault", fault))
+        self.results.append(("fault", fault))
 
     def reply(self, tag: int, obj: Any) -> None:
-        self.conn.send(("reply", tag, obj))
+        self.results.append(("reply", tag, obj))
 
     reply_later = reply
+
+    def done(self, seq: int | None) -> None:
+        """Send what the batch produced (seq: the batch, acknowledged; None: not yet done)."""
+        if self.results or seq is not None:
+            self.conn.send(("done", seq, self.results))
+            self.results = []
 
     def clock_pongs(self, rounds: int) -> None:
         pass
@@ -173,7 +210,7 @@ class ParentLink:
         conn = self.conn
         done = 0
         while True:
-            _readable(conn)  # a trace times only the receipt
+            self.channel.wait()  # a trace times only the receipt
             start = time.perf_counter_ns()
             msg = conn.recv()
             kind = msg[0]
@@ -182,8 +219,7 @@ class ParentLink:
                     executor.received(start, msg[1], 0, len(msg[2]))
                 executor.run(msg[2])
                 done += 1
-                if done % ACK_EVERY == 0 or not conn.poll():
-                    conn.send(("ack", msg[1]))
+                self.done(msg[1] if done % ACK_EVERY == 0 or not self.channel.ready() else None)
             elif kind == "upload":
                 self.uploads.append(conn.recv_bytes())
             elif kind == "shutdown":

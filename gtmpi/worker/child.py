@@ -20,6 +20,7 @@ def main(fd: int, device_name: str) -> None:
         torch.cuda.set_device(device)
     executor = Executor(1, device, link)
     link.reply(Tag.HELLO, {"pid": os.getpid()})
+    link.done(None)
     try:
         link.serve(executor)
     except (EOFError, ConnectionError):
