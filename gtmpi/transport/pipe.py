@@ -26,9 +26,8 @@ import numpy as np
 from ..errors import Fault
 from ..trace.events import now
 from .poll import SPIN_S, WATCH_EVERY_S
-from .tags import Tag
+from .tags import ACK_EVERY, Tag
 
-ACK_EVERY = 8  # while more batches wait, the worker acknowledges every this many
 INLINE_BYTES = 1 << 20  # reads up to this size travel inside the message that ends the batch
 
 

@@ -2,6 +2,8 @@
 only has to be unique within its communicator; they are all distinct anyway, for traces."""
 from enum import IntEnum
 
+ACK_EVERY = 8  # while more batches wait, a worker acknowledges every this many (any link)
+
 
 class Tag(IntEnum):
     # ctrl communicator, rank 0 -> worker: pickled lists of instructions

@@ -16,11 +16,10 @@ from mpi4py import MPI
 
 from ..transport.mpi import Comms, HostLink
 from ..transport.poll import alive, wait_for
-from ..transport.tags import Tag
+from ..transport.tags import ACK_EVERY, Tag
 from .dataplane import DataPlane
 from .executor import Executor
 
-ACK_EVERY = 8  # while more batches wait, acknowledge every this many
 
 
 def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local_index: int,
