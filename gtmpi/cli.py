@@ -44,10 +44,12 @@ def summary(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> N
           f"{analysis.duration_ns(trace) / 1e6:.3f} ms, started {meta.get('start_time')}", file=out)
     if meta.get("missing_ranks"):
         print(f"missing ranks: {meta['missing_ranks']}", file=out)
-    print("\nper rank (share of the run)", file=out)
+    print("\nper rank (share of the run; peak MB: a GPU worker's most tensor memory allocated, "
+          "a CPU worker's peak resident size)", file=out)
     _table(analysis.busy_rows(trace), [("rank", "rank", ""), ("lane", "lane", ""),
            ("device", "device", ""), ("events", "events", ""), ("busy_pct", "busy %", ".1f"),
-           ("wait_pct", "wait %", ".1f"), ("idle_pct", "idle %", ".1f")], out)
+           ("wait_pct", "wait %", ".1f"), ("idle_pct", "idle %", ".1f"),
+           ("peak_mb", "peak MB", "")], out)
     print(f"\ntop ops by total time (workers)", file=out)
     _table(analysis.op_rows(trace)[:args.top], [("op", "op", ""), ("count", "count", ""),
            ("total_us", "total us", ".1f"), ("mean_us", "mean us", ".2f")], out)

@@ -114,6 +114,11 @@ def test_scope_and_metadata(traced):
     assert re.match(r"\d{4}-\d\d-\d\dT", meta["start_time"])
     for rank, w in gtmpi.info()["workers"].items():
         assert trace.ranks[rank]["device"] == w["device"] and trace.ranks[rank]["host"] == w["host"]
+        assert trace.ranks[rank]["peak_rss_bytes"] > 0
+    home = trace.ranks[HOME]
+    assert home["memory_bytes"] >= 0  # the traced program's tensors, where it stopped
+    if HOME_DEVICE.type == "cuda":
+        assert home["peak_bytes"] >= home["memory_bytes"] and home["peak_reserved_bytes"] > 0
     # readable with plain h5py, as documented
     with h5py.File(trace.path) as f:
         assert f.attrs["format"] == "gtmpi-trace"

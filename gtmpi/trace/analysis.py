@@ -52,7 +52,9 @@ def busy_rows(trace: Trace) -> list[dict[str, Any]]:
             waits = select(table, (Kind.WAIT,), lane)
             busy = union_ns(work["t0"], work["t1"])
             wait = union_ns(waits["t0"], waits["t1"])
+            peak = info.get("peak_bytes", info.get("peak_rss_bytes"))
             rows.append({"rank": rank, "lane": lane.name.lower(), "device": info.get("device", ""),
+                         "peak_mb": "" if peak is None else f"{peak / 1e6:.1f}",
                          "events": int((table["lane"] == lane).sum()),
                          "busy_pct": 100 * busy / total, "wait_pct": 100 * wait / total,
                          "idle_pct": max(0.0, 100 * (total - busy - wait) / total)})

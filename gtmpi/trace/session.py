@@ -20,6 +20,9 @@ from .events import Flag, now
 from .recorder import Recorder
 
 COLLECT_TIMEOUT_S = 30.0
+# what each worker's attributes keep of its stats at the end: tensor memory in use and at peak
+MEMORY_KEYS = ("memory_bytes", "peak_bytes", "reserved_bytes", "peak_reserved_bytes",
+               "peak_rss_bytes")
 
 
 class TraceRun:
@@ -35,6 +38,7 @@ class TraceRun:
         self.stopping = False
         self.snapshot_s = float(os.environ.get("GTMPI_TRACE_SNAPSHOT_S", "30"))
         self._previous_hook: Callable | None = None
+        self.memory: dict[int, dict] = {}  # worker_stats at the end, for each worker's memory
 
     def start(self) -> None:
         # Now, not when writing: h5py first imported inside an atexit handler crashes the
@@ -84,6 +88,7 @@ class TraceRun:
                     missing[rank] = f"no events within {COLLECT_TIMEOUT_S:.0f} s"
             reached = [r for r in ranks if r not in missing]
             clock_end = d.measure_clocks(reached) if reached else {}
+            self.memory = d.ask_all("stats", Tag.STATS, (False,), reached) if reached else {}
         except TimeoutError:
             pass
         finally:
@@ -161,6 +166,7 @@ class TraceRun:
             for when, clocks in (("start", self.clock_start), ("end", clock_end)):
                 if rank in clocks:
                     entry[f"clock_offset_{when}_ns"], entry[f"clock_rtt_{when}_ns"] = clocks[rank][:2]
+            entry.update({k: v for k, v in self.memory.get(rank, {}).items() if k in MEMORY_KEYS})
             info[rank] = entry
         return info
 
