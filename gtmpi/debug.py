@@ -6,9 +6,12 @@ from typing import Any, TextIO
 
 
 def worker_stats(reset_peak: bool = False) -> dict[int, dict]:
-    """Per worker: ops executed, faults, tensor bytes received and sent, tensors held, memory
-    (``memory_bytes`` in use; on a GPU torch's ``peak_bytes`` allocated and ``reserved_bytes``
-    and ``peak_reserved_bytes``), the process's ``peak_rss_bytes``, collectives run.
+    """Per worker: ops executed, faults, in-place ops ``skipped`` because of one, tensor bytes
+    received and sent, tensors held, memory (``memory_bytes`` in use: the tensors gtmpi holds;
+    on a GPU torch's ``peak_bytes`` allocated and ``reserved_bytes`` and
+    ``peak_reserved_bytes``), the whole process's resident size now and at peak
+    (``rss_bytes``, ``peak_rss_bytes``), sends still in flight between workers
+    (``sends_in_flight``, ``send_bytes_held``), collectives run.
     ``reset_peak``: start the GPU peaks afresh after this reading, as
     torch.cuda.reset_peak_memory_stats does."""
     from .client.runtime import runtime
@@ -19,11 +22,12 @@ def print_worker_stats(file: TextIO | None = None) -> None:
     stats = worker_stats()
     out = file or sys.stdout
     print(f"{'rank':>4} {'device':<8} {'ops':>10} {'faults':>7} {'recv MB':>9} {'sent MB':>9} "
-          f"{'tensors':>8} {'memory MB':>10}", file=out)
+          f"{'tensors':>8} {'memory MB':>10} {'RSS MB':>9}", file=out)
     for rank, s in sorted(stats.items()):
         print(f"{rank:>4} {s['device']:<8} {s['ops']:>10} {s['faults']:>7} "
               f"{s['bytes_received'] / 1e6:>9.2f} {s['bytes_sent'] / 1e6:>9.2f} "
-              f"{s['tensors']:>8} {s['memory_bytes'] / 1e6:>10.2f}", file=out)
+              f"{s['tensors']:>8} {s['memory_bytes'] / 1e6:>10.2f} {s['rss_bytes'] / 1e6:>9.1f}",
+              file=out)
 
 
 def print_tape(tensor: Any = None, file: TextIO | None = None) -> None:

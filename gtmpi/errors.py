@@ -10,6 +10,7 @@ class Fault(NamedTuple):
     op: str
     rank: int
     error: str      # "ExceptionType: message" from the worker
+    skipped: str = ""  # an in-place op left undone because of it (its target kept its values)
 
 
 class WorkerError(RuntimeError):
@@ -19,4 +20,8 @@ class WorkerError(RuntimeError):
         self.fault = fault
         self.site = site
         where = f" issued at {site}" if site else ""
-        super().__init__(f"op '{fault.op}'{where} failed on worker rank {fault.rank}: {fault.error}")
+        message = f"op '{fault.op}'{where} failed on worker rank {fault.rank}: {fault.error}"
+        if fault.skipped:
+            message += (f" (so the in-place '{fault.skipped}' that depended on it was skipped: "
+                        "its target keeps its last good values)")
+        super().__init__(message)

@@ -11,19 +11,26 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import time
 import traceback
 
 import torch
 
 from .client import runtime as session
 from .client.runtime import Runtime
+from .transport import ending
 from .transport.local import LocalLink
 from .transport.pipe import start_child
 from .transport.tags import Tag
 from .worker.device import local_worker_index, select_device, visible_gpus
 from .worker.executor import Executor
+
+END_GRACE_S = 3.0  # how long workers get to leave after an uncaught exception on rank 0
 
 # Set by every launcher we know of (MPICH/hydra, Open MPI, PMIx, SLURM's srun).
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_STEP_ID")
@@ -43,6 +50,31 @@ def start_role() -> None:
         return  # a spawned worker: gtmpi.worker's __main__ joins explicitly
     if MPI.COMM_WORLD.Get_size() > 1:
         join(MPI.COMM_WORLD.Dup())
+    else:
+        _check_one_of_many(MPI)
+
+
+# The number of processes each launcher started, as it tells them.
+_LAUNCHED = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _check_one_of_many(MPI) -> None:
+    """A launcher started several processes but MPI made each its own job of one: srun whose
+    PMI plug-in does not match the MPI library. Each copy would run the whole program on its
+    own embedded worker (on a GPU node, all on GPU 0), so stop, saying how to launch."""
+    started = {k: v for k in _LAUNCHED if (v := os.environ.get(k, "")).isdigit() and int(v) > 1}
+    if not started:
+        return
+    if os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "0")) != "0":
+        raise SystemExit(1)  # the first copy says why; one line for the job
+    library = MPI.Get_library_version()
+    plugin = "pmix" if "Open MPI" in library else "pmi2"
+    told = ", ".join(f"{k}={v}" for k, v in started.items())
+    raise SystemExit(
+        f"gtmpi: the launcher started several processes ({told}), but MPI sees each as a job of "
+        f"one, so each would run the whole program alone. Under srun, give the PMI plug-in of "
+        f"this MPI library ({library.splitlines()[0].strip()}): srun --mpi={plugin} ... "
+        f"(`srun --mpi=list` shows what this Slurm has); or start the job with mpiexec.")
 
 
 def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> None:
@@ -76,11 +108,13 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     for w in workers.values():
         verbose(f"worker rank {w['rank']} on {w['host']} (pid {w['pid']}): {w['device']}")
 
+    job = (socket.gethostname(), os.getpid())
+
     def abort(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        ending.claim(job, message)
         base.Abort(1)
 
-    sys.excepthook = _abort_on_uncaught(base)  # first: a trace started with the session wraps it
+    sys.excepthook = _end_on_uncaught(base, job, detach)  # first: a trace started with the session wraps it
     atexit.register(_close, detach)
     session.set_runtime(Runtime(links, workers, abort))
 
@@ -89,10 +123,10 @@ def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], d
     """Run a worker until rank 0 says stop, then leave the process with status 0."""
     from mpi4py import MPI
     from .worker.loop import serve
-    from .worker.watcher import DeathNotice
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 decides
         rank = comms.base.Get_rank()
-        notice = DeathNotice(rank)
+        notice = ending.DeathNotice(rank, host0)
         local_index = local_worker_index(os.environ, rank, node_ranks)
         device = select_device(os.environ, local_index, visible_gpus())
         if device.type == "cuda":
@@ -102,6 +136,7 @@ def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], d
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
+        ending.claim(host0, "")
         comms.base.Abort(1)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -125,12 +160,51 @@ def _part(detach: list) -> None:
         detach[-1].Disconnect()
 
 
-def _abort_on_uncaught(comm):
+def _end_on_uncaught(comm, job: ending.Job, detach: list):
+    """Any uncaught exception ends the whole job (otherwise the workers would wait for a
+    shutdown that never comes) with the status of a Python program's uncaught exception, 1.
+    Ctrl-C gets one line, not a traceback of wherever the program happened to be. The workers
+    are told to stop and leave cleanly; only if they do not within END_GRACE_S is the job
+    aborted (MPI_Abort lets the launcher kill every rank, and its status then tells of the
+    kill, not of the program)."""
     def hook(kind, value, tb):
-        traceback.print_exception(kind, value, tb)
+        if issubclass(kind, KeyboardInterrupt):
+            ending.claim(job, f"gtmpi: interrupted (Ctrl-C){_user_line(tb)}; the job is ending")
+        else:
+            traceback.print_exception(kind, value, tb)
+            sys.stderr.flush()
+            ending.claim(job, "")  # the traceback says why: the workers' ends stay silent
+        rt = session.current()
+        if rt is None or rt.close(END_GRACE_S):
+            comm.Abort(1)
+        from mpi4py import MPI
+        _part(detach)
+        MPI.Finalize()  # the workers' own MPI_Finalize waits for this one
+        _wait_gone(rt.workers, END_GRACE_S)
+        sys.stdout.flush()
         sys.stderr.flush()
-        comm.Abort(1)  # otherwise the workers would wait for a shutdown that never comes
+        os._exit(1)  # the program's atexit handlers would run after MPI is finalized
     return hook
+
+
+def _wait_gone(workers: dict[int, dict], timeout_s: float) -> None:
+    """Wait (bounded) until the workers of this host have ended: a non-zero status from rank 0
+    while any still runs makes the launcher kill it, and report the kill as the job's status."""
+    here = socket.gethostname()
+    pids = [w["pid"] for w in workers.values() if w["host"] == here and w["pid"] != os.getpid()]
+    deadline = time.monotonic() + timeout_s
+    while any(ending.alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _user_line(tb) -> str:
+    """' at file:line' of the program's innermost frame outside gtmpi, if any."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    where = ""
+    for frame, line in traceback.walk_tb(tb):
+        if not frame.f_code.co_filename.startswith(here):
+            where = f" at {frame.f_code.co_filename}:{line}"
+    return where
 
 
 def _close(detach: list) -> None:
@@ -163,6 +237,27 @@ def start_embedded() -> Runtime:
     return Runtime({1: link}, {1: info})
 
 
+def _launcher_on_path() -> None:
+    """MPI Spawn from a plain process runs ``mpiexec`` from PATH (MPICH's hydra). It must be
+    the one beside this Python (another first on PATH makes it hang), and it must run in a
+    process group of its own: at a fault hydra SIGKILLs its process group, which would
+    otherwise be the caller's, shell and all. So a two-line launcher that leaves the group and
+    becomes that mpiexec goes first on PATH."""
+    real = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(real):
+        real = shutil.which("mpiexec")
+        if real is None:
+            return
+    folder = tempfile.mkdtemp(prefix="gtmpi-launcher-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = os.path.join(folder, "mpiexec")
+    with open(path, "w") as f:
+        f.write(f"#!{sys.executable}\nimport os, sys\nos.setpgid(0, 0)\n"
+                f"os.execv({real!r}, [{real!r}, *sys.argv[1:]])\n")
+    os.chmod(path, 0o755)
+    os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+
+
 def spawn_workers(n: int) -> None:
     """Start n worker processes from a plain (non-mpiexec) process and join them."""
     if n < 1:
@@ -175,11 +270,7 @@ def spawn_workers(n: int) -> None:
         raise RuntimeError(f"gtmpi: this session already has {have} worker(s); gtmpi.workers({n}) "
                            "must come before the first tensor op, and under mpiexec the job size "
                            "decides the number of workers")
-    # MPI Spawn goes through the launcher of the MPI that mpi4py uses; a different mpiexec
-    # first on PATH makes it hang, so put the one beside this Python first.
-    bindir = os.path.dirname(sys.executable)
-    if os.path.exists(os.path.join(bindir, "mpiexec")):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    _launcher_on_path()
     from mpi4py import MPI
     inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "gtmpi.worker"], maxprocs=n)
     join(inter.Merge(high=False), inter)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -163,31 +164,110 @@ def test_workers_after_first_op_is_an_error(tmp_path):
     assert "ERR" in proc.stdout and "before the first tensor op" in proc.stdout
 
 
-def test_uncaught_exception_ends_every_rank_nonzero(tmp_path):
+def test_uncaught_exception_ends_the_job_with_status_1_and_no_deaths(tmp_path):
     proc, elapsed = run(tmp_path, """
         import gtmpi
         x = gtmpi.ones(3) + 1
         x.tolist()
         raise ValueError("boom in the user program")
     """)
-    assert proc.returncode != 0
+    assert proc.returncode == 1, proc.stderr
     assert "ValueError: boom in the user program" in proc.stderr
+    assert "died" not in proc.stderr and "BAD TERMINATION" not in proc.stdout + proc.stderr
     assert elapsed < 30
 
 
-def test_killed_worker_ends_the_job_naming_its_rank(tmp_path):
+def test_killed_worker_ends_the_job_naming_its_rank_alone(tmp_path):
     proc, elapsed = run(tmp_path, """
         import os, signal, time, gtmpi
         x = gtmpi.ones(3)
         x.sum().item()
-        os.kill(gtmpi.info()["workers"][1]["pid"], signal.SIGKILL)
+        os.kill(gtmpi.info()["workers"][2]["pid"], signal.SIGKILL)
         time.sleep(1)
         print((x + 1).sum().item())
         time.sleep(60)
     """)
     assert proc.returncode != 0
-    assert "worker rank 1" in proc.stderr
+    deaths = [line for line in proc.stderr.splitlines() if "died" in line]
+    assert len(deaths) == 1 and "worker rank 2 " in deaths[0], proc.stderr
     assert elapsed < 30
+
+
+def test_killed_rank0_is_named_not_its_workers(tmp_path):
+    proc, elapsed = run(tmp_path, """
+        import os, signal, gtmpi
+        gtmpi.ones(3).sum().item()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert proc.returncode != 0
+    deaths = [line for line in proc.stderr.splitlines() if "died" in line]
+    assert len(deaths) == 1 and "rank 0 (pid" in deaths[0], proc.stderr
+    assert elapsed < 30
+
+
+@pytest.mark.parametrize("spawned", [False, True])
+def test_ctrl_c_is_one_line_and_status_1(tmp_path, spawned):
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(f"""
+        import gtmpi
+        if {spawned}:
+            gtmpi.workers(2)
+        x = gtmpi.randn(64, 64)
+        print("ready", flush=True)
+        while True:
+            x = (x @ x).tanh()
+            x.sum().item()
+    """))
+    cmd = [sys.executable, str(script)] if spawned else [MPIEXEC, "-n", "3", sys.executable,
+                                                          str(script)]
+    env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err
+    ours = [line for line in err.splitlines() if line.startswith("gtmpi:")]
+    assert len(ours) == 1 and "interrupted (Ctrl-C) at " in ours[0] and "prog.py:" in ours[0], err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_a_fault_in_spawned_workers_leaves_the_callers_shell_alone(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import gtmpi
+        gtmpi.workers(2)
+        gtmpi.ones(3).sum().item()
+        raise ValueError("boom")
+    """))
+    shell = f'"{sys.executable}" "{script}"; echo "python said $?"; echo "the shell goes on"'
+    proc = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=LIMIT_S,
+                          env={**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu"},
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-2:] == ["python said 1", "the shell goes on"], proc.stdout
+    assert "ValueError: boom" in proc.stderr and "died" not in proc.stderr
+
+
+def test_srun_without_pmi_stops_every_copy_saying_how_to_launch(tmp_path):
+    body = """
+        import gtmpi
+        print("ran the program")
+    """
+    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_PROCID": "0"}
+    first, _ = run(tmp_path, body, n=None, env=env)
+    other, _ = run(tmp_path, body, n=None, env={**env, "SLURM_PROCID": "2"})
+    assert first.returncode == 1 and other.returncode == 1
+    assert "ran the program" not in first.stdout + other.stdout
+    assert "srun --mpi=" in first.stderr and "SLURM_STEP_NUM_TASKS=3" in first.stderr
+    assert other.stderr == ""
+    alone, _ = run(tmp_path, body, n=None, env={**env, "SLURM_STEP_NUM_TASKS": "1"})
+    assert alone.returncode == 0 and "ran the program" in alone.stdout
 
 
 def test_same_random_numbers_whatever_the_worker_count(tmp_path):

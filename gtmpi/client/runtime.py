@@ -17,7 +17,7 @@ import torch
 
 from ..dispatcher import Dispatcher
 from ..errors import Fault, WorkerError
-from ..transport.poll import alive
+from ..transport.ending import alive
 from ..transport.tags import Tag
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +113,11 @@ class Runtime:
         return WorkerError(fault, self.site(fault.tensor_id))
 
     def synchronize(self) -> None:
-        self.dispatcher.ask_all("sync", Tag.SYNC)
+        """Wait for all issued work; raise the Fault of an in-place op that a worker skipped
+        since the last read or sync."""
+        for fault in self.dispatcher.ask_all("sync", Tag.SYNC).values():
+            if fault is not None:
+                raise self.error(fault)
 
     def worker_stats(self, reset_peak: bool = False) -> dict[int, dict]:
         return self.dispatcher.ask_all("stats", Tag.STATS, (reset_peak,))

@@ -137,6 +137,8 @@ class Dispatcher:
         self._batch[rank].append(("read", None, (rid,), 0, None))
         if self.log is not None:
             self.log.received(self._batch[rank][-1], rank)
+        if self.placer.active:
+            self.placer.release()
         self.flush(rank)
         fault = link.finish_read(handle, self.watchdog)
         if self.trace is not None:

@@ -6,8 +6,11 @@ to the placements its rule wants (placement.rules), by instructions inserted bef
 (collectives and transfers run between workers, never through rank 0); the op then runs on
 every member, each on its own piece, and its result's placement is recorded.
 
-Converted copies of a tensor (a replicated weight cut into pieces, a sharded activation
-gathered) are kept while the tensor lives unchanged, so a weight used every step moves once.
+Converted copies of a tensor (a replicated weight cut into pieces, a tensor moved to other
+workers) are kept while the tensor lives unchanged, so a weight used every step moves once. A
+copy larger per worker than its source (pieces gathered or summed whole) is freed as soon as
+the instruction that wanted it is sent: keeping it would hold the whole tensor on every member,
+which is what sharding saves.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class Placer:
         self.viewed: set[int] = set()
         # a fused op's Graph id -> the op's plan, from which its gradient op is placed
         self.forward: dict[int, Plan] = {}
+        self._passing: list[tuple[int, tuple[int, ...]]] = []  # (copy, mesh) freed by release()
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -129,6 +133,7 @@ class Placer:
                 self._record(oid, sig, where)
             if op.kind is OpKind.FUSED and kw and kw.get("grads") and name not in DUAL:
                 self.forward[ids[1]] = p
+        self.release()
         self._flush_touched()
         return mesh[0]
 
@@ -194,6 +199,7 @@ class Placer:
         for rank, gone in self._forget(tid):
             if gone != tid or rank not in target.mesh:
                 self._emit(rank, ("free", None, (gone,), 0, None))
+        self.release()
         self._record(tid, sig, target)
 
     # conversions --------------------------------------------------------------------------
@@ -215,8 +221,20 @@ class Placer:
         copy = self.copies.get((tid, want))
         if copy is None:
             copy = self._convert(tid, sig, have, want)
-            self.copies[(tid, want)] = copy
+            shape = tuple(sig[0])
+            if have.mesh == want.mesh and \
+                    _numel(want.local_shape(shape, 0)) > _numel(have.local_shape(shape, 0)):
+                self._passing.append((copy, want.mesh))
+            else:
+                self.copies[(tid, want)] = copy
         return copy
+
+    def release(self) -> None:
+        """Free the gathered copies made for the instructions sent so far."""
+        for copy, mesh in self._passing:
+            for rank in mesh:
+                self._emit(rank, ("free", None, (copy,), 0, None))
+        self._passing.clear()
 
     def _convert(self, tid: int, sig: tuple, have: Placement, want: Placement) -> int:
         """A new id holding ``tid``'s value with placement ``want`` (instructions emitted)."""
@@ -260,15 +278,26 @@ class Placer:
                 # one step, the fewest bytes: reduce-scatter (P), all-to-all (S(i) -> S(j))
                 before = make(want.mesh, grid, axes)
                 axes[a] = target[a]
-                current = self._reshard_along(current, sig, before, make(want.mesh, grid, axes), a)
+                current = self._step(tid, current, self._reshard_along(
+                    current, sig, before, make(want.mesh, grid, axes), a), want.mesh)
             elif axes[a][0] not in "RI":
-                current = self._whole_along(current, sig, make(want.mesh, grid, axes), a)
+                current = self._step(tid, current, self._whole_along(
+                    current, sig, make(want.mesh, grid, axes), a), want.mesh)
                 axes[a] = ("R", 0)
         for a in range(len(axes)):
             if axes[a] != target[a]:
                 axes[a] = target[a]
-                current = self._cut_along(current, sig, make(want.mesh, grid, axes), a)
+                current = self._step(tid, current, self._cut_along(
+                    current, sig, make(want.mesh, grid, axes), a), want.mesh)
         return current
+
+    def _step(self, source: int, before: int, after: int, mesh: tuple[int, ...]) -> int:
+        """One step of a conversion done: the previous step's result, if made for it, is freed
+        once the step that read it is sent."""
+        if before != source:
+            for rank in mesh:
+                self._emit(rank, ("free", None, (before,), 0, None))
+        return after
 
     def _whole_along(self, tid: int, sig: tuple, p: Placement, axis: int) -> int:
         """Sum (P) or gather (S) the pieces along one axis of the mesh, within each line."""
@@ -312,7 +341,7 @@ class Placer:
             position = p.coords(m)[axis]
             if kind == "S":
                 start, size = p.starts(tuple(shape), axis)[position], p.sizes(tuple(shape), axis)[position]
-                self._emit(rank, ("narrow", out, (tid, dim, start, size), 1, None))
+                self._emit(rank, ("piece", out, (tid, dim, start, size), 1, None))
             elif position == 0:
                 self._emit(rank, ("alias", out, (tid,), 1, None))
             else:
@@ -429,7 +458,9 @@ class Placer:
 
 def _fit(target: Placement, sig: tuple, where: str) -> Placement:
     """A signal's placement for a tensor of this shape: each axis's dim counted from the end
-    if negative, and within the tensor's dims."""
+    if negative, and within the tensor's dims. On one worker every kind is the whole tensor."""
+    if len(target.mesh) == 1:
+        return Placement(target.mesh, "R")
     ndim = len(sig[0])
     axes = []
     for kind, dim in target.per_axis():
@@ -440,6 +471,13 @@ def _fit(target: Placement, sig: tuple, where: str) -> Placement:
             dim %= ndim
         axes.append((kind, dim))
     return make(target.mesh, target.grid, axes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _axis(p: Placement, axis: int) -> tuple[str, int]:

@@ -347,6 +347,9 @@ _ops = [
     Op("split", Kind.SHAPE, lambda x, sections, dim: tuple(torch.split(x, sections, dim))),
     Op("chunk", Kind.SHAPE, lambda x, chunks, dim: tuple(torch.chunk(x, chunks, dim))),
     Op("narrow", Kind.SHAPE, lambda x, dim, start, length: x.narrow(dim, start, length).contiguous()),
+    # a shard cut from a whole tensor by placement: its own memory, never a view of the whole
+    Op("piece", Kind.SHAPE, lambda x, dim, start, length:
+       x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)),
     # indexing
     Op("getitem", Kind.INDEX, _getitem),
     Op("getitem_grad", Kind.INDEX, _getitem_grad,

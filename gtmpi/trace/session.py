@@ -22,14 +22,16 @@ from .recorder import Recorder
 COLLECT_TIMEOUT_S = 30.0
 # what each worker's attributes keep of its stats at the end: tensor memory in use and at peak
 MEMORY_KEYS = ("memory_bytes", "peak_bytes", "reserved_bytes", "peak_reserved_bytes",
-               "peak_rss_bytes")
+               "rss_bytes", "peak_rss_bytes")
 
 
 class TraceRun:
-    """Also writes snapshots while the run goes on (after 1 s, then at doubling intervals up
-    to GTMPI_TRACE_SNAPSHOT_S seconds, default 30; 0 turns them off): a run killed by a signal
-    (the launcher ends every rank when one dies) still leaves the file of its last snapshot. Workers send their parts
-    without stopping the stream; the file is rewritten once all parts of a round are in."""
+    """Also writes the file at the start and snapshots while the run goes on (after 1 s, then
+    at doubling intervals up to GTMPI_TRACE_SNAPSHOT_S seconds, default 30; 0 turns them off),
+    both after sends and while rank 0 waits for workers: a run killed by a signal (the launcher
+    ends every rank when one dies) still leaves the file of its last snapshot. Workers send
+    their parts without stopping the stream; the file is rewritten once all parts of a round
+    are in."""
 
     def __init__(self, rt: Any, path: str, gpu_every: int) -> None:
         self.rt = rt
@@ -56,8 +58,11 @@ class TraceRun:
         # the first snapshot soon (a run may die early), then at doubling intervals
         self._interval = min(1.0, self.snapshot_s)
         self._next_snapshot = time.monotonic() + self._interval
+        self._write(now(), "running: started", {}, {})
+        self._outer_watchdog = d.watchdog
         if self.snapshot_s > 0:
             d.trace_tick = self._tick
+            d.watchdog = self._watchdog
         self._previous_hook = sys.excepthook
         sys.excepthook = self._uncaught
         atexit.register(self._at_exit)
@@ -74,7 +79,7 @@ class TraceRun:
         ranks = [r for r in d.links if r not in dead]
         missing = {r: "died" for r in dead}
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
-        watchdog, d.watchdog = d.watchdog, _deadline(deadline)
+        d.watchdog = _deadline(deadline)
         clock_end = {}
         try:
             d.post("trace", ("collect",), ranks)  # recorded still: its send ends rank 0's lanes
@@ -93,10 +98,16 @@ class TraceRun:
             pass
         finally:
             d.trace = None
-            d.watchdog = watchdog
+            d.watchdog = self._outer_watchdog
         status = "ok" if failure is None else f"failed: {failure}"
         self._write(t_end, status, missing, clock_end)
         return self.path
+
+    def _watchdog(self) -> None:
+        """Now and then while rank 0 waits for workers: their checks, then a snapshot's turn."""
+        self._outer_watchdog()
+        if self.rt.dispatcher.trace_tick is not None:
+            self._tick()
 
     def _tick(self) -> None:
         """After each traced send: gather arrived parts; ask for a round, or write one."""

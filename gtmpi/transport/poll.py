@@ -6,7 +6,6 @@ made everything about 4x slower. So every wait here tests, spins only for a shor
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, TypeVar
 
@@ -15,17 +14,6 @@ T = TypeVar("T")
 SPIN_S = 0.002       # keep spinning this long after the wait starts
 MAX_SLEEP_S = 0.001  # an idle rank wakes up at least this often
 WATCH_EVERY_S = 1.0
-
-
-def alive(pid: int) -> bool:
-    """Whether a process of this host still exists (one we may not signal counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def wait_for(test: Callable[[], T | None], watchdog: Callable[[], None] | None = None) -> T:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 import socket
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+SENDS_IN_FLIGHT = 8  # unfinished sends a worker keeps before it waits for the oldest
 
 
 class DataPlane:
@@ -26,7 +29,7 @@ class DataPlane:
         self.groups: dict[int, Any] = {}
         self.backend = ""
         self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
-        self._sends: list[Any] = []
+        self._sends: deque[tuple[Any, torch.Tensor]] = deque()  # (isend's work, its snapshot)
 
     @property
     def started(self) -> bool:
@@ -116,11 +119,20 @@ class DataPlane:
         """Without waiting: the receiver takes it when its stream gets there. No results. A
         snapshot travels: later ops of this stream may change x in place before it has left."""
         x = x.clone(memory_format=torch.contiguous_format)
-        self._sends.append((dist.isend(x, dst - 1), x))
+        sends = self._sends
+        sends.append((dist.isend(x, dst - 1), x))
         self._count("send", x)
-        if len(self._sends) > 64:
-            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        # gloo's work says it is completed only once waited for, so older sends are waited
+        # for (their receivers were given the matching recv before this send was issued, so
+        # they get there without this worker); NCCL's wait only orders the streams
+        while len(sends) > SENDS_IN_FLIGHT or (sends and sends[0][0].is_completed()):
+            sends.popleft()[0].wait()
         return ()
+
+    def held(self) -> dict[str, int]:
+        """What the data plane itself holds: snapshots of sends not yet known to have left."""
+        return {"sends_in_flight": len(self._sends),
+                "send_bytes_held": sum(t.numel() * t.element_size() for _, t in self._sends)}
 
     def recv(self, shape: tuple, dtype: torch.dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)

@@ -9,7 +9,10 @@ Plain ints and a bitmask keep a batch of thousands of instructions cheap to pick
 
 A failing op poisons its result ids with a Fault instead of stopping the stream; every op
 that consumes a poisoned id is skipped and passes the same Fault on, so the error surfaces
-at the first read of any dependent tensor, and unrelated work carries on.
+at the first read of any dependent tensor, and unrelated work carries on. An in-place op is
+the exception: one with a poisoned operand (or one that fails) is skipped and leaves its target
+as it was, so a bad batch never destroys the weights or the optimizer state; its Fault is
+reported once, at the next read or sync, unless a read of a dependent tensor reported it first.
 """
 from __future__ import annotations
 
@@ -55,10 +58,11 @@ class Executor:
         self.link = link
         self.env: dict[int, torch.Tensor] = {}
         self.poison: dict[int, Fault] = {}
+        self.skipped: Fault | None = None  # the first in-place op left undone, not yet reported
         # ops: instructions executed; control: those of them that are control words (frees,
         # reads, stats, ...), not ops of the table
-        self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "bytes_received": 0,
-                      "bytes_sent": 0}
+        self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
+                      "bytes_received": 0, "bytes_sent": 0}
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
@@ -85,7 +89,7 @@ class Executor:
                 stats["control"] += 1
                 self._control[name](out, args)
                 continue
-            if poison and tmask and self._propagate(out, args, tmask):
+            if poison and tmask and self._propagate(name, op.kind, out, args, tmask):
                 if op.kind is Kind.COMM:
                     self._stand_in(op, kw)
                 continue
@@ -105,7 +109,11 @@ class Executor:
                 if start is not None:
                     rec.gpu_timed(start, _cuda_event())
             except Exception as e:  # the op's own failure (bad index, out of memory, ...)
-                self._fail(out, self._fault(out if type(out) is int else (out or (-1,))[0], name, e))
+                fault = self._fault(out if type(out) is int else (out or (-1,))[0], name, e)
+                if op.kind is Kind.INPLACE:
+                    self._skip(name, fault)
+                else:
+                    self._fail(out, fault)
                 continue
             if type(out) is int:
                 env[out] = res
@@ -135,12 +143,33 @@ class Executor:
         else:
             self.trace.annotate(nbytes=nbytes, detail=f"group {kw['group']}")
 
-    def _propagate(self, out, args, tmask) -> bool:
+    def _propagate(self, name: str, kind: Kind, out, args, tmask) -> bool:
         for i, a in enumerate(args):
             if tmask >> i & 1 and a in self.poison:
-                self._fail(out, self.poison[a])
+                if kind is Kind.INPLACE and out not in self.poison:
+                    self._skip(name, self.poison[a])
+                else:
+                    self._fail(out, self.poison[a])
                 return True
         return False
+
+    def _skip(self, name: str, fault: Fault) -> None:
+        """An in-place op is left undone: its target keeps its values, and the Fault waits for
+        the next read or sync."""
+        self.stats["skipped"] += 1
+        if self.skipped is None:
+            self.skipped = fault._replace(skipped=name)
+        if self.trace is not None:
+            self.trace.annotate(flags=events.Flag.FAULT, detail=f"skipped {name}: {fault.error}")
+
+    def take_skipped(self, reported: Fault | None = None) -> Fault | None:
+        """The skipped op's Fault, to report now, once. While another Fault is being reported
+        (``reported``, a dependent tensor's), none: that one is dropped if it has the same
+        origin, else kept for the next read or sync."""
+        skipped = self.skipped
+        if reported is None or (skipped is not None and reported[:3] == skipped[:3]):
+            self.skipped = None
+        return None if reported is not None else skipped
 
     def _fault(self, tensor_id: int, op: str, e: Exception) -> Fault:
         return Fault(tensor_id, op, self.rank, f"{type(e).__name__}: {e}")
@@ -166,8 +195,10 @@ class Executor:
 
     def _read(self, out, args: tuple) -> None:
         (tid,) = args
-        if tid in self.poison:
-            self.link.send_read_fault(self.poison[tid])
+        fault = self.poison.get(tid)
+        skipped = self.take_skipped(fault)
+        if fault is not None or skipped is not None:
+            self.link.send_read_fault(fault or skipped)
             return
         try:  # on a GPU this waits for the work, so asynchronous device errors surface here
             host = self.env[tid].contiguous().cpu()
@@ -190,13 +221,14 @@ class Executor:
     def _sync(self, out, args) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.link.reply(Tag.SYNC, None)
+        self.link.reply(Tag.SYNC, self.take_skipped())
 
     def _stats(self, out, args: tuple) -> None:
         """(reset,): after replying, start the peaks afresh."""
         comm = {k: tuple(v) for k, v in self.plane.stats.items()} if self.plane else {}
+        held = self.plane.held() if self.plane else {}
         self.link.reply(Tag.STATS, {**self.stats, "rank": self.rank, "device": str(self.device),
-                                    "tensors": len(self.env), **self.memory(),
+                                    "tensors": len(self.env), **self.memory(), **held,
                                     "collectives": comm})
         if args and args[0] and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -239,14 +271,15 @@ class Executor:
 
     def memory(self) -> dict[str, int]:
         """Bytes of tensor memory in use and at peak (torch's allocator on a GPU: allocated and
-        reserved), and the process's peak resident size."""
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        reserved), and the process's resident size now and at peak: the whole process, so
+        memory held outside the tensor table (a leak) shows too."""
+        rss = {"rss_bytes": _rss(),
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if self.device.type == "cuda":
             return {"memory_bytes": torch.cuda.memory_allocated(self.device),
                     "peak_bytes": torch.cuda.max_memory_allocated(self.device),
                     "reserved_bytes": torch.cuda.memory_reserved(self.device),
-                    "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
-                    "peak_rss_bytes": rss}
+                    "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device), **rss}
         held = []
         for t in self.env.values():
             if isinstance(t, Graph):
@@ -254,4 +287,13 @@ class Executor:
             elif t is not None:
                 held.append(t)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
-        return {"memory_bytes": sum(storages.values()), "peak_rss_bytes": rss}
+        return {"memory_bytes": sum(storages.values()), **rss}
+
+
+def _rss() -> int:
+    """The process's resident size now (Linux; elsewhere its peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -15,7 +15,8 @@ import torch
 from mpi4py import MPI
 
 from ..transport.mpi import Comms, HostLink
-from ..transport.poll import alive, wait_for
+from ..transport.ending import alive
+from ..transport.poll import wait_for
 from ..transport.tags import ACK_EVERY, Tag
 from .dataplane import DataPlane
 from .executor import Executor

@@ -1,0 +1,149 @@
+"""Faults: a failed batch keeps the model, and what a fault leaves behind is reported truly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gtmpi
+import gtmpi.nn.functional as F
+
+
+def _train(lib, functional, opt_cls, labels, **opt_kw):
+    """Three SGD steps of a linear classifier on fixed data; the middle batch's labels may be
+    bad. Returns the weights after each step (None where the step raised)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 4), torch.randn(2, 4)
+    m = lib.nn.Linear(4, 3, bias=False)
+    with lib.no_grad():
+        m.weight.copy_(lib.tensor(w) if lib is gtmpi else w)
+    xs = lib.tensor(x) if lib is gtmpi else x
+    opt = opt_cls(m.parameters(), lr=0.1, **opt_kw)
+    seen = []
+    for y in labels:
+        opt.zero_grad()
+        try:
+            loss = functional.cross_entropy(m(xs), lib.tensor(y))
+            loss.backward()
+            opt.step()
+            loss.item()
+        except (IndexError, gtmpi.WorkerError) as e:
+            seen.append(type(e).__name__)
+            continue
+        seen.append(m.weight.detach().numpy().copy() if lib is gtmpi else m.weight.detach().numpy().copy())
+    return seen
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_bad_batch_is_skipped_and_training_goes_on_like_torch(momentum):
+    labels = [[0, 2], [0, 7], [1, 2]]  # 7: out of range for 3 classes
+    got = _train(gtmpi, F, gtmpi.optim.SGD, labels, momentum=momentum)
+    want = _train(torch, torch.nn.functional, torch.optim.SGD, labels, momentum=momentum)
+    assert got[1] == "WorkerError" and want[1] == "IndexError"
+    for g, w in zip(got[::2], want[::2]):
+        torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(w))
+
+
+def test_in_place_ops_with_a_poisoned_operand_leave_their_target():
+    w = gtmpi.arange(4.0)
+    bad = gtmpi.zeros(1 << 48)[:4]  # the allocation fails on the worker: poisoned
+    w += bad
+    w.copy_(bad)
+    w[1] = bad[0]
+    with pytest.raises(gtmpi.WorkerError, match=r"op 'zeros'.*in-place 'iadd'.*skipped"):
+        gtmpi.synchronize()
+    gtmpi.synchronize()  # reported once
+    assert w.tolist() == [0.0, 1.0, 2.0, 3.0]
+    stats = gtmpi.debug.worker_stats()
+    assert sum(s["skipped"] for s in stats.values()) >= 3
+
+
+def test_the_skipped_fault_reaches_the_next_read_of_any_tensor():
+    w = gtmpi.ones(3)
+    w *= gtmpi.zeros(1 << 48)[:3]
+    with pytest.raises(gtmpi.WorkerError, match="in-place 'imul' that depended on it was skipped"):
+        gtmpi.ones(2).tolist()
+    assert w.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_an_in_place_op_that_fails_itself_keeps_its_target_readable():
+    w, want = gtmpi.arange(5.0), torch.arange(5.0)
+    w[gtmpi.tensor([1, 9])] = 7.0  # index out of range: only the worker can tell
+    with pytest.raises(IndexError):
+        want[torch.tensor([1, 9])] = 7.0
+    with pytest.raises(gtmpi.WorkerError, match="op 'setitem'"):
+        gtmpi.synchronize()
+    assert w.tolist() == want.tolist()  # what torch's kernel wrote before it failed
+
+
+def test_a_model_survives_a_bad_batch_and_can_be_saved(tmp_path):
+    m = gtmpi.nn.Linear(4, 3)
+    opt = gtmpi.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    F.cross_entropy(m(gtmpi.randn(2, 4)), gtmpi.tensor([0, 7])).backward()
+    opt.step()
+    with pytest.raises(gtmpi.WorkerError, match="Target 7 is out of bounds"):
+        m(gtmpi.randn(2, 4)).sum().item()
+    gtmpi.save(m.state_dict(), tmp_path / "m.pt")
+    assert set(torch.load(tmp_path / "m.pt")) == {"weight", "bias"}
+
+
+WORKERS = sorted(gtmpi.info()["workers"])
+spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+
+
+@pytest.fixture
+def halves():
+    """A signal that splits dim 0 over the first two workers."""
+    gtmpi.load_config({"fault_halves": {"shard": {"axis": 0, "workers": [0, 1]}}})
+    return "fault_halves"
+
+
+def _held(rank: int) -> int:
+    return gtmpi.debug.worker_stats()[rank]["memory_bytes"]
+
+
+@spread
+def test_sends_between_workers_are_released(halves):
+    from gtmpi.worker.dataplane import SENDS_IN_FLIGHT
+    home = WORKERS[0]
+    x = gtmpi.randn(256, 1024)  # 1 MB, on the home worker: each placement sends half of it
+    gtmpi.signal.tensor(x, halves).sum().item()
+    before = gtmpi.debug.worker_stats()[home]
+    for _ in range(300):
+        y = gtmpi.signal.tensor(x, halves)
+        del y
+    gtmpi.synchronize()
+    after = gtmpi.debug.worker_stats()[home]
+    assert after["sends_in_flight"] <= SENDS_IN_FLIGHT
+    assert after["send_bytes_held"] <= SENDS_IN_FLIGHT * (1 << 20)
+    assert after["collectives"]["send"][0] - before["collectives"]["send"][0] == 300
+    assert after["rss_bytes"] - before["rss_bytes"] < 64 << 20  # leaking: 150 MB and more
+
+
+@spread
+def test_a_shard_holds_only_its_piece(halves):
+    a, b = WORKERS[:2]
+    gtmpi.synchronize()
+    base = {r: _held(r) for r in (a, b)}
+    x = gtmpi.signal.tensor(gtmpi.randn(512, 1024), halves)  # 2 MB whole, 1 MB per piece
+    gtmpi.synchronize()
+    for r in (a, b):
+        assert _held(r) - base[r] == 1 << 20, (r, _held(r) - base[r])
+    rows = x[:2].numpy()  # gathers the whole to read two rows; the gathered copy goes
+    assert rows.shape == (2, 1024)
+    gtmpi.synchronize()
+    for r in (a, b):
+        assert _held(r) - base[r] <= (1 << 20) + 2 * 1024 * 4, (r, _held(r) - base[r])
+    del x
+    gtmpi.synchronize()
+    assert all(_held(r) == base[r] for r in (a, b))
+
+
+def test_a_split_over_one_worker_is_the_whole_tensor():
+    faults = gtmpi.debug.worker_stats()[WORKERS[0]]["faults"]
+    gtmpi.load_config({"fault_one": {"shard": {"axis": 0, "workers": [0]}}})
+    x = gtmpi.signal.tensor(gtmpi.arange(4.0), "fault_one")
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with gtmpi.signal.context("fault_one"):
+        y = gtmpi.ones(3, 2) * 2
+    assert y.sum().item() == 12.0
+    assert gtmpi.debug.worker_stats()[WORKERS[0]]["faults"] == faults
