@@ -147,3 +147,35 @@ def test_a_split_over_one_worker_is_the_whole_tensor():
         y = gtmpi.ones(3, 2) * 2
     assert y.sum().item() == 12.0
     assert gtmpi.debug.worker_stats()[WORKERS[0]]["faults"] == faults
+
+
+def test_a_second_thread_gets_a_clear_error_and_the_first_goes_on():
+    import threading
+    x = gtmpi.arange(4.0)
+    errors = []
+
+    def other():
+        try:
+            (x + 1).tolist()
+        except RuntimeError as e:
+            errors.append(str(e))
+    t = threading.Thread(target=other, name="helper")
+    t.start()
+    t.join(30)
+    assert len(errors) == 1 and "thread 'helper' cannot issue ops or reads" in errors[0]
+    assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_a_thread_may_take_over_once_the_owner_has_ended():
+    import threading
+    from gtmpi.client.runtime import current
+    gtmpi.ones(1).tolist()
+    rt = current()
+    rt.thread = rt.thread_id = None  # as in a session no thread has used yet
+    result = []
+    helper = threading.Thread(target=lambda: result.append((gtmpi.arange(3.0) + 1).tolist()))
+    helper.start()
+    helper.join(30)
+    assert result == [[1.0, 2.0, 3.0]] and rt.thread is helper
+    assert gtmpi.ones(2).tolist() == [1.0, 1.0]  # the helper has ended: this thread takes over
+    assert rt.thread is threading.current_thread()

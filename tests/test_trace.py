@@ -341,6 +341,11 @@ PROGRAM = """
         raise ValueError("half-way")
     if sys.argv[1:] == ["worker"]:
         gtmpi.zeros(1 << 48).sum().item()
+    if sys.argv[1:] == ["idle"]:  # a worker dies while rank 0 is in its own code
+        import os, signal, time
+        time.sleep(0.3)
+        os.kill(gtmpi.info()["workers"][2]["pid"], signal.SIGKILL)
+        time.sleep(30)
     if sys.argv[1:] == ["kill"]:  # the launcher then kills every rank: no chance to write
         import os, signal, time
         start = time.monotonic()
@@ -413,6 +418,16 @@ def test_a_killed_run_leaves_its_last_snapshot(tmp_path, capsys):
     assert trace.meta["status"] == "running: snapshot"
     execs = names(trace, of(trace.events[1], Kind.EXEC))
     assert execs.count("matmul") > 10 and execs.count("tanh") > 10  # from the timed loop
+    assert cli(capsys, "summary", str(path))[0] == 0
+
+
+@job
+def test_a_run_killed_while_rank0_was_idle_leaves_a_file(tmp_path, capsys):
+    path = tmp_path / "idle.h5"
+    proc, _ = run_job(tmp_path, PROGRAM, LIMIT_S, args=("idle",), env={"GTMPI_TRACE": str(path)})
+    assert proc.returncode != 0 and "SUM" in proc.stdout and "DONE" not in proc.stdout
+    trace = fileformat.read(str(path))  # written when the trace started, at the latest
+    assert trace.meta["status"].startswith("running")
     assert cli(capsys, "summary", str(path))[0] == 0
 
 

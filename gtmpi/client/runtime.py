@@ -3,6 +3,12 @@
 One session per process. It starts lazily at the first tensor op as the embedded default (one
 worker in this process) unless gtmpi's launcher already made it an MPI session (rank 0 of an
 mpiexec/srun job, or a plain process that called gtmpi.workers(n)).
+
+A session serves one program thread: the first that issues an op or a read owns it, and any
+other gets a clear error at its first call (the stream's order, the placement scopes and the
+pending reads are the program's one sequence; interleaving threads would mix them). Once the
+owner has ended, another thread may take over. Dropping a tensor is allowed from any thread
+(the garbage collector runs where it likes).
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import itertools
 import os
 import socket
 import sys
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -39,6 +46,8 @@ class Runtime:
         self._seed = int.from_bytes(os.urandom(7), "little")
         self._random_ops = 0
         self.closed = False
+        self.thread: threading.Thread | None = None  # the program thread it serves
+        self.thread_id: int | None = None
         self.tracing = None  # a trace.session.TraceRun while a trace records
         from ..signals import SignalBook, load
         self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
@@ -182,16 +191,37 @@ class Runtime:
         return missing
 
 
+    def adopt(self) -> None:
+        """The calling thread becomes the one this session serves, if it has none that still
+        runs; otherwise a clear error."""
+        me = threading.current_thread()
+        with _starting:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread, self.thread_id = me, me.ident
+                return
+        raise RuntimeError(
+            f"gtmpi: this session serves the thread {self.thread.name!r}; thread {me.name!r} "
+            "cannot issue ops or reads. gtmpi runs one program thread per process: issue every "
+            "op from that thread and hand other threads plain data (numpy arrays, numbers)")
+
+
 _current: Runtime | None = None
+_starting = threading.Lock()
 
 
 def runtime() -> Runtime:
     """The session, started as the embedded default if nothing started it yet."""
     global _current
-    if _current is None:
-        from ..launch import start_embedded
-        _current = start_embedded()
-    return _current
+    rt = _current
+    if rt is None:
+        with _starting:
+            if _current is None:
+                from ..launch import start_embedded
+                _current = start_embedded()
+            rt = _current
+    if rt.thread_id != threading.get_ident():
+        rt.adopt()
+    return rt
 
 
 def set_runtime(rt: Runtime) -> None:

@@ -20,13 +20,14 @@ from .events import Flag, now
 from .recorder import Recorder
 
 COLLECT_TIMEOUT_S = 30.0
+FIRST_SNAPSHOT_S = 0.25  # then at doubling intervals: a run may die early
 # what each worker's attributes keep of its stats at the end: tensor memory in use and at peak
 MEMORY_KEYS = ("memory_bytes", "peak_bytes", "reserved_bytes", "peak_reserved_bytes",
                "rss_bytes", "peak_rss_bytes")
 
 
 class TraceRun:
-    """Also writes the file at the start and snapshots while the run goes on (after 1 s, then
+    """Also writes the file at the start and snapshots while the run goes on (after 0.25 s, then
     at doubling intervals up to GTMPI_TRACE_SNAPSHOT_S seconds, default 30; 0 turns them off),
     both after sends and while rank 0 waits for workers: a run killed by a signal (the launcher
     ends every rank when one dies) still leaves the file of its last snapshot. Workers send
@@ -56,7 +57,7 @@ class TraceRun:
         d.post("trace", ("start", self.gpu_every), ranks)
         self.clock_start = d.measure_clocks(ranks)
         # the first snapshot soon (a run may die early), then at doubling intervals
-        self._interval = min(1.0, self.snapshot_s)
+        self._interval = min(FIRST_SNAPSHOT_S, self.snapshot_s)
         self._next_snapshot = time.monotonic() + self._interval
         self._write(now(), "running: started", {}, {})
         self._outer_watchdog = d.watchdog
