@@ -82,3 +82,42 @@ def _line_of(text: str) -> int:
             if text in line and "_line_of" not in line:
                 return n
     raise AssertionError(text)
+
+
+def _both(lib):
+    """The same wrong input, written for gtmpi and for torch (lib.nn.functional, lib.optim)."""
+    F = gtmpi.nn.functional if lib is gtmpi else torch.nn.functional
+    long = torch.int64
+    return {
+        "negative lr": lambda: lib.optim.SGD(lib.nn.Linear(2, 2).parameters(), lr=-1),
+        "negative Adam lr": lambda: lib.optim.Adam(lib.nn.Linear(2, 2).parameters(), lr=-1),
+        "bad beta": lambda: lib.optim.AdamW(lib.nn.Linear(2, 2).parameters(), betas=(0.9, 1.5)),
+        "negative momentum": lambda: lib.optim.SGD(lib.nn.Linear(2, 2).parameters(), lr=0.1,
+                                                   momentum=-0.5),
+        "floats as params": lambda: lib.optim.SGD([1.0, 2.0], lr=0.1),
+        "one tensor as params": lambda: lib.optim.SGD(lib.nn.Linear(2, 2).weight, lr=0.1),
+        "list as state dict": lambda: lib.nn.Linear(2, 2).load_state_dict([1, 2]),
+        "layer_norm of ints": lambda: F.layer_norm(lib.ones(2, 3, dtype=long), (3,)),
+        "float index tensor": lambda: lib.arange(4.0)[lib.tensor([0.0, 1.0])],
+        "softmax dim out of range": lambda: F.softmax(lib.ones(2, 3), dim=5),
+        "log_softmax dim out of range": lambda: F.log_softmax(lib.ones(2, 3), dim=-3),
+        "softmax of ints": lambda: F.softmax(lib.ones(2, 3, dtype=long), dim=1),
+        "gelu of ints": lambda: F.gelu(lib.ones(2, 3, dtype=long)),
+        "int @ float": lambda: lib.ones(2, 3, dtype=long) @ lib.ones(3, 2),
+        "view of a transpose": lambda: lib.ones(2, 3).T.view(6),
+        "view of a column slice": lambda: lib.ones(4, 4)[:, 1:].view(12),
+        "integer // 0": lambda: lib.arange(4) // 0,
+        "integer % 0": lambda: lib.arange(4) % 0,
+    }
+
+
+@pytest.mark.parametrize("case", list(_both(torch)))
+def test_wrong_inputs_raise_at_the_line_as_torch(case):
+    """Raised by the call itself (nothing waits for a worker), with torch's type and message."""
+    with pytest.raises(Exception) as want:
+        _both(torch)[case]()
+    with pytest.raises(Exception) as got:
+        _both(gtmpi)[case]()
+    assert type(got.value) is type(want.value), (got.value, want.value)
+    assert str(got.value).split("\n")[0][:60] == str(want.value).split("\n")[0][:60]
+    assert gtmpi.arange(3.0).sum().item() == 3.0  # the session carries on

@@ -179,3 +179,40 @@ def test_a_thread_may_take_over_once_the_owner_has_ended():
     assert result == [[1.0, 2.0, 3.0]] and rt.thread is helper
     assert gtmpi.ones(2).tolist() == [1.0, 1.0]  # the helper has ended: this thread takes over
     assert rt.thread is threading.current_thread()
+
+
+@spread
+def test_a_bad_batch_on_one_data_parallel_worker_is_skipped_on_all(halves):
+    """The bad label is in the first worker's half only: the second worker's gradients would
+    be partial sums missing the first's; every replica skips the step instead, and stays equal
+    to torch's run that skipped the bad batch."""
+    gtmpi.load_config({"fault_replicas": {"shard": {"workers": [0, 1], "replicated": True}}})
+    torch.manual_seed(0)
+    w0, x = torch.randn(3, 4), torch.randn(4, 4)
+    batches = [[0, 2, 1, 1], [7, 2, 1, 0], [1, 2, 0, 0]]  # 7: out of range for 3 classes
+    with gtmpi.signal.context("fault_replicas"):
+        w = gtmpi.tensor(w0, requires_grad=True)
+    opt = gtmpi.optim.SGD([w], lr=0.1, momentum=0.9)
+    want = w0.clone().requires_grad_()
+    topt = torch.optim.SGD([want], lr=0.1, momentum=0.9)
+    raised = []
+    for labels in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(gtmpi.signal.tensor(x, halves) @ w.T,
+                               gtmpi.signal.tensor(torch.tensor(labels), halves))
+        loss.backward()
+        opt.step()
+        try:
+            loss.item()
+        except gtmpi.WorkerError as e:
+            raised.append(str(e))
+            continue
+        topt.zero_grad()
+        torch.nn.functional.cross_entropy(x @ want.T, torch.tensor(labels)).backward()
+        topt.step()
+    gtmpi.synchronize()  # nothing more to say: the failure was raised once
+    assert len(raised) == 1 and "Target 7 is out of bounds" in raised[0]
+    rows = gtmpi.signal.tensor(w.detach(), halves)  # each worker's rows from its own replica
+    torch.testing.assert_close(torch.from_numpy(rows.numpy()), want.detach())
+    stats = gtmpi.debug.worker_stats()
+    assert stats[WORKERS[0]]["collectives"]["agree"][0] == stats[WORKERS[1]]["collectives"]["agree"][0]

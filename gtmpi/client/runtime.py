@@ -43,6 +43,7 @@ class Runtime:
         self._sites: dict[int, tuple[str, int]] = {}
         self._old_sites: dict[int, tuple[str, int]] = {}
         self._internal_code: dict = {}  # code object -> is it gtmpi's own (skipped for sites)
+        self._reported: dict[tuple, None] = {}  # origins of the Faults raised lately, in order
         self._seed = int.from_bytes(os.urandom(7), "little")
         self._random_ops = 0
         self.closed = False
@@ -113,19 +114,31 @@ class Runtime:
         work it depends on."""
         shape, dtype = sig
         buf = np.empty(shape.numel() * dtype.itemsize, np.uint8)
-        fault = self.dispatcher.read(tensor_id, buf, sig)
-        if fault is not None:
-            raise self.error(fault)
-        return buf
+        while True:
+            fault = self.dispatcher.read(tensor_id, buf, sig)
+            if fault is None:
+                return buf
+            if not self._told(fault):
+                raise self.error(fault)
+            # another worker's note of an in-place op skipped for a failure already raised:
+            # the worker sent it instead of the data, so ask again
 
     def error(self, fault: Fault) -> WorkerError:
+        self._reported[fault[:3]] = None
+        if len(self._reported) > 1024:
+            del self._reported[next(iter(self._reported))]
         return WorkerError(fault, self.site(fault.tensor_id))
+
+    def _told(self, fault: Fault) -> bool:
+        """Whether this is a skipped in-place op's note of a failure already raised (each
+        worker that skipped one for it sends a note)."""
+        return bool(fault.skipped) and fault[:3] in self._reported
 
     def synchronize(self) -> None:
         """Wait for all issued work; raise the Fault of an in-place op that a worker skipped
-        since the last read or sync."""
+        since the last read or sync, unless its failure was raised already."""
         for fault in self.dispatcher.ask_all("sync", Tag.SYNC).values():
-            if fault is not None:
+            if fault is not None and not self._told(fault):
                 raise self.error(fault)
 
     def worker_stats(self, reset_peak: bool = False) -> dict[int, dict]:

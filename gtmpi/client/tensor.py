@@ -16,7 +16,7 @@ import torch
 
 from ..ops import OPS, Kind, infer
 from ..ops.table import FUSED_FNS
-from ..ops.shapes import SCALARS
+from ..ops.shapes import SCALARS, VIEWS, view_strides
 from .dtypes import NUMPY_DTYPES, as_dtype
 from .. import autograd
 from .runtime import current, runtime
@@ -27,7 +27,8 @@ Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
 
 
 class Tensor:
-    __slots__ = ("id", "_sig", "requires_grad", "grad", "_node", "_slot", "__weakref__")
+    __slots__ = ("id", "_sig", "requires_grad", "grad", "_node", "_slot", "_strides",
+                 "__weakref__")
     __array_priority__ = 1000  # numpy defers to our reflected operators instead of reading us
 
     def __init__(self, tensor_id: int, sig: tuple[torch.Size, torch.dtype]):
@@ -37,6 +38,7 @@ class Tensor:
         self.grad: Tensor | None = None
         self._node = None  # the autograd Node that made this tensor; None for leaves
         self._slot = 0     # which of that Node's results this is
+        self._strides: tuple | None = None  # a view's strides where not contiguous (as torch's)
 
     def __del__(self) -> None:
         try:
@@ -293,6 +295,7 @@ class Tensor:
     def expand(self, *sizes): return apply("expand", self, _sizes(sizes))
     def expand_as(self, other): return apply("expand", self, tuple(other.shape))
     def contiguous(self) -> Tensor: return apply("contiguous", self)
+    def is_contiguous(self) -> bool: return self._strides is None
     def clone(self) -> Tensor: return apply("clone", self)
     def split(self, split_size_or_sections, dim: int = 0): return apply("split", self, split_size_or_sections, dim)
     def chunk(self, chunks: int, dim: int = 0): return apply("chunk", self, chunks, dim)
@@ -389,12 +392,15 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
                 autograd.engine.record(name, operands, kw, result, graph)
             return result
     else:
+        strides = view_strides(name, tuple(sigs), tmask, kw, operands[0]._strides) \
+            if name in VIEWS else None
         out = rt.new_id()
         rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
                              name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL, issued,
                              sigs, outs)
         rt.note_site(out)
         result = Tensor(out, outs[0])
+        result._strides = strides
     if recording:
         autograd.engine.record(name, operands, kw, result)
     return result

@@ -120,6 +120,8 @@ class Placer:
         for i, want in enumerate(p.wants):
             if want is not None and i not in changed:
                 wire[i] = self._as(args[i], sigs[i], want)
+        if changed and len(mesh) > 1:  # replicas or pieces change together, or not at all
+            self._agree(mesh, [w for i, w in enumerate(wire) if tmask >> i & 1 and i not in changed])
         placed = (name, out, tuple(wire), tmask, kw)
         for rank in mesh:
             self.d.enqueue(rank, placed, urgent)
@@ -176,8 +178,18 @@ class Placer:
             raise PlacementError(f"tensor {tid} is varying (V) across workers {list(p.mesh)}: it "
                                  "has no global value to read (place it as a partial sum first)")
         rid = tid if p.kind in ("R", "I") else self._as(tid, sig, Placement(p.mesh, "R"))
+        if len(p.mesh) > 1:
+            self._agree(p.mesh, [rid])
         self._flush_touched()
         return p.mesh[0], rid
+
+    def _agree(self, mesh: tuple[int, ...], ids: list[int]) -> None:
+        """Every member of ``mesh`` poisons ``ids`` if any member has one of them poisoned."""
+        if ids:
+            word = ("agree", None, (tuple(ids), self._group(mesh)), 0, None)
+            for rank in mesh:
+                self.d.enqueue(rank, word, True)
+                self._touched.add(rank)
 
     def free(self, ids: list[int]) -> dict[int, list[int]]:
         """The ids to free on each rank."""

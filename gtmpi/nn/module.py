@@ -3,6 +3,7 @@ gtmpi checkpoint loads into the same model written in plain torch and the other 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
@@ -118,6 +119,8 @@ class Module:
         return state
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        if not isinstance(state, Mapping):
+            raise TypeError(f"Expected state_dict to be dict-like, got {type(state)}.")
         own = self.state_dict()
         missing = [k for k in own if k not in state]
         unexpected = [k for k in state if k not in own]

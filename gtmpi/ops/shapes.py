@@ -70,7 +70,8 @@ def _probe(op, args: tuple, tmask: int, kw: dict | None) -> tuple[Sig, ...] | No
     """Pointwise ops: the shape is the broadcast; the dtype comes from running the kernel on
     one-element CPU tensors of the operands' ranks and dtypes (rank matters: 0-d tensors
     promote like scalars). A few µs instead of meta's 30-170. None where the CPU kernel lacks
-    that dtype (a GPU may have it): then meta decides."""
+    a floating dtype (a GPU may have it): then meta decides. For integer and boolean operands
+    the CPU's refusal is torch's everywhere (gelu of an int tensor), and is raised."""
     shape = broadcast_shape([a[0] for i, a in enumerate(args) if tmask >> i & 1])
     if op.kind is Kind.INPLACE and shape != args[0][0]:
         raise RuntimeError(f"output with shape {list(args[0][0])} doesn't match the broadcast "
@@ -80,8 +81,62 @@ def _probe(op, args: tuple, tmask: int, kw: dict | None) -> tuple[Sig, ...] | No
     try:
         out = op.kernel(*probes, **(kw or {}))
     except Exception:
+        if _integral(args, tmask):
+            raise
         return None
     return ((shape, out.dtype),)
+
+
+def _integral(args: tuple, tmask: int) -> bool:
+    """Whether every tensor operand is of an integer or boolean dtype."""
+    return all(not (a[1].is_floating_point or a[1].is_complex)
+               for i, a in enumerate(args) if tmask >> i & 1)
+
+
+_C_NAMES = {torch.int64: "long int", torch.int32: "int", torch.float32: "float",
+            torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
+            torch.bool: "bool", torch.uint8: "unsigned char", torch.int8: "signed char",
+            torch.int16: "short int"}
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
+PROBE_NUMEL = 1 << 16  # integer operands of a non-pointwise op: run the CPU kernel this small
+
+
+def _check(name: str, op, args: tuple, tmask: int, kw: dict | None) -> None:
+    """What torch checks at the line and meta tensors do not: dims of reductions, dtypes of
+    matrix products and index tensors, and ops with no kernel for integer operands."""
+    tensors = [a for i, a in enumerate(args) if tmask >> i & 1]
+    if op.kind is Kind.REDUCE and len(args) > 1 and tmask & 1:
+        ndim = len(args[0][0])
+        for d in (args[1] if isinstance(args[1], (tuple, list)) else (args[1],)):
+            top = max(ndim, 1)
+            if type(d) is int and not -top <= d < top:
+                raise IndexError(f"Dimension out of range (expected to be in range of "
+                                 f"[{-top}, {top - 1}], but got {d})")
+    if op.kind is Kind.MATMUL and name != "linear_grad" and tmask & 3 == 3 and \
+            args[0][1] != args[1][1]:
+        a, b = (_C_NAMES.get(t[1], str(t[1])) for t in args[:2])
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a} != {b}")
+    if op.kind is Kind.INDEX or name == "setitem":
+        lead = 1 if op.kind is Kind.INDEX else 2
+        for a in tensors[lead:]:
+            if a[1] not in _INDEX_DTYPES:
+                raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+    if op.kind in (Kind.REDUCE, Kind.FUSED) and tensors and not (
+            tensors[0][1].is_floating_point or tensors[0][1].is_complex):
+        # torch has no kernel for some ops on integers (softmax, layer_norm); meta does not know
+        probes = [torch.zeros(a[0], dtype=a[1]) if tmask >> i & 1 else a
+                  for i, a in enumerate(args)]
+        if sum(p.numel() for p in probes if isinstance(p, torch.Tensor)) <= PROBE_NUMEL:
+            try:
+                op.kernel(*probes, **(kw or {}))
+            except NotImplementedError:
+                raise
+            except Exception:
+                pass  # not the dtype: meta tells the rest
+
+
+# integer division of integer tensors by a Python zero raises in torch, whatever the values
+_INTEGER_DIVISION = frozenset({"floordiv", "mod"})
 
 
 def _check_matmul(a: torch.Size, b: torch.Size) -> None:
@@ -97,6 +152,7 @@ def _evaluate(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tupl
     op = OPS[name]
     if op.sigs is not None:
         return op.sigs(args), False
+    _check(name, op, args, tmask, kw)
     if op.kind is Kind.ELEMENTWISE or op.scalar_by_type:
         fast = _probe(op, args, tmask, kw)
         if fast is not None:
@@ -119,6 +175,9 @@ def infer(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tuple[Si
 
     Raises torch's own exception (shape mismatch, bad dim, bad dtype) synchronously.
     """
+    if name in _INTEGER_DIVISION and tmask == 1 and args[1] == 0 and type(args[1]) in (int, bool) \
+            and not args[0][1].is_floating_point:
+        raise RuntimeError("ZeroDivisionError")
     key = signature_key(name, args, tmask, kw)
     try:
         hit = _cache.get(key)
@@ -130,3 +189,44 @@ def infer(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tuple[Si
             _cache.clear()
         _cache[key] = hit
     return hit
+
+
+# Ops that give a view in torch, and those whose view of a contiguous tensor may not be
+# contiguous. The client keeps a tensor's strides only where they are not its shape's
+# contiguous ones, so that a view that torch refuses (``x.T.view(-1)``) raises at the line.
+VIEWS = frozenset({"view", "reshape", "transpose", "permute", "squeeze", "unsqueeze", "flatten",
+                   "expand", "alias", "getitem"})
+_RESTRIDING = frozenset({"transpose", "permute", "expand", "getitem"})
+_strides_cache: dict[tuple, tuple | None] = {}
+
+
+def view_strides(name: str, args: tuple, tmask: int, kw: dict | None,
+                 strides: tuple | None) -> tuple | None:
+    """The strides of a view op's result (None: contiguous), from the first operand's Sig and
+    strides; raises torch's error where torch cannot make the view."""
+    if (strides is None and name not in _RESTRIDING) or tmask != 1:
+        return None  # a view of a contiguous tensor by view/reshape/...; or indexed by tensors
+    key = (signature_key(name, args, tmask, kw), strides)
+    try:
+        return _strides_cache[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable constant
+        key = None
+    shape, dtype = args[0]
+    x = torch.empty_strided(shape, strides or _contiguous(shape), dtype=dtype, device=META)
+    out = OPS[name].kernel(x, *args[1:], **(kw or {}))
+    result = None if out.is_contiguous() else tuple(out.stride())
+    if key is not None:
+        if len(_strides_cache) >= _CACHE_LIMIT:
+            _strides_cache.clear()
+        _strides_cache[key] = result
+    return result
+
+
+def _contiguous(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))

@@ -14,13 +14,25 @@ from ..client.tensor import Tensor, apply
 
 class Optimizer:
     def __init__(self, params: Iterable, defaults: dict[str, Any]):
+        if isinstance(params, Tensor):
+            raise TypeError("params argument given to the optimizer should be an iterable of "
+                            "Tensors or dicts, but got a gtmpi.Tensor")
         self.defaults = defaults
         params = list(params)
         if not params:
             raise ValueError("optimizer got an empty parameter list")
         groups = params if isinstance(params[0], dict) else [{"params": params}]
-        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
+        self.param_groups = [{**defaults, **g, "params": _tensors(g["params"])} for g in groups]
+        for group in self.param_groups:
+            self.check(group)
         self.state: dict[int, dict[str, Any]] = {}
+
+    def check(self, group: dict) -> None:
+        """torch's checks of hyper-parameters, at construction rather than at step()."""
+        if not 0.0 <= group["lr"]:
+            raise ValueError(f"Invalid learning rate: {group['lr']}")
+        if not 0.0 <= group["weight_decay"]:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
@@ -45,6 +57,17 @@ class Optimizer:
         return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
 
 
+def _tensors(params: Any) -> list[Tensor]:
+    params = [params] if isinstance(params, Tensor) else list(params)
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError("optimizer can only optimize Tensors, but one of the params is "
+                            f"{type(p).__name__}")
+        if p._node is not None:
+            raise ValueError("can't optimize a non-leaf Tensor")
+    return params
+
+
 class SGD(Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False):
@@ -52,6 +75,11 @@ class SGD(Optimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
+
+    def check(self, group: dict) -> None:
+        super().check(group)
+        if group["momentum"] < 0.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']}")
 
     def bucket_key(self, state: dict) -> Any:
         return "momentum_buffer" in state  # a buffer's first step copies the gradient
@@ -76,6 +104,14 @@ class Adam(Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def check(self, group: dict) -> None:
+        super().check(group)
+        if not 0.0 <= group["eps"]:
+            raise ValueError(f"Invalid epsilon value: {group['eps']}")
+        for i, beta in enumerate(group["betas"]):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
 
     def bucket_key(self, state: dict) -> Any:
         return state.get("step", 0)  # bias corrections depend on it

@@ -115,6 +115,20 @@ class DataPlane:
         return torch.cat([o.narrow(src, 0, n).narrow(dst, 0, dst_sizes[index])
                           for o, n in zip(outs, src_sizes)], src)
 
+    def agree(self, fault: Any, group: int) -> Any:
+        """Collective: the Fault of the member of highest rank that has one (None if none
+        has), on every member, so that all of them skip what one of them cannot compute."""
+        flag = torch.tensor([fault.rank if fault is not None else 0], dtype=torch.int32,
+                            device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups[group])
+        self._count("agree", flag)
+        worst = int(flag.item())
+        if not worst:
+            return None
+        box = [fault]
+        dist.broadcast_object_list(box, src=worst - 1, group=self.groups[group])
+        return box[0]
+
     def send(self, x: torch.Tensor, dst: int) -> tuple:
         """Without waiting: the receiver takes it when its stream gets there. No results. A
         snapshot travels: later ops of this stream may change x in place before it has left."""

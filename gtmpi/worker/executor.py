@@ -66,7 +66,7 @@ class Executor:
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
-                         "new_group": self._new_group}
+                         "new_group": self._new_group, "agree": self._agree}
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         self._inject = {Kind.CREATE: {"device": device}}  # keyword arguments by kind of op
         self.trace: Recorder | None = None  # while a trace runs
@@ -268,6 +268,18 @@ class Executor:
 
     def _new_group(self, out, args: tuple) -> None:
         self.plane.new_group(*args)
+
+    def _agree(self, out, args: tuple) -> None:
+        """(ids, group): if any of the ids is poisoned on any member of the group, it is on
+        every member, with that member's Fault. A collective whose operand failed on one member
+        still completes (that member takes part with zeros), so the others' results would be
+        wrong without being poisoned: this runs before what must not see such a result (an
+        in-place update of replicas, a read)."""
+        ids, group = args
+        mine = next((self.poison[i] for i in ids if i in self.poison), None)
+        fault = self.plane.agree(mine, group)
+        if fault is not None and mine is None:
+            self._fail(tuple(ids), fault)
 
     def memory(self) -> dict[str, int]:
         """Bytes of tensor memory in use and at peak (torch's allocator on a GPU: allocated and
