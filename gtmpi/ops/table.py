@@ -109,13 +109,19 @@ def _sgd_foreach(*args):
 
 
 def _adam_foreach(*args):
-    """torch.optim.Adam's (decoupled: AdamW's) multi-tensor update of all parameters of a group
-    at one step count, in place, with torch's foreach arithmetic. args: params, grads,
-    exp_avgs, exp_avg_sqs, then lr, beta1, beta2, eps, weight_decay, decoupled, step."""
+    """torch.optim.Adam's (decoupled: AdamW's) multi-tensor update of all parameters of a group,
+    in place, with torch's foreach arithmetic. args: params, grads, exp_avgs, exp_avg_sqs, then
+    lr, beta1, beta2, eps, weight_decay, decoupled, step.
+
+    Each parameter's step count lives on its exp_avg (as torch keeps ``state['step']`` with the
+    state), counted only by updates that ran: an update skipped for a failed batch (the fault
+    rule) leaves it, and the bias corrections, where they were. ``step``, the client's count,
+    stands in where a state tensor has none yet."""
     lr, beta1, beta2, eps, weight_decay, decoupled, step = args[-7:]
     tensors = args[:-7]
     n = len(tensors) // 4
     params, grads, avgs, sqs = (list(tensors[i * n:(i + 1) * n]) for i in range(4))
+    steps = [getattr(a, "_gtmpi_step", step - 1) + 1 for a in avgs]
     if weight_decay and decoupled:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     elif weight_decay:
@@ -124,9 +130,11 @@ def _adam_foreach(*args):
     torch._foreach_mul_(sqs, beta2)
     torch._foreach_addcmul_(sqs, grads, grads, 1 - beta2)
     denom = torch._foreach_sqrt(sqs)
-    torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
+    torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** t) for t in steps])
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, avgs, denom, -lr / (1 - beta1 ** step))
+    torch._foreach_addcdiv_(params, avgs, denom, [-lr / (1 - beta1 ** t) for t in steps])
+    for a, t in zip(avgs, steps):
+        a._gtmpi_step = t
     return tensors[0]
 
 
