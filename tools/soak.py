@@ -3,7 +3,7 @@ memory must stay flat.
 
     mpiexec -n 3 python tools/soak.py --minutes 30
 
-Each step uploads a fresh batch split over two workers (the home worker sends the other its
+Each step uploads a fresh batch (labels from a fixed random teacher) split over two workers (the home worker sends the other its
 half), runs an MLP with replicated weights forward and backward (gradients all-reduced) and
 an AdamW step. Every 50th batch has a label out of range: its error is caught, the step is
 skipped by the fault rule, and training goes on. Every worker's RSS is sampled every
@@ -47,6 +47,7 @@ def main() -> int:
             torch.randn(w, w, generator=gen) / w ** 0.5, torch.zeros(w),
             torch.randn(10, w, generator=gen) / w ** 0.5, torch.zeros(10))]
     opt = gtmpi.optim.AdamW(params, lr=1e-3)
+    teacher = torch.randn(w, 10, generator=gen)  # labels the model can learn
     start = time.monotonic()
     samples: list[dict] = []
     step = caught = 0
@@ -70,7 +71,7 @@ def main() -> int:
             if now - start >= args.minutes * 60:
                 break
         x = torch.randn(args.batch, w, generator=gen)
-        y = torch.randint(0, 10, (args.batch,), generator=gen)
+        y = (x @ teacher).argmax(1)
         step += 1
         if step % BAD_EVERY == 0:
             y[0] = 10  # out of range: the worker's cross_entropy fails
