@@ -197,6 +197,17 @@ def _wait_gone(workers: dict[int, dict], timeout_s: float) -> None:
         time.sleep(0.01)
 
 
+def _quiet_interrupt(previous):
+    """Ctrl-C in a plain process gets one line naming the program's line, not a traceback
+    through gtmpi's waits; Python then ends as it does on Ctrl-C."""
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            print(f"gtmpi: interrupted (Ctrl-C){_user_line(tb)}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, value, tb)
+    return hook
+
+
 def _user_line(tb) -> str:
     """' at file:line' of the program's innermost frame outside gtmpi, if any."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -231,6 +242,7 @@ def start_embedded() -> Runtime:
         link, pid = LocalLink(), os.getpid()
         link.executor = Executor(1, device, link)
         where = "this process"
+    sys.excepthook = _quiet_interrupt(sys.excepthook)
     info = {"rank": 1, "host": socket.gethostname(), "pid": pid, "device": str(device),
             "local_index": 0, "torch": torch.__version__, "embedded": True}
     verbose(f"embedded worker in {where}: {device}")

@@ -205,12 +205,14 @@ def test_killed_rank0_is_named_not_its_workers(tmp_path):
     assert elapsed < 30
 
 
-@pytest.mark.parametrize("spawned", [False, True])
-def test_ctrl_c_is_one_line_and_status_1(tmp_path, spawned):
+@pytest.mark.parametrize("how, status", [("mpiexec", 1), ("spawned", 1), ("embedded", 130)])
+def test_ctrl_c_is_one_line(tmp_path, how, status):
+    """Status 1 as for any uncaught exception in an MPI job; a plain process ends as Python
+    does on Ctrl-C (130 in the shell)."""
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(f"""
         import gtmpi
-        if {spawned}:
+        if {how == "spawned"}:
             gtmpi.workers(2)
         x = gtmpi.randn(64, 64)
         print("ready", flush=True)
@@ -218,9 +220,10 @@ def test_ctrl_c_is_one_line_and_status_1(tmp_path, spawned):
             x = (x @ x).tanh()
             x.sum().item()
     """))
-    cmd = [sys.executable, str(script)] if spawned else [MPIEXEC, "-n", "3", sys.executable,
-                                                          str(script)]
-    env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu"}
+    cmd = [sys.executable, str(script)]
+    if how == "mpiexec":
+        cmd = [MPIEXEC, "-n", "3"] + cmd
+    env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu", "GTMPI_EMBEDDED_PROCESS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
     try:
@@ -231,7 +234,7 @@ def test_ctrl_c_is_one_line_and_status_1(tmp_path, spawned):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 1, err
+    assert proc.returncode in (status, -signal.SIGINT if status == 130 else status), err
     ours = [line for line in err.splitlines() if line.startswith("gtmpi:")]
     assert len(ours) == 1 and "interrupted (Ctrl-C) at " in ours[0] and "prog.py:" in ours[0], err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

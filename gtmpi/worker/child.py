@@ -3,6 +3,7 @@ process as ``python -m gtmpi.worker.child FD DEVICE``: FD is its end of the sock
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from multiprocessing.connection import Connection
 
@@ -14,6 +15,9 @@ from .executor import Executor
 
 
 def main(fd: int, device_name: str) -> None:
+    # Ctrl-C reaches the whole process group: the user's process decides, and this one ends
+    # when that one does (its end of the socket pair closes)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     link = ParentLink(Connection(fd))
     device = torch.device(device_name)
     if device.type == "cuda":
