@@ -90,8 +90,9 @@ def main() -> None:
     numel = args.mb * (1 << 20) // 4
     import gtmpi  # ranks > 0 become gtmpi's workers here
     import gtmpi.nn.functional as F
-    from gtmpi.trace import analysis, fileformat
-    from gtmpi.trace.events import Flag, Kind
+    from gtmpi.recording import fileformat
+    from gtmpi.trace import analysis
+    from gtmpi.recording.events import Flag, Kind
     workers = sorted(gtmpi.info()["workers"])
     devices = [gtmpi.info()["workers"][r]["device"] for r in workers]
     if len(workers) != 2 or len(set(devices)) != 2 or not devices[0].startswith("cuda"):

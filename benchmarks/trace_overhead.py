@@ -66,7 +66,7 @@ def main() -> None:
             res["on"][key].append(loop())
             gtmpi.trace.stop()
             if r == 0:
-                from gtmpi.trace import fileformat
+                from gtmpi.recording import fileformat
                 events += sum(len(t) for t in fileformat.read(path).events.values())
             os.remove(path)
         for mode in ("off", "on"):

@@ -16,8 +16,9 @@ import os
 import sys
 from typing import Sequence, TextIO
 
-from .trace import analysis, fileformat
-from .trace.fileformat import TraceError
+from .recording import fileformat
+from .trace import analysis
+from .recording.fileformat import TraceError
 
 
 def _ranks(text: str) -> list[int]:

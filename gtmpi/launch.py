@@ -3,7 +3,7 @@ becomes a worker and never returns to the user's program.
 
 Three ways to start:
   mpiexec/srun -n N   ranks 1..N-1 turn into workers when gtmpi is imported (start_role)
-  plain python        the embedded default: one executor inside the process, no MPI at all
+  plain python        the embedded default (client/embedded.py): one worker, no MPI at all
   gtmpi.workers(n)    a plain process spawns n workers (MPI Spawn) and merges with them
 """
 from __future__ import annotations
@@ -22,23 +22,16 @@ import traceback
 import torch
 
 from .client import runtime as session
+from .client.embedded import user_line, verbose
 from .client.runtime import Runtime
 from .transport import ending
-from .transport.local import LocalLink
-from .transport.pipe import start_child
 from .transport.tags import Tag
 from .worker.device import local_worker_index, select_device, visible_gpus
-from .worker.executor import Executor
 
 END_GRACE_S = 3.0  # how long workers get to leave after an uncaught exception on rank 0
 
 # Set by every launcher we know of (MPICH/hydra, Open MPI, PMIx, SLURM's srun).
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_STEP_ID")
-
-
-def verbose(message: str) -> None:
-    if os.environ.get("GTMPI_VERBOSE", "0") not in ("", "0"):
-        print(f"gtmpi: {message}", file=sys.stderr, flush=True)
 
 
 def start_role() -> None:
@@ -109,13 +102,14 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
         verbose(f"worker rank {w['rank']} on {w['host']} (pid {w['pid']}): {w['device']}")
 
     job = (socket.gethostname(), os.getpid())
+    notice = ending.DeathNotice(0, job)
 
     def abort(message: str) -> None:
         ending.claim(job, message)
         base.Abort(1)
 
     sys.excepthook = _end_on_uncaught(base, job, detach)  # first: a trace started with the session wraps it
-    atexit.register(_close, detach)
+    atexit.register(_close, detach, notice)
     session.set_runtime(Runtime(links, workers, abort))
 
 
@@ -169,7 +163,7 @@ def _end_on_uncaught(comm, job: ending.Job, detach: list):
     kill, not of the program)."""
     def hook(kind, value, tb):
         if issubclass(kind, KeyboardInterrupt):
-            ending.claim(job, f"gtmpi: interrupted (Ctrl-C){_user_line(tb)}; the job is ending")
+            ending.claim(job, f"gtmpi: interrupted (Ctrl-C){user_line(tb)}; the job is ending")
         else:
             traceback.print_exception(kind, value, tb)
             sys.stderr.flush()
@@ -197,28 +191,7 @@ def _wait_gone(workers: dict[int, dict], timeout_s: float) -> None:
         time.sleep(0.01)
 
 
-def _quiet_interrupt(previous):
-    """Ctrl-C in a plain process gets one line naming the program's line, not a traceback
-    through gtmpi's waits; Python then ends as it does on Ctrl-C."""
-    def hook(kind, value, tb):
-        if issubclass(kind, KeyboardInterrupt):
-            print(f"gtmpi: interrupted (Ctrl-C){_user_line(tb)}", file=sys.stderr, flush=True)
-        else:
-            previous(kind, value, tb)
-    return hook
-
-
-def _user_line(tb) -> str:
-    """' at file:line' of the program's innermost frame outside gtmpi, if any."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    where = ""
-    for frame, line in traceback.walk_tb(tb):
-        if not frame.f_code.co_filename.startswith(here):
-            where = f" at {frame.f_code.co_filename}:{line}"
-    return where
-
-
-def _close(detach: list) -> None:
+def _close(detach: list, notice: ending.DeathNotice) -> None:
     rt = session.current()
     if rt is not None:
         missing = rt.close()
@@ -226,27 +199,7 @@ def _close(detach: list) -> None:
             print(f"gtmpi: workers {missing} did not confirm shutdown", file=sys.stderr)
         elif detach:
             _part(detach)
-
-
-def start_embedded() -> Runtime:
-    """One worker without MPI: inside this process on a CPU; on a GPU a child process, so that
-    the worker launches kernels while this process issues the next ops (a thread would share
-    the GIL with the client: measured no faster than running both in series)."""
-    device = select_device(os.environ, 0, visible_gpus())
-    choice = os.environ.get("GTMPI_EMBEDDED_PROCESS", "auto")
-    if choice == "1" or (choice == "auto" and device.type == "cuda"):
-        link, pid = start_child(device)
-        atexit.register(_close, [])
-        where = f"a worker process (pid {pid})"
-    else:
-        link, pid = LocalLink(), os.getpid()
-        link.executor = Executor(1, device, link)
-        where = "this process"
-    sys.excepthook = _quiet_interrupt(sys.excepthook)
-    info = {"rank": 1, "host": socket.gethostname(), "pid": pid, "device": str(device),
-            "local_index": 0, "torch": torch.__version__, "embedded": True}
-    verbose(f"embedded worker in {where}: {device}")
-    return Runtime({1: link}, {1: info})
+    notice.clean_exit()
 
 
 def _launcher_on_path() -> None:

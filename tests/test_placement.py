@@ -55,7 +55,7 @@ def waits_in_one_order(trace) -> int:
     agrees with. Where none does, NCCL deadlocks (gloo may not: its groups are made by their
     members alone). Returns the number of such steps."""
     import graphlib
-    from gtmpi.trace.events import Kind
+    from gtmpi.recording.events import Kind
     after: dict[tuple, set] = {}
     for rank, events in trace.events.items():
         seen: dict = {}
@@ -452,7 +452,7 @@ MANY = """
 @pytest.mark.parametrize("workers", [3, 4])
 def test_patterns_on_3_and_4_workers(tmp_path, workers):
     import json
-    from gtmpi.trace import fileformat
+    from gtmpi.recording import fileformat
     trace = tmp_path / "many.h5"
     proc, _ = run_job(tmp_path, MANY, 120, n=workers + 1, env={"GTMPI_TRACE": str(trace)})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -510,7 +510,7 @@ GRID = """
                     reason="starts its own jobs; run once, from the serial suite")
 def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
     import json
-    from gtmpi.trace import fileformat
+    from gtmpi.recording import fileformat
     trace = tmp_path / "grid.h5"
     proc, _ = run_job(tmp_path, GRID, 150, n=5, env={"GTMPI_TRACE": str(trace)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -528,8 +528,9 @@ def test_dp_by_tp_on_a_named_mesh_of_4_workers(tmp_path):
 
 @spread
 def test_traces_show_inserted_collectives(gen, tmp_path):
-    from gtmpi.trace import analysis, fileformat
-    from gtmpi.trace.events import Flag, Kind
+    from gtmpi.recording import fileformat
+    from gtmpi.trace import analysis
+    from gtmpi.recording.events import Flag, Kind
     path = str(tmp_path / "sharded.h5")
     host = torch.randn(6, 4, generator=gen)
     x = gtmpi.signal.tensor(host, "data")
@@ -574,8 +575,9 @@ def test_cross_entropy_over_split_rows(gen, reduction):
 @spread
 def test_placed_uploads_go_piece_by_piece_from_the_host(gen, tmp_path):
     """Each member gets its own piece straight from rank 0: no worker forwards bytes."""
-    from gtmpi.trace import analysis, fileformat
-    from gtmpi.trace.events import Kind
+    from gtmpi.recording import fileformat
+    from gtmpi.trace import analysis
+    from gtmpi.recording.events import Kind
     gtmpi.load_config({"part": {"mesh": {"dp": 2}, "placement": {"dp": "P"}}})
     host = torch.randn(7, 4, generator=gen)
     path = str(tmp_path / "upload.h5")

@@ -16,9 +16,10 @@ import torch
 import gtmpi
 from conftest import HOME_DEVICE, UNDER_MPI, is_open_mpi, launcher_env, mpiexec, run_job
 from gtmpi.cli import trace_main
-from gtmpi.trace import analysis, fileformat
-from gtmpi.trace.events import EVENT_DTYPE, Flag, Kind, Lane
-from gtmpi.trace.recorder import Recorder
+from gtmpi.recording import fileformat
+from gtmpi.trace import analysis
+from gtmpi.recording.events import EVENT_DTYPE, Flag, Kind, Lane
+from gtmpi.recording.recorder import Recorder
 
 WORKERS = sorted(gtmpi.info()["workers"])
 HOME = WORKERS[0]
@@ -297,7 +298,7 @@ def test_snapshots_while_running_lose_and_repeat_nothing(tmp_path, monkeypatch):
 
 
 def test_recorder_chunks_pack_like_one_list(monkeypatch):
-    from gtmpi.trace import recorder
+    from gtmpi.recording import recorder
     monkeypatch.setattr(recorder, "CHUNK", 4)
     whole, chunked = Recorder(1), Recorder(1)
     t = 1000

@@ -142,7 +142,7 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any
 
 def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> None:
     from ..client.creation import ones_like
-    from .. import signals
+    from ..client.runtime import runtime
     from ..client.tensor import Tensor
     from .grads import GRADS
     if not root.requires_grad:
@@ -162,6 +162,7 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
             _accumulate(root, gradient)
             return
         order = _topological(root._node)
+        book = runtime().signals
         pending: dict[int, list] = {id(root._node): [None] * root._node.outputs}
         pending[id(root._node)][root._slot] = gradient
         for node in order:
@@ -173,7 +174,7 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                                    "access saved tensors after they have already been freed). "
                                    "Specify retain_graph=True if you need to backward a second time.")
             # backward= on the signal of its forward: its gradient ops run there
-            with nullcontext() if node.backward is None else signals.context(node.backward):
+            with nullcontext() if node.backward is None else book.scope(node.backward):
                 results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
             for operand, g in zip(node.operands, results):
                 if g is None or not getattr(operand, "requires_grad", False):

@@ -20,9 +20,10 @@ import threading
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from ..dispatcher import Dispatcher
+from ..signals.config import load
+from .signalbook import SignalBook
 from ..errors import Fault, WorkerError
 from ..transport.ending import alive
 from ..transport.tags import Tag
@@ -49,15 +50,14 @@ class Runtime:
         self.closed = False
         self.thread: threading.Thread | None = None  # the program thread it serves
         self.thread_id: int | None = None
-        self.tracing = None  # a trace.session.TraceRun while a trace records
-        from ..signals import SignalBook, load
+        self.tracing = None  # a recording.session.TraceRun while a trace records
         self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
         config = os.environ.get("GTMPI_CONFIG") or os.environ.get("GT_CONFIG")
         if config:
             self.signals.register(load(config))
         log = os.environ.get("GTMPI_INSTRUCTION_LOG") or os.environ.get("GT_INSTRUCTION_LOG")
         if log:
-            from ..trace.instruction_log import InstructionLog
+            from ..recording.instruction_log import InstructionLog
             self.dispatcher.log = InstructionLog(log)
         if os.environ.get("GTMPI_TRACE"):
             self.start_trace(os.environ["GTMPI_TRACE"])
@@ -147,7 +147,7 @@ class Runtime:
     # traces ---------------------------------------------------------------------------------
 
     def start_trace(self, path: str, gpu_every: int | None = None) -> None:
-        from ..trace.session import TraceRun
+        from ..recording.session import TraceRun
         if self.tracing is not None:
             raise RuntimeError(f"gtmpi: a trace is already recording to {self.tracing.path}")
         if gpu_every is None:
@@ -229,7 +229,7 @@ def runtime() -> Runtime:
     if rt is None:
         with _starting:
             if _current is None:
-                from ..launch import start_embedded
+                from .embedded import start_embedded
                 _current = start_embedded()
             rt = _current
     if rt.thread_id != threading.get_ident():

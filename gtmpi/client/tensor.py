@@ -17,7 +17,8 @@ import torch
 from ..ops import OPS, Kind, infer
 from ..ops.table import FUSED_FNS
 from ..ops.shapes import SCALARS, VIEWS, view_strides
-from .dtypes import NUMPY_DTYPES, as_dtype
+from ..transport.buffers import NUMPY_DTYPES
+from .dtypes import as_dtype
 from .. import autograd
 from .runtime import current, runtime
 

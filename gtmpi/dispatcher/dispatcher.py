@@ -21,9 +21,9 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from ..client.dtypes import as_bytes
+from ..transport.buffers import as_bytes
 from ..errors import Fault
-from ..trace.events import Kind, Lane
+from ..recording.events import Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import Tag
 

@@ -26,7 +26,7 @@ from ..placement.rules import DUAL, Plan, PlacementError, dual, plan, written
 from ..placement.rules import outs as outs_of
 from ..placement.types import Placement, make
 from ..signals.config import ConfigError
-from ..trace.events import Flag, Kind, Lane
+from ..recording.events import Flag, Kind, Lane
 
 _COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
 # per-member values that may be read another way, with no data moved

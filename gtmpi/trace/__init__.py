@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from .events import Kind, Lane
+from ..recording.events import Kind, Lane
 
 
 def start(path: str, gpu_every: int | None = None) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from .events import Kind, Lane
-from .fileformat import Trace
+from ..recording.events import Kind, Lane
+from ..recording.fileformat import Trace
 
 # What counts as working, per lane; everything else on a lane's timeline is idle or waiting.
 BUSY = {Lane.CLIENT: (Kind.ISSUE,),

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from .events import Flag, Kind, Lane
-from .fileformat import Trace
+from ..recording.events import Flag, Kind, Lane
+from ..recording.fileformat import Trace
 from .timeline import category, messages
 
 GPU_TID = 3

@@ -7,8 +7,8 @@ import os
 import numpy as np
 
 from ..ops.table import OPS
-from .events import Kind, Lane
-from .fileformat import Trace, TraceError
+from ..recording.events import Kind, Lane
+from ..recording.fileformat import Trace, TraceError
 
 FORMATS = (".png", ".svg", ".pdf")
 _MAX_LINES = 2000  # messages drawn; beyond this the picture is all lines

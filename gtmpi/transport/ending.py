@@ -7,12 +7,13 @@ exclusively in the temporary folder and named for the job (rank 0's host and pid
 holds among the processes of one host; it is removed a few seconds later, once every death
 it explains has been seen.
 
-Rank 0 claims before it aborts the job (an uncaught exception, Ctrl-C, a dead worker it
-noticed). A worker killed by a signal cannot speak, so each worker starts a tiny watcher
+Rank 0 claims before it ends the job itself (an uncaught exception, Ctrl-C, a dead worker it
+noticed). A process killed by a signal cannot speak, so every rank starts a tiny watcher
 process (this file, run as a script: it imports nothing of gtmpi) that blocks reading a pipe
-whose only writer is the worker. A clean exit writes "bye" first; end-of-file without it means
-the worker is gone, and the watcher claims the end for it, or for rank 0 if rank 0 is gone
-too (a worker leaves when it finds rank 0 dead).
+whose only writer is its rank. A clean exit writes "bye" first; end-of-file without it means
+the rank is gone. The watcher notes when it saw that (a file per rank), waits a moment for
+the other watchers' notes, and speaks only if its rank went first: the launcher kills the
+others only after the first death, so the earliest note names the culprit.
 """
 from __future__ import annotations
 
@@ -53,15 +54,9 @@ def claimed(job: Job) -> bool:
     return os.path.exists(_path(job))
 
 
-def forget(job: Job) -> None:
-    try:
-        os.unlink(_path(job))
-    except OSError:
-        pass
-
-
 class DeathNotice:
-    """Started by a worker: its watcher speaks if the worker dies without saying goodbye."""
+    """Started by every rank: its watcher speaks if the rank dies first without saying
+    goodbye."""
 
     def __init__(self, rank: int, job: Job):
         self._proc = subprocess.Popen(
@@ -91,17 +86,43 @@ def alive(pid: int) -> bool:
         return True
 
 
+SETTLE_S = 0.3  # how long a watcher waits for the notes of deaths that follow its rank's
+
+
 def _watch(rank: int, pid: int, host: str, job: Job) -> None:
     if sys.stdin.buffer.read() == b"bye":
         return
-    if not claimed(job):
-        if job[0] == host and not alive(job[1]):
-            message = f"gtmpi: rank 0 (pid {job[1]} on {host}) died; the job is ending"
-        else:
-            message = f"gtmpi: worker rank {rank} (pid {pid} on {host}) died; the job is ending"
-        claim(job, message)
+    seen = time.monotonic_ns()  # one clock for every process of the host
+    mine = f"{_path(job)}.{rank}"
+    try:
+        with open(mine, "w") as f:
+            f.write(str(seen))
+    except OSError:
+        pass
+    time.sleep(SETTLE_S)
+    if not claimed(job) and _first(job) == rank:
+        who = "rank 0" if rank == 0 else f"worker rank {rank}"
+        claim(job, f"gtmpi: {who} (pid {pid} on {host}) died; the job is ending")
     time.sleep(FORGET_AFTER_S)
-    forget(job)
+    for path in (mine, _path(job)):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _first(job: Job) -> int | None:
+    """The rank whose death was seen first, from the watchers' notes."""
+    folder, stem = os.path.split(_path(job))
+    notes = {}
+    for name in os.listdir(folder):
+        if name.startswith(stem + "."):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    notes[int(name.rsplit(".", 1)[1])] = int(f.read() or 0)
+            except (OSError, ValueError):
+                continue
+    return min(notes, key=lambda r: (notes[r], r)) if notes else None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import Fault
-from ..trace.events import now
+from ..recording.events import now
 from .tags import Tag
 
 

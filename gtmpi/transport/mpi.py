@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import Fault
-from ..trace.events import now
+from ..recording.events import now
 from .poll import wait_for
 from .tags import Tag
 

@@ -11,7 +11,6 @@ The worker's end is run by gtmpi.worker.child; both ends are here, as in transpo
 """
 from __future__ import annotations
 
-import os
 import select
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import Fault
-from ..trace.events import now
+from ..recording.events import now
 from .poll import SPIN_S, WATCH_EVERY_S
 from .tags import ACK_EVERY, Tag
 

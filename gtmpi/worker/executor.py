@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from ..errors import Fault
-from ..client.dtypes import as_bytes
+from ..transport.buffers import as_bytes
 from ..ops.table import OPS, Graph, Kind
-from ..trace import events
-from ..trace.recorder import Recorder
+from ..recording import events
+from ..recording.recorder import Recorder
 from ..transport.tags import Tag
 
 _clock = time.perf_counter_ns

@@ -1,0 +1,73 @@
+"""The embedded default: a plain ``python`` process with one worker and no MPI."""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import sysconfig
+import traceback
+
+import torch
+
+from ..transport.local import LocalLink
+from ..transport.pipe import start_child
+from ..worker.device import select_device, visible_gpus
+from ..worker.executor import Executor
+from .runtime import Runtime, current
+
+
+def verbose(message: str) -> None:
+    if os.environ.get("GTMPI_VERBOSE", "0") not in ("", "0"):
+        print(f"gtmpi: {message}", file=sys.stderr, flush=True)
+
+
+def start_embedded() -> Runtime:
+    """One worker without MPI: inside this process on a CPU; on a GPU a child process, so that
+    the worker launches kernels while this process issues the next ops (a thread would share
+    the GIL with the client: measured no faster than running both in series)."""
+    device = select_device(os.environ, 0, visible_gpus())
+    choice = os.environ.get("GTMPI_EMBEDDED_PROCESS", "auto")
+    if choice == "1" or (choice == "auto" and device.type == "cuda"):
+        link, pid = start_child(device)
+        atexit.register(_close)
+        where = f"a worker process (pid {pid})"
+    else:
+        link, pid = LocalLink(), os.getpid()
+        link.executor = Executor(1, device, link)
+        where = "this process"
+    sys.excepthook = _quiet_interrupt(sys.excepthook)
+    info = {"rank": 1, "host": socket.gethostname(), "pid": pid, "device": str(device),
+            "local_index": 0, "torch": torch.__version__, "embedded": True}
+    verbose(f"embedded worker in {where}: {device}")
+    return Runtime({1: link}, {1: info})
+
+
+def _close() -> None:
+    rt = current()
+    if rt is not None and rt.close():
+        print("gtmpi: the worker process did not confirm shutdown", file=sys.stderr)
+
+
+def _quiet_interrupt(previous):
+    """Ctrl-C in a plain process gets one line naming the program's line, not a traceback
+    through gtmpi's waits; Python then ends as it does on Ctrl-C."""
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            print(f"gtmpi: interrupted (Ctrl-C){user_line(tb)}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, value, tb)
+    return hook
+
+
+def user_line(tb) -> str:
+    """' at file:line' of the program's innermost frame, if any: outside gtmpi, the libraries
+    it runs on (Python's own, installed packages) and generated code."""
+    skip = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+    where = ""
+    for frame, line in traceback.walk_tb(tb):
+        name = frame.f_code.co_filename
+        if not name.startswith("<") and not name.startswith(skip):
+            where = f" at {name}:{line}"
+    return where
