@@ -16,7 +16,7 @@ import torch
 
 from ..ops import OPS, Kind, infer
 from ..ops.table import FUSED_FNS
-from ..ops.shapes import SCALARS, VIEWS, view_strides
+from ..ops.shapes import RESTRIDING, SCALARS, VIEWS, view_strides
 from ..transport.buffers import NUMPY_DTYPES
 from .dtypes import as_dtype
 from .. import autograd
@@ -39,7 +39,7 @@ class Tensor:
         self.grad: Tensor | None = None
         self._node = None  # the autograd Node that made this tensor; None for leaves
         self._slot = 0     # which of that Node's results this is
-        self._strides: tuple | None = None  # a view's strides where not contiguous (as torch's)
+        self._strides: tuple | None = None  # a view's layout where not contiguous (shapes.py)
 
     def __del__(self) -> None:
         try:
@@ -296,7 +296,7 @@ class Tensor:
     def expand(self, *sizes): return apply("expand", self, _sizes(sizes))
     def expand_as(self, other): return apply("expand", self, tuple(other.shape))
     def contiguous(self) -> Tensor: return apply("contiguous", self)
-    def is_contiguous(self) -> bool: return self._strides is None
+    def is_contiguous(self) -> bool: return view_strides(self._strides) is None
     def clone(self) -> Tensor: return apply("clone", self)
     def split(self, split_size_or_sections, dim: int = 0): return apply("split", self, split_size_or_sections, dim)
     def chunk(self, chunks: int, dim: int = 0): return apply("chunk", self, chunks, dim)
@@ -393,8 +393,12 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
                 autograd.engine.record(name, operands, kw, result, graph)
             return result
     else:
-        strides = view_strides(name, tuple(sigs), tmask, kw, operands[0]._strides) \
-            if name in VIEWS else None
+        strides = None
+        if name in VIEWS and (name in RESTRIDING or operands[0]._strides is not None):
+            # worked out only when a view needs it (kept as how it came about until then)
+            strides = (name, tuple(sigs), tmask, kw, operands[0]._strides)
+            if name == "view":
+                strides = view_strides(strides)  # raises at the line where torch would
         out = rt.new_id()
         rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
                              name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL, issued,

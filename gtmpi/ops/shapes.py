@@ -192,20 +192,25 @@ def infer(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tuple[Si
 
 
 # Ops that give a view in torch, and those whose view of a contiguous tensor may not be
-# contiguous. The client keeps a tensor's strides only where they are not its shape's
-# contiguous ones, so that a view that torch refuses (``x.T.view(-1)``) raises at the line.
+# contiguous. The client keeps a tensor's layout only where it may not be its shape's
+# contiguous one, so that a view that torch refuses (``x.T.view(-1)``) raises at the line: as
+# how it came about, (op, operand Sigs, tmask, kw, the operand's layout), worked out into
+# strides (on meta tensors, cached) only when a view needs them.
 VIEWS = frozenset({"view", "reshape", "transpose", "permute", "squeeze", "unsqueeze", "flatten",
                    "expand", "alias", "getitem"})
-_RESTRIDING = frozenset({"transpose", "permute", "expand", "getitem"})
+RESTRIDING = frozenset({"transpose", "permute", "expand", "getitem"})
 _strides_cache: dict[tuple, tuple | None] = {}
 
 
-def view_strides(name: str, args: tuple, tmask: int, kw: dict | None,
-                 strides: tuple | None) -> tuple | None:
-    """The strides of a view op's result (None: contiguous), from the first operand's Sig and
-    strides; raises torch's error where torch cannot make the view."""
-    if (strides is None and name not in _RESTRIDING) or tmask != 1:
-        return None  # a view of a contiguous tensor by view/reshape/...; or indexed by tensors
+def view_strides(layout: tuple | None) -> tuple | None:
+    """The strides of a layout (None: contiguous); raises torch's error where torch cannot
+    make the view it describes."""
+    if layout is None or type(layout[0]) is int:
+        return layout
+    name, args, tmask, kw, parent = layout
+    if tmask != 1:
+        return None  # indexed by tensors: a copy
+    strides = view_strides(parent)
     key = (signature_key(name, args, tmask, kw), strides)
     try:
         return _strides_cache[key]
