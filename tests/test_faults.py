@@ -14,7 +14,7 @@ cpu_asserts = pytest.mark.skipif(HOME_DEVICE.type == "cuda", reason="a device-si
                                  "CUDA ends the worker's CUDA context, as it does torch's")
 
 
-def _train(lib, functional, opt_cls, labels, **opt_kw):
+def _train(lib, functional, opt_cls, labels, set_to_none=True, **opt_kw):
     """Steps of a linear classifier on fixed data, one per batch of labels, some of them bad.
     Returns the weights after each step, or the name of the error it raised."""
     torch.manual_seed(0)
@@ -26,7 +26,7 @@ def _train(lib, functional, opt_cls, labels, **opt_kw):
     opt = opt_cls(m.parameters(), lr=0.1, **opt_kw)
     seen = []
     for y in labels:
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         try:
             loss = functional.cross_entropy(m(xs), lib.tensor(y))
             loss.backward()
@@ -41,7 +41,8 @@ def _train(lib, functional, opt_cls, labels, **opt_kw):
 
 @cpu_asserts
 @pytest.mark.parametrize("optimizer, kw", [("SGD", {}), ("SGD", {"momentum": 0.9}),
-                                           ("AdamW", {}), ("Adam", {"weight_decay": 0.1})])
+                                           ("AdamW", {}), ("Adam", {"weight_decay": 0.1}),
+                                           ("SGD", {"momentum": 0.9, "set_to_none": False})])
 def test_a_bad_batch_is_skipped_and_training_goes_on_like_torch(optimizer, kw):
     labels = [[0, 2], [0, 7], [1, 2], [2, 1]]  # 7: out of range for 3 classes
     got = _train(gtmpi, F, getattr(gtmpi.optim, optimizer), labels, **kw)

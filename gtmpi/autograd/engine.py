@@ -42,17 +42,27 @@ def enable_grad() -> _GradMode:
 
 def zero_grads(params: Iterable[Any], set_to_none: bool = True) -> None:
     """Module.zero_grad and Optimizer.zero_grad: drop each .grad, or zero them on the workers
-    with one instruction per placement (torch's foreach zero)."""
+    with one instruction per placement (torch's foreach zero). After a failed op was raised,
+    gradients it poisoned cannot be zeroed in place (zeroing in place is an in-place op, which
+    the fault rule skips), so that once they are made afresh as zeros instead."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     if set_to_none:
         for p in params:
             p.grad = None
         return
+    from ..client.creation import zeros_like
     from ..client.runtime import runtime
     from ..client.tensor import apply
+    rt = runtime()
     with no_grad():
-        for group in runtime().alike([g.id for g in grads], [None] * len(grads)):
+        if rt.faults_raised != rt.faults_at_zero_grad:
+            rt.faults_at_zero_grad = rt.faults_raised
+            for p in params:
+                if p.grad is not None:
+                    p.grad = zeros_like(p.grad)
+            return
+        for group in rt.alike([g.id for g in grads], [None] * len(grads)):
             apply("zero_foreach", *(grads[i] for i in group))
 
 

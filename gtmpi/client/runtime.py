@@ -45,6 +45,8 @@ class Runtime:
         self._old_sites: dict[int, tuple[str, int]] = {}
         self._internal_code: dict = {}  # code object -> is it gtmpi's own (skipped for sites)
         self._reported: dict[tuple, None] = {}  # origins of the Faults raised lately, in order
+        self.faults_raised = 0  # WorkerErrors raised so far (autograd.zero_grads reads it)
+        self.faults_at_zero_grad = 0
         self._seed = int.from_bytes(os.urandom(7), "little")
         self._random_ops = 0
         self.closed = False
@@ -124,6 +126,7 @@ class Runtime:
             # the worker sent it instead of the data, so ask again
 
     def error(self, fault: Fault) -> WorkerError:
+        self.faults_raised += 1
         self._reported[fault[:3]] = None
         if len(self._reported) > 1024:
             del self._reported[next(iter(self._reported))]
