@@ -610,3 +610,54 @@ def test_placed_uploads_go_piece_by_piece_from_the_host(gen, tmp_path):
     for t in (rows, both, part):
         assert_same(t, host)
     assert gtmpi.debug.placement(rows)["shards"] == {w0: (4, 4), w1: (3, 4)}
+
+
+@spread
+@pytest.mark.parametrize("make_view, placed", [
+    (lambda x: x.view(8 * 6, 10), "S(0)"),                 # a split batch merged with time
+    (lambda x: x.reshape(-1, 10), "S(0)"),
+    (lambda x: x.view(8, 6, 2, 5), "S(0)"),                # features split into heads
+    (lambda x: x.view(8, 6, 2, 5).transpose(1, 2), "S(0)"),
+    (lambda x: x.flatten(0, 1), "S(0)"),
+    (lambda x: x.view(4, 2, 6, 10), "S(0)"),               # the batch itself split: 4 rows/2
+    (lambda x: x.unsqueeze(0).expand(3, 8, 6, 10), "S(1)"),
+    (lambda x: x.view(8 * 6 * 10), "S(0)"),
+    (lambda x: x.view(2, 4 * 6, 10), "S(0)"),              # each worker's 4 rows: 1 row here
+    (lambda x: x.transpose(0, 1).reshape(6, 80), "S(1)"),  # each worker's 40 columns
+    (lambda x: x.view(3, 16, 10), "R"),                    # 4 rows of 6 are 1.5 rows of 16
+    (lambda x: x.transpose(0, 1).reshape(48, 10), "R"),    # the split dim no longer leads
+])
+def test_views_of_a_split_batch_keep_their_pieces(make_view, placed):
+    """Reshapes that keep each worker's rows its own move no data; only one that truly mixes
+    the pieces gathers (torch/distributed/tensor/_ops/_view_ops.py reasons alike)."""
+    host = torch.randn(8, 6, 10)
+    before = collectives()
+    y = make_view(gtmpi.signal.tensor(host, "data"))
+    assert where(y) == f"{placed}@{WORKERS[:2]}"
+    ran = ran_since(before)
+    assert ("all_gather" in ran) == (placed == "R"), ran
+    assert_same(y, make_view(host))
+
+
+@spread
+def test_a_split_gpt_block_never_gathers_its_batch():
+    """Attention written as real model code (views into heads, transposes, the fused kernel,
+    a view back) keeps the batch split: no gather, the same numbers as one worker."""
+    B, T, C, H = 4, 8, 16, 4
+    gen = torch.Generator().manual_seed(0)
+    host = torch.randn(B, T, C, generator=gen)
+    w = torch.randn(3 * C, C, generator=gen) / C ** 0.5
+
+    def block(x, w, fn=F):
+        q, k, v = fn.linear(x, w).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+        y = fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(B, T, C)
+
+    with gtmpi.signal.context("weights"):
+        wg = gtmpi.tensor(w)
+    before = collectives()
+    y = block(gtmpi.signal.tensor(host, "data"), wg)
+    assert where(y) == f"S(0)@{WORKERS[:2]}"
+    assert "all_gather" not in ran_since(before)
+    assert_same(y, block(host, w, torch.nn.functional), rtol=1e-5, atol=1e-6)

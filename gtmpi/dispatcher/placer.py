@@ -29,6 +29,7 @@ from ..signals.config import ConfigError
 from ..recording.events import Flag, Kind, Lane
 
 _COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
+_SHAPED = {"view", "reshape", "expand"}  # ops whose argument is the result's (global) shape
 # per-member values that may be read another way, with no data moved
 _RELABEL = {("R", "V"), ("I", "V"), ("P", "V"), ("V", "P")}
 
@@ -123,7 +124,10 @@ class Placer:
         if changed and len(mesh) > 1:  # replicas or pieces change together, or not at all
             self._agree(mesh, [w for i, w in enumerate(wire) if tmask >> i & 1 and i not in changed])
         placed = (name, out, tuple(wire), tmask, kw)
-        for rank in mesh:
+        local = name in _SHAPED and p.out.kind != "R"
+        for m, rank in enumerate(mesh):
+            if local:  # each member makes its own piece's shape
+                placed = (name, out, (wire[0], p.out.local_shape(tuple(outs[0][0]), m)), tmask, kw)
             self.d.enqueue(rank, placed, urgent)
         if op.kind in (OpKind.SHAPE, OpKind.INDEX) or name == "to":
             self.viewed.update(w for i, w in enumerate(wire) if tmask >> i & 1)

@@ -12,7 +12,10 @@ of a one-dimensional mesh):
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
+
+import torch
 
 from ..ops.table import FUSED_FNS, OPS, Kind
 from .types import Placement, make
@@ -287,6 +290,88 @@ def _dim_map(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return Plan(tuple(kinds), Placement(mesh, "S", new))
 
 
+def _reshape(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """view, reshape, flatten, squeeze, expand of a tensor in pieces along dim d (row-major, as
+    torch/distributed/tensor/_ops/_view_ops.py reasons): dims map in blocks of equal size
+    products; the pieces stay pieces where d leads its block (merged with the dims after it,
+    or split into the block's dims, the pieces going to its leading one) and every piece is a
+    whole number of the output's rows there, the same for every member. Anything else mixes
+    the pieces: None, and they are gathered."""
+    x = kinds[0]
+    if x.kind == "P":
+        return _partial(name, mesh, kinds)
+    if x.kind != "S":
+        return None
+    shape = tuple(sigs[0][0])
+    out = tuple(OPS[name].kernel(torch.empty(shape, device="meta"), *args[1:]).shape)
+    if name == "expand":  # new leading dims; expanded dims were of size 1, never the split one
+        new = x.dim + len(out) - len(shape)
+        return Plan(tuple(kinds), Placement(mesh, "S", new)) if out[new] == shape[x.dim] else None
+    for ins, outs_ in _blocks(shape, out):
+        if x.dim not in ins:
+            continue
+        lead = [d for d in ins if shape[d] != 1]
+        lead_out = [d for d in outs_ if out[d] != 1]
+        if not lead or lead[0] != x.dim or not lead_out:
+            return None
+        inner = math.prod(shape[d] for d in ins if d > x.dim)
+        inner_out = math.prod(out[d] for d in outs_ if d > lead_out[0])
+        n, k = shape[x.dim], len(mesh)  # members along the axis divide len(mesh): k suffices
+        if n % k or (n // k * inner) % inner_out:
+            return None
+        return Plan(tuple(kinds), Placement(mesh, "S", lead_out[0]))
+    return None
+
+
+def _along(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """split, chunk, narrow, cat and stack along a dim other than the split one: each member
+    cuts or joins its own pieces (stack adds a dim, which may shift the split one)."""
+    tensors = [p for p in kinds if p is not None]
+    if any(p.kind == "P" for p in tensors):
+        return _partial(name, mesh, kinds)
+    first = tensors[0]
+    if first.kind != "S" or any(p != first for p in tensors):
+        return None
+    ndim = len(sigs[0][0])
+    if name in ("cat", "stack"):
+        dim = kw["dim"] % (ndim + (name == "stack"))
+    else:
+        dim = (args[1] if name == "narrow" else args[2]) % ndim
+    if name == "stack":
+        return Plan(tuple(kinds), Placement(mesh, "S", first.dim + (dim <= first.dim)))
+    return None if dim == first.dim else Plan(tuple(kinds), first)
+
+
+def _blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Runs of dims of shapes a and b with equal products, in order: how a row-major reshape
+    from a to b maps dims (size-1 dims ride with their neighbours)."""
+    i = j = 0
+    blocks = []
+    while i < len(a) or j < len(b):
+        ins, outs_, pa, pb = [], [], 1, 1
+        if i < len(a):
+            ins.append(i)
+            pa *= a[i]
+            i += 1
+        if j < len(b):
+            outs_.append(j)
+            pb *= b[j]
+            j += 1
+        while pa != pb:
+            if (pa < pb and i < len(a)) or j >= len(b):
+                if i >= len(a):
+                    return []
+                ins.append(i)
+                pa *= a[i]
+                i += 1
+            else:
+                outs_.append(j)
+                pb *= b[j]
+                j += 1
+        blocks.append((ins, outs_))
+    return blocks
+
+
 def _inplace(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """The target keeps its placement; every other tensor operand is brought to it."""
     target = kinds[0]
@@ -369,7 +454,9 @@ RULES.update({"matmul": _matmul, "linear": _linear, "cross_entropy": _cross_entr
 # gradient ops placed by dual() from their forward op's plan, in the dispatcher's placer
 DUAL = {"linear_grad", *(f"{name}_grad" for name in FUSED_FNS)}
 # mix or index dims: right only on whole tensors, or on partial sums where linear
-for _name in ("cat", "stack", "split", "chunk", "narrow",
-              "getitem", "getitem_grad", "setitem", "expand", "reshape", "view", "flatten",
-              "squeeze"):
+for _name in ("getitem", "getitem_grad", "setitem"):
     RULES[_name] = lambda name, mesh, args, kw, kinds, sigs: _partial(name, mesh, kinds)
+for _name in ("cat", "stack", "split", "chunk", "narrow"):
+    RULES[_name] = _along
+for _name in ("view", "reshape", "flatten", "squeeze", "expand"):
+    RULES[_name] = _reshape
