@@ -69,3 +69,29 @@ def placement(t: Any) -> dict[str, Any]:
     return {"mesh": list(p.mesh), "grid": list(p.shape()),
             "type": types[0] if len(types) == 1 else types,
             "shards": {rank: p.local_shape(shape, i) for i, rank in enumerate(p.mesh)}}
+
+
+def strict_placement(on: bool = True) -> None:
+    """From now on, raise at the program's line (a PlacementError) instead of gathering,
+    re-splitting or moving a tensor between workers where no signal asked for it: a silent
+    fallback to replication cannot pass for parallelism. ``GTMPI_PLACEMENT=strict`` sets it at
+    start-up. Summing partial sums (a data-parallel gradient, a row-parallel output) is the math
+    of a placement, not a fallback, and stays allowed."""
+    from .client.runtime import runtime
+    runtime().dispatcher.placer.strict = on
+
+
+def explain(file: TextIO | None = None) -> dict[tuple[str, str, bool], tuple[int, int]]:
+    """Every collective and transfer the dispatcher inserted so far, by the program's line that
+    caused it: kind, count (per worker taking part; a transfer once) and bytes, and whether a
+    signal or a read asked for it or the placement rules fell back to it. Printed as a table
+    (largest bytes first) and returned as {(site, kind, asked): (count, bytes)}."""
+    from .client.runtime import runtime
+    inserted = {k: tuple(v) for k, v in runtime().dispatcher.placer.inserted.items()}
+    out = file or sys.stdout
+    print(f"{'bytes':>12} {'count':>7} {'kind':<15} {'why':<9} where", file=out)
+    for (site, kind, asked), (count, nbytes) in sorted(inserted.items(),
+                                                       key=lambda kv: -kv[1][1]):
+        print(f"{nbytes:>12,} {count:>7} {kind:<15} {'asked' if asked else 'inserted':<9} {site}",
+              file=out)
+    return inserted

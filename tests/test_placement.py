@@ -13,6 +13,7 @@ import gtmpi
 import gtmpi.nn as nn
 import gtmpi.nn.functional as F
 from conftest import assert_same, mpiexec, run_job
+from gtmpi.placement.rules import PlacementError
 from gtmpi.signals.config import ConfigError, load, parse
 
 WORKERS = sorted(gtmpi.info()["workers"])
@@ -213,7 +214,6 @@ def test_reshards_move_the_fewest_bytes(gen):
 
 @spread
 def test_invariant_varying_and_partial_from_configs(gen):
-    from gtmpi.placement.rules import PlacementError
     one = {"dp": 2}
     gtmpi.load_config({name: {"mesh": one, "placement": {"dp": kind}}
                        for name, kind in (("inv", "I"), ("var", "V"), ("part", "P"))})
@@ -661,3 +661,92 @@ def test_a_split_gpt_block_never_gathers_its_batch():
     assert where(y) == f"S(0)@{WORKERS[:2]}"
     assert "all_gather" not in ran_since(before)
     assert_same(y, block(host, w, torch.nn.functional), rtol=1e-5, atol=1e-6)
+
+
+@spread
+def test_strict_placement_raises_where_pieces_would_be_gathered_and_explain_lists_it():
+    host = torch.randn(8, 6, 10)
+    x = gtmpi.signal.tensor(host, "data")
+    z = x.view(3, 16, 10)  # mixes the pieces: gathered
+    line = _line_of("z = x.view(3, 16, 10)  # mixes")
+    import io
+    listed = gtmpi.debug.explain(io.StringIO())
+    gathers = {k: v for k, v in listed.items() if k[1] == "all_gather" and not k[2]}
+    assert any(site.endswith(f"test_placement.py:{line}") for site, _, _ in gathers), listed
+    gtmpi.debug.strict_placement()
+    try:
+        with pytest.raises(PlacementError, match=r"would gather a tensor of shape \[8, 6, 10\]"):
+            x.view(3, 16, 10)
+        y = x.view(48, 10) * 2  # keeps the pieces: allowed
+        assert_same(y, host.view(48, 10) * 2)
+        assert_same(z, host.view(3, 16, 10))
+    finally:
+        gtmpi.debug.strict_placement(False)
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        for n, line in enumerate(f, 1):
+            if text in line and "_line_of" not in line:
+                return n
+    raise AssertionError(text)
+
+
+@spread
+def test_data_parallel_gpt_in_strict_mode_reduces_gradients_and_gathers_nothing():
+    """The GPT of examples/gpt (real model code: views into heads, transposes, fused ops) under
+    the data-parallel config trains like torch with nothing gathered, in strict mode: per step
+    only the gradients' all-reduces, the loss's, the batch's upload and the replicas' checks."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    from examples.gpt.model import SIZES, build
+    c = SIZES["tiny"]
+    torch.manual_seed(0)
+    ref = build(torch)(c)
+    with gtmpi.signal.context("weights"):
+        model = build(gtmpi)(c)
+    gtmpi.debug.strict_placement()
+    try:
+        model.load_state_dict(ref.state_dict())
+        opt, topt = gtmpi.optim.AdamW(model.parameters()), torch.optim.AdamW(ref.parameters())
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            data = torch.randint(0, c.vocab, (8, c.seq + 1), generator=gen)
+            x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+            before = collectives()
+            opt.zero_grad()
+            loss = model(gtmpi.signal.tensor(x, "data"), gtmpi.signal.tensor(y, "data"))
+            loss.backward()
+            opt.step()
+            got = loss.item()
+            ran = ran_since(before)
+            topt.zero_grad()
+            want = ref(x, y)
+            want.backward()
+            topt.step()
+            assert abs(got - want.item()) < 1e-4
+            params = len(list(model.parameters()))
+            assert ran["all_reduce"] == 2 * (params + 2) and "all_gather" not in ran, ran
+    finally:
+        gtmpi.debug.strict_placement(False)
+
+
+@spread
+def test_constants_made_outside_signals_are_made_where_they_are_used():
+    """A causal mask built from arange in the forward pass, outside any signal, is made again
+    on the workers of the split batch (from how it was made), never sent; a tensor changed in
+    place since is sent as before."""
+    host = torch.randn(8, 5, 5)
+    x = gtmpi.signal.tensor(host, "data")
+    before = collectives()
+    mask = gtmpi.arange(5)[:, None] >= gtmpi.arange(5)[None, :]
+    y = x * mask
+    assert where(y) == f"S(0)@{WORKERS[:2]}"
+    assert not ran_since(before), ran_since(before)
+    want_mask = torch.arange(5)[:, None] >= torch.arange(5)[None, :]
+    assert_same(y, host * want_mask)
+    ones = gtmpi.ones(5, 5)
+    ones += 1  # no longer what its recipe makes
+    before = collectives()
+    assert_same(x * ones, host * 2)
+    assert ran_since(before).get("send") == 1

@@ -92,12 +92,12 @@ def rand(*size, dtype=None, requires_grad: bool = False) -> Tensor:
 
 
 def zeros_like(t: Tensor, dtype=None) -> Tensor:
-    with _beside(t):
+    with beside(t):
         return zeros(t.shape, dtype=dtype or t.dtype)
 
 
 def ones_like(t: Tensor, dtype=None) -> Tensor:
-    with _beside(t):
+    with beside(t):
         return ones(t.shape, dtype=dtype or t.dtype)
 
 
@@ -106,21 +106,21 @@ def empty_like(t: Tensor, dtype=None) -> Tensor:
 
 
 def full_like(t: Tensor, fill_value, dtype=None) -> Tensor:
-    with _beside(t):
+    with beside(t):
         return full(t.shape, fill_value, dtype=dtype or t.dtype)
 
 
 def randn_like(t: Tensor, dtype=None) -> Tensor:
-    with _beside(t):
+    with beside(t):
         return randn(t.shape, dtype=dtype or t.dtype)
 
 
 def rand_like(t: Tensor, dtype=None) -> Tensor:
-    with _beside(t):
+    with beside(t):
         return rand(t.shape, dtype=dtype or t.dtype)
 
 
-def _beside(t: Tensor):
+def beside(t: Tensor):
     """torch's *_like keep the device; here: made where t lives, laid out like it."""
     return runtime().dispatcher.placer.beside(t.id)
 

@@ -54,6 +54,8 @@ class Runtime:
         self.thread_id: int | None = None
         self.tracing = None  # a recording.session.TraceRun while a trace records
         self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
+        self.dispatcher.placer.site = self.current_site
+        self.dispatcher.placer.strict = os.environ.get("GTMPI_PLACEMENT", "") == "strict"
         config = os.environ.get("GTMPI_CONFIG") or os.environ.get("GT_CONFIG")
         if config:
             self.signals.register(load(config))
@@ -70,7 +72,15 @@ class Runtime:
         return next(self._ids)
 
     def note_site(self, tensor_id: int) -> None:
-        frame = sys._getframe(2)
+        frame = self._user_frame(sys._getframe(2))
+        if frame is None:
+            return
+        if len(self._sites) >= _SITES_PER_GENERATION:
+            self._old_sites, self._sites = self._sites, {}
+        self._sites[tensor_id] = (frame.f_code.co_filename, frame.f_lineno)
+
+    def _user_frame(self, frame: Any) -> Any:
+        """The innermost frame, from ``frame`` outwards, of the program rather than gtmpi."""
         internal = self._internal_code
         while frame is not None:
             code = frame.f_code
@@ -78,13 +88,14 @@ class Runtime:
             if inside is None:
                 inside = internal[code] = code.co_filename.startswith(_PKG_DIR)
             if not inside:
-                break
+                return frame
             frame = frame.f_back
-        if frame is None:
-            return
-        if len(self._sites) >= _SITES_PER_GENERATION:
-            self._old_sites, self._sites = self._sites, {}
-        self._sites[tensor_id] = (frame.f_code.co_filename, frame.f_lineno)
+        return None
+
+    def current_site(self) -> str:
+        """file:line of the program's line running now."""
+        frame = self._user_frame(sys._getframe(1))
+        return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
 
     def site(self, tensor_id: int) -> str | None:
         where = self._sites.get(tensor_id) or self._old_sites.get(tensor_id)

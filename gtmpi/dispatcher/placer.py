@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -53,6 +53,16 @@ class Placer:
         # a fused op's Graph id -> the op's plan, from which its gradient op is placed
         self.forward: dict[int, Plan] = {}
         self._passing: list[tuple[int, tuple[int, ...]]] = []  # (copy, mesh) freed by release()
+        # every collective and transfer inserted, by (where the program issued it, kind,
+        # whether a signal or a read asked for it): [count, bytes]; see explain()
+        self.inserted: dict[tuple[str, str, bool], list[int]] = {}
+        self.strict = False  # raise rather than gather or move what no signal asked to
+        self.site: Callable[[], str] = lambda: "?"  # the program's file:line now (the client's)
+        self._asked = 0  # > 0 while a signal or a read asks for the conversions made
+        # constants made on the home worker outside any signal (masks, arange, ones, and what
+        # is computed from them alone): how to make them again, so that an op elsewhere makes
+        # its own copy instead of having it sent. id -> (instruction, operands' recipes, depth)
+        self.recipes: dict[int, tuple] = {}
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -97,6 +107,8 @@ class Placer:
         if op.kind is OpKind.CREATE:
             target = self._signal_target(outs[0])
             self._create(ins, outs[0], target)
+            if target == self.home:
+                self.recipes[out] = (ins, (), 1)
             return target.mesh[0]
         kinds = [self.placement(a) if tmask >> i & 1 else None for i, a in enumerate(args)]
         forward = None
@@ -137,6 +149,12 @@ class Placer:
             ids = (out,) if type(out) is int else out
             for oid, sig, where in zip(ids, outs, outs_of(p.out, len(ids))):
                 self._record(oid, sig, where)
+            if type(out) is int and p.out == self.home and op.kind is not OpKind.FUSED:
+                operands = [self.recipes.get(a) for i, a in enumerate(args) if tmask >> i & 1]
+                if operands and all(r is not None for r in operands):
+                    depth = 1 + max(r[2] for r in operands)
+                    if depth <= RECIPE_DEPTH:
+                        self.recipes[out] = (ins, tuple(operands), depth)
             if op.kind is OpKind.FUSED and kw and kw.get("grads") and name not in DUAL:
                 self.forward[ids[1]] = p
         self.release()
@@ -181,7 +199,11 @@ class Placer:
         if any(k == "V" for k, _ in p.per_axis()):
             raise PlacementError(f"tensor {tid} is varying (V) across workers {list(p.mesh)}: it "
                                  "has no global value to read (place it as a partial sum first)")
-        rid = tid if p.kind in ("R", "I") else self._as(tid, sig, Placement(p.mesh, "R"))
+        self._asked += 1
+        try:
+            rid = tid if p.kind in ("R", "I") else self._as(tid, sig, Placement(p.mesh, "R"))
+        finally:
+            self._asked -= 1
         if len(p.mesh) > 1:
             self._agree(p.mesh, [rid])
         self._flush_touched()
@@ -209,7 +231,11 @@ class Placer:
         source = self.placement(tid)
         if source == target:
             return
-        moved = self._as(tid, sig, target)
+        self._asked += 1
+        try:
+            moved = self._as(tid, sig, target)
+        finally:
+            self._asked -= 1
         for rank in target.mesh:
             self._emit(rank, ("alias", tid, (moved,), 1, None))
         for rank, gone in self._forget(tid):
@@ -236,6 +262,11 @@ class Placer:
             return tid
         copy = self.copies.get((tid, want))
         if copy is None:
+            if self.strict and not self._asked and _fallback(have, want):
+                raise PlacementError(
+                    f"strict placement: this op would {_fallback(have, want)} a tensor of shape "
+                    f"{list(sig[0])} from {_name(have)} to {_name(want)}, which no signal asked "
+                    "for (gtmpi.debug.explain() lists what was inserted where)")
             copy = self._convert(tid, sig, have, want)
             shape = tuple(sig[0])
             if have.mesh == want.mesh and \
@@ -255,6 +286,11 @@ class Placer:
     def _convert(self, tid: int, sig: tuple, have: Placement, want: Placement) -> int:
         """A new id holding ``tid``'s value with placement ``want`` (instructions emitted)."""
         shape, dtype = sig
+        recipe = self.recipes.get(tid)
+        if have.mesh != want.mesh and recipe is not None and not self._asked:
+            made = self._replay(recipe, want.mesh)  # made there: nothing is sent
+            self.copies[(tid, want.whole)] = made
+            return made if want == want.whole else self._convert(made, sig, want.whole, want)
         if have.mesh != want.mesh:
             whole = tid if have.kind == "R" else self._as(tid, sig, have.whole)
             self._start_plane()
@@ -314,6 +350,29 @@ class Placer:
             for rank in mesh:
                 self._emit(rank, ("free", None, (before,), 0, None))
         return after
+
+    def _replay(self, recipe: tuple, mesh: tuple[int, ...]) -> int:
+        """Each member of ``mesh`` makes a constant again from its recipe: the id it is under
+        (what it was made from is freed once made)."""
+        made: dict[int, int] = {}
+        out = self._make(recipe, mesh, made)
+        for tid in made.values():
+            for rank in mesh:
+                self._emit(rank, ("free", None, (tid,), 0, None))
+        return out
+
+    def _make(self, recipe: tuple, mesh: tuple[int, ...], made: dict[int, int]) -> int:
+        ins, operands, _ = recipe
+        name, _, args, tmask, kw = ins
+        wire = list(args)
+        for i, r in zip([i for i in range(len(args)) if tmask >> i & 1], operands):
+            if id(r) not in made:
+                made[id(r)] = self._make(r, mesh, made)
+            wire[i] = made[id(r)]
+        out = next(self._temp)
+        for rank in mesh:
+            self._emit(rank, (name, out, tuple(wire), tmask, kw))
+        return out
 
     def _whole_along(self, tid: int, sig: tuple, p: Placement, axis: int) -> int:
         """Sum (P) or gather (S) the pieces along one axis of the mesh, within each line."""
@@ -405,7 +464,8 @@ class Placer:
             self.active = True
 
     def _changed(self, tid: int) -> None:
-        """An in-place op changed ``tid``: its copies are stale."""
+        """An in-place op changed ``tid``: its copies are stale, its recipe too."""
+        self.recipes.pop(tid, None)
         stale = [key for key in self.copies if key[0] == tid]
         for key in stale:
             copy = self.copies.pop(key)
@@ -416,6 +476,7 @@ class Placer:
         """(rank, id) of ``tid`` and its copies everywhere, dropped from the books."""
         entry = self.table.pop(tid, None)
         self.viewed.discard(tid)
+        self.recipes.pop(tid, None)
         self.forward.pop(tid, None)
         mesh = entry[1].mesh if entry is not None else self.home.mesh
         held = [(rank, tid) for rank in mesh]
@@ -457,6 +518,11 @@ class Placer:
         self.d.enqueue(rank, ins, True)
         if ins[0] in _COMM:
             self._touched.add(rank)
+            if ins[0] != "recv":  # a transfer counts once, at its sender
+                kw = ins[4]
+                entry = self.inserted.setdefault((self.site(), ins[0], self._asked > 0), [0, 0])
+                entry[0] += 1
+                entry[1] += _numel(kw["shape"]) * kw["dtype"].itemsize
         rec = self.d.trace
         if rec is not None:
             oid = ins[1] if type(ins[1]) is int else -1
@@ -487,6 +553,34 @@ def _fit(target: Placement, sig: tuple, where: str) -> Placement:
             dim %= ndim
         axes.append((kind, dim))
     return make(target.mesh, target.grid, axes)
+
+
+def _fallback(have: Placement, want: Placement) -> str | None:
+    """What a conversion does that only a signal should ask for: gather pieces, trade them
+    (S(i) -> S(j)), or move a tensor to other workers. Summing partial sums and cutting
+    pieces out of a whole are the math of a placement, never a fallback."""
+    if have.mesh != want.mesh:
+        return "move"
+    for a in range(max(len(have.grid), len(want.grid), 1)):
+        (hk, hd), (wk, wd) = _kind_along(have, a), _kind_along(want, a)
+        if hk == "S" and wk in "RI":
+            return "gather"
+        if hk == "S" and wk == "S" and hd != wd:
+            return "re-split"
+    return None
+
+
+def _kind_along(p: Placement, axis: int) -> tuple[str, int]:
+    axes = p.per_axis() if p.grid or p.kind != "R" else []
+    return axes[axis] if axis < len(axes) else (("R", 0) if not p.grid else axes[-1])
+
+
+def _name(p: Placement) -> str:
+    kinds = ",".join(f"S({d})" if k == "S" else k for k, d in p.per_axis())
+    return f"{kinds} on workers {list(p.mesh)}"
+
+
+RECIPE_DEPTH = 16  # the longest chain of ops made again rather than sent
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..autograd import no_grad, zero_grads
-from ..client.creation import tensor
+from ..client.creation import beside, tensor
 from ..client.dtypes import as_dtype
 from ..client.tensor import Tensor
 from .parameter import Parameter
@@ -133,7 +133,8 @@ class Module:
                     continue
                 value = state[name]
                 if isinstance(value, (torch.Tensor, np.ndarray)):
-                    value = tensor(value)
+                    with beside(target):  # uploaded where the parameter lives: nothing moves
+                        value = tensor(value)
                 if tuple(value.shape) != tuple(target.shape):
                     raise RuntimeError(f"size mismatch for {name}: copying a param with shape "
                                        f"{tuple(value.shape)}, the shape in current model is "
