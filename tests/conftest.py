@@ -32,6 +32,15 @@ def assert_same(got, want: torch.Tensor, rtol: float | None = None, atol: float 
     torch.testing.assert_close(got.cpu_torch(), want, rtol=rtol, atol=atol, equal_nan=True)
 
 
+def line_of(path: str, text: str) -> int:
+    """The number of the line of file ``path`` that holds ``text`` (for messages naming it)."""
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if text in line and "line_of(" not in line:
+                return n
+    raise AssertionError(text)
+
+
 def mpiexec() -> str | None:
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return here if os.path.exists(here) else shutil.which("mpiexec")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gtmpi
-from conftest import HOME_DEVICE, assert_same
+from conftest import HOME_DEVICE, assert_same, line_of
 
 
 def test_shape_errors_raise_synchronously_with_torch_messages():
@@ -38,7 +38,7 @@ def test_shape_error_points_at_the_callers_line():
 def test_worker_out_of_memory_raises_at_read_and_session_survives():
     huge = gtmpi.zeros(1 << 48)         # 1 PiB: a valid shape, an allocation that fails at once
                                         # (4 TiB could be overcommitted, then OOM-killed)
-    line = _line_of("huge = gtmpi.zeros(1 << 48)")
+    line = line_of(__file__, "huge = gtmpi.zeros(1 << 48)")
     dependent = (huge + 1).sum()
     with pytest.raises(gtmpi.WorkerError) as info:
         dependent.item()
@@ -59,7 +59,7 @@ def test_worker_out_of_memory_raises_at_read_and_session_survives():
 def test_worker_index_error_names_op_and_line():
     x = gtmpi.arange(5.0)
     bad = x[gtmpi.tensor([1, 9])]        # out of range: only the worker can tell
-    line = _line_of("bad = x[gtmpi.tensor([1, 9])]")
+    line = line_of(__file__, "bad = x[gtmpi.tensor([1, 9])]")
     with pytest.raises(gtmpi.WorkerError) as info:
         print(bad)
     assert "op 'getitem'" in str(info.value) and f"test_errors.py:{line}" in str(info.value)
@@ -75,13 +75,6 @@ def test_faults_are_counted_in_worker_stats():
     assert after == before + 2  # the failed op and the one that consumed its result
     del bad
 
-
-def _line_of(text: str) -> int:
-    with open(__file__) as f:
-        for n, line in enumerate(f, 1):
-            if text in line and "_line_of" not in line:
-                return n
-    raise AssertionError(text)
 
 
 def _both(lib):

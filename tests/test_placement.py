@@ -12,7 +12,7 @@ import torch
 import gtmpi
 import gtmpi.nn as nn
 import gtmpi.nn.functional as F
-from conftest import assert_same, mpiexec, run_job
+from conftest import assert_same, line_of, mpiexec, run_job
 from gtmpi.placement.rules import PlacementError
 from gtmpi.signals.config import ConfigError, load, parse
 
@@ -668,7 +668,7 @@ def test_strict_placement_raises_where_pieces_would_be_gathered_and_explain_list
     host = torch.randn(8, 6, 10)
     x = gtmpi.signal.tensor(host, "data")
     z = x.view(3, 16, 10)  # mixes the pieces: gathered
-    line = _line_of("z = x.view(3, 16, 10)  # mixes")
+    line = line_of(__file__, "z = x.view(3, 16, 10)  # mixes")
     import io
     listed = gtmpi.debug.explain(io.StringIO())
     gathers = {k: v for k, v in listed.items() if k[1] == "all_gather" and not k[2]}
@@ -683,13 +683,6 @@ def test_strict_placement_raises_where_pieces_would_be_gathered_and_explain_list
     finally:
         gtmpi.debug.strict_placement(False)
 
-
-def _line_of(text: str) -> int:
-    with open(__file__) as f:
-        for n, line in enumerate(f, 1):
-            if text in line and "_line_of" not in line:
-                return n
-    raise AssertionError(text)
 
 
 @spread
