@@ -3,6 +3,8 @@
     mpiexec -n 2 python benchmarks/gpt.py --size gpt2     # gtmpi with one worker process
     python benchmarks/gpt.py --size d384                  # gtmpi's embedded worker
     python benchmarks/gpt.py --size tiny --steps 3        # a CPU check
+    mpiexec -n 3 python benchmarks/gpt.py --size d384 --batch 16 --data-parallel
+                                                          # each batch split over 2 workers
 
 The model is examples/gpt/model.py, defined once for both libraries. Both start from the same
 seeded weights (torch's, loaded into gtmpi's model) and train on the same random batches with
@@ -16,6 +18,7 @@ count per step is printed too. Ends with one JSON line of the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -67,6 +70,9 @@ def main() -> None:
                    help="weights and activations (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile (a reference)")
     p.add_argument("--no-torch", action="store_true", help="time gtmpi alone (profiling)")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="gtmpi splits each batch over all its workers (weights replicated, "
+                        "gradients all-reduced); torch runs the same batch on one GPU")
     args = p.parse_args()
 
     world = gtmpi.info()
@@ -115,11 +121,17 @@ def main() -> None:
         if args.compile:
             run_torch("compile", True)
 
-    model = build(gtmpi)(c)
+    everyone = list(range(len(world["workers"])))
+    gtmpi.load_config({"dp_data": {"shard": {"axis": 0, "workers": everyone}},
+                       "dp_weights": {"shard": {"workers": everyone, "replicated": True}}})
+    parallel = args.data_parallel
+    with gtmpi.signal.context("dp_weights") if parallel else contextlib.nullcontext():
+        model = build(gtmpi)(c)
     model.load_state_dict(init)
     model.to(dtype)
     opt = gtmpi.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    on_workers = [(gtmpi.tensor(x), gtmpi.tensor(y)) for x, y in data]
+    on_workers = [(gtmpi.signal.tensor(x, "dp_data"), gtmpi.signal.tensor(y, "dp_data"))
+                  if parallel else (gtmpi.tensor(x), gtmpi.tensor(y)) for x, y in data]
     home = min(world["workers"])
     before = gtmpi.debug.worker_stats(reset_peak=True)[home]
     losses, seconds = train(model, opt, on_workers, steps, warmup, gtmpi.synchronize)
@@ -145,6 +157,7 @@ def main() -> None:
               f"{r['losses'][0]:11.4f} {r['losses'][-1]:10.4f}")
     print(f"gtmpi: {res['gtmpi']['instructions']:.0f} worker instructions per step")
     out = {"benchmark": "gpt", "size": args.size, "batch": args.batch, "dtype": str(dtype)[6:],
+           "data_parallel": parallel,
            "device": name, "host": platform.node(), "workers": len(world["workers"]),
            "embedded": world["embedded"], "steps": steps, "warmup": warmup,
            "gtmpi_instructions_per_step": round(res["gtmpi"]["instructions"], 1)}
