@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..ops.shapes import signature_key
 from ..ops.table import OPS, Kind as OpKind
 from ..placement.rules import DUAL, Plan, PlacementError, dual, plan, written
 from ..placement.rules import outs as outs_of
@@ -63,6 +64,7 @@ class Placer:
         # is computed from them alone): how to make them again, so that an op elsewhere makes
         # its own copy instead of having it sent. id -> (instruction, operands' recipes, depth)
         self.recipes: dict[int, tuple] = {}
+        self._plans: dict[tuple, Plan] = {}
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -123,10 +125,23 @@ class Placer:
                     Placement(mesh, "R")) for p in kinds]
         for i in changed:
             self.replace(args[i], sigs[i], on_mesh[i])
-        if name in DUAL:
-            p = self._dual(name, forward, args, tmask, kw, mesh, grid, on_mesh, sigs)
-        else:
-            p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
+        # a training loop places the same ops alike every step: plans are cached by the op,
+        # its operands' shapes, dtypes and placements, its constants and the forward plan
+        try:
+            key = (signature_key(name, tuple(sigs), tmask, kw), tuple(on_mesh), mesh, grid,
+                   forward)
+            p = self._plans.get(key)
+        except TypeError:  # an unhashable constant
+            key, p = None, None
+        if p is None:
+            if name in DUAL:
+                p = self._dual(name, forward, args, tmask, kw, mesh, grid, on_mesh, sigs)
+            else:
+                p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
+            if key is not None:
+                if len(self._plans) >= PLANS_CACHED:
+                    self._plans.clear()
+                self._plans[key] = p
         for i in changed:
             self.replace(args[i], sigs[i], p.wants[i])
         wire = list(args)
@@ -580,6 +595,7 @@ def _name(p: Placement) -> str:
     return f"{kinds} on workers {list(p.mesh)}"
 
 
+PLANS_CACHED = 1 << 14
 RECIPE_DEPTH = 16  # the longest chain of ops made again rather than sent
 
 
