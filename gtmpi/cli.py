@@ -5,6 +5,7 @@
     gtmpi-trace idle run.h5                    idle gaps per worker, pipeline bubbles
     gtmpi-trace timeline run.h5 -o run.png     a picture (PNG, SVG or PDF)
     gtmpi-trace export run.h5 -o run.json      Chrome trace-event JSON for Perfetto
+    gtmpi-trace comms run.h5                   collectives and transfers inserted, by line
 
 A missing, truncated or foreign file is one line on stderr and exit status 2.
 """
@@ -95,6 +96,11 @@ def idle(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None
                      ("bubble", "bubble", ".3f")], out)
 
 
+def comms(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:
+    _table(analysis.comm_rows(trace), [("bytes", "bytes", ""), ("count", "count", ""),
+           ("kind", "kind", ""), ("why", "why", ""), ("where", "where", "")], out)
+
+
 def timeline(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:
     from .trace.timeline import draw
     ops = [o for o in args.ops.split(",") if o] if args.ops else None
@@ -131,6 +137,8 @@ def parser() -> argparse.ArgumentParser:
     c = command("idle", idle, "per worker idle gaps, and the bubble fraction per pipeline stage")
     c.add_argument("--min-gap-us", type=float, default=100.0,
                    help="shortest gap listed, in microseconds (default 100)")
+    command("comms", comms, "every collective and transfer gtmpi inserted, by the program's "
+            "line that caused it: count, bytes, and whether a signal or a read asked for it")
     c = command("timeline", timeline, "a picture with a lane for the client, the dispatcher and "
                 "each worker")
     c.add_argument("-o", "--output", required=True, help="picture file: .png, .svg or .pdf")

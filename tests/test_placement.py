@@ -743,3 +743,24 @@ def test_constants_made_outside_signals_are_made_where_they_are_used():
     before = collectives()
     assert_same(x * ones, host * 2)
     assert ran_since(before).get("send") == 1
+
+
+@spread
+def test_gtmpi_trace_comms_lists_what_was_inserted_by_line(tmp_path, capsys):
+    from gtmpi.cli import trace_main
+    from gtmpi.recording import fileformat
+    from gtmpi.trace import analysis
+    path = str(tmp_path / "comms.h5")
+    x = gtmpi.signal.tensor(torch.randn(8, 6, 10), "data")
+    gtmpi.trace.start(path)
+    z = x.view(3, 16, 10)  # traced: mixes the pieces
+    line = line_of(__file__, "z = x.view(3, 16, 10)  # traced")
+    z.sum().item()
+    gtmpi.trace.stop()
+    rows = analysis.comm_rows(fileformat.read(path))
+    gathers = [r for r in rows if r["kind"] == "all_gather"]
+    assert len(gathers) == 1 and gathers[0]["where"].endswith(f"test_placement.py:{line}")
+    assert gathers[0]["why"] == "inserted" and gathers[0]["count"] == 2
+    assert gathers[0]["bytes"] == 8 * 6 * 10 * 4  # the two pieces
+    assert trace_main(["comms", path]) == 0
+    assert f"test_placement.py:{line}" in capsys.readouterr().out

@@ -542,8 +542,14 @@ class Placer:
         if rec is not None:
             oid = ins[1] if type(ins[1]) is int else -1
             t = time.perf_counter_ns()
-            rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, ins[0], oid, rank,
-                      flags=Flag.INSERTED)
+            if ins[0] in _COMM and ins[0] != "recv":  # the program's line that caused it
+                kw = ins[4]
+                rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, ins[0], oid, rank,
+                          _numel(kw["shape"]) * kw["dtype"].itemsize, flags=Flag.INSERTED,
+                          detail=f"{'asked' if self._asked else 'inserted'} {self.site()}")
+            else:
+                rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, ins[0], oid, rank,
+                          flags=Flag.INSERTED)
 
     def _flush_touched(self) -> None:
         """Every member of a collective gets it now: one of them waiting in it while another's

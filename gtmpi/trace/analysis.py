@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..recording.events import Kind, Lane
+from ..recording.events import Flag, Kind, Lane
 from ..recording.fileformat import Trace
 
 # What counts as working, per lane; everything else on a lane's timeline is idle or waiting.
@@ -122,6 +122,24 @@ def collective_rows(trace: Trace) -> list[dict[str, Any]]:
             entry[0] += 1
             entry[1] += int(e["bytes"])
     return [{"collective": k, "count": c, "bytes": b} for k, (c, b) in sorted(counts.items())]
+
+
+def comm_rows(trace: Trace) -> list[dict[str, Any]]:
+    """Every collective and transfer the dispatcher inserted, by the program's line that caused
+    it and kind: count (per worker taking part; a transfer once), bytes, and whether a signal or
+    a read asked for it. Largest bytes first."""
+    table = trace.events.get(0, np.zeros(0))
+    rows: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    inserted = select(table, (Kind.DISPATCH,), Lane.DISPATCHER) if len(table) else table
+    for e in inserted[(inserted["flags"] & Flag.INSERTED) != 0] if len(inserted) else []:
+        if int(e["detail"]) < 0:
+            continue  # an inserted instruction that moves nothing (a cut, an alias, a free)
+        why, _, site = trace.name(int(e["detail"])).partition(" ")
+        entry = rows[(site, trace.name(int(e["name"])), why)]
+        entry[0] += 1
+        entry[1] += int(e["bytes"])
+    return sorted(({"where": k[0], "kind": k[1], "why": k[2], "count": c, "bytes": b}
+                   for k, (c, b) in rows.items()), key=lambda r: -r["bytes"])
 
 
 def wait_rows(trace: Trace) -> list[dict[str, Any]]:
