@@ -277,9 +277,10 @@ class Placer:
             return tid
         copy = self.copies.get((tid, want))
         if copy is None:
-            if self.strict and not self._asked and _fallback(have, want):
+            fallback = self.strict and not self._asked and _fallback(have, want)
+            if fallback:
                 raise PlacementError(
-                    f"strict placement: this op would {_fallback(have, want)} a tensor of shape "
+                    f"strict placement: this op would {fallback} a tensor of shape "
                     f"{list(sig[0])} from {_name(have)} to {_name(want)}, which no signal asked "
                     "for (gtmpi.debug.explain() lists what was inserted where)")
             copy = self._convert(tid, sig, have, want)
@@ -294,9 +295,13 @@ class Placer:
     def release(self) -> None:
         """Free the gathered copies made for the instructions sent so far."""
         for copy, mesh in self._passing:
-            for rank in mesh:
-                self._emit(rank, ("free", None, (copy,), 0, None))
+            self._free_on(mesh, copy)
         self._passing.clear()
+
+    def _free_on(self, mesh: tuple[int, ...], tid: int) -> None:
+        """A copy the dispatcher made is no longer needed on any member of ``mesh``."""
+        for rank in mesh:
+            self._emit(rank, ("free", None, (tid,), 0, None))
 
     def _convert(self, tid: int, sig: tuple, have: Placement, want: Placement) -> int:
         """A new id holding ``tid``'s value with placement ``want`` (instructions emitted)."""
@@ -362,8 +367,7 @@ class Placer:
         """One step of a conversion done: the previous step's result, if made for it, is freed
         once the step that read it is sent."""
         if before != source:
-            for rank in mesh:
-                self._emit(rank, ("free", None, (before,), 0, None))
+            self._free_on(mesh, before)
         return after
 
     def _replay(self, recipe: tuple, mesh: tuple[int, ...]) -> int:
@@ -372,8 +376,7 @@ class Placer:
         made: dict[int, int] = {}
         out = self._make(recipe, mesh, made)
         for tid in made.values():
-            for rank in mesh:
-                self._emit(rank, ("free", None, (tid,), 0, None))
+            self._free_on(mesh, tid)
         return out
 
     def _make(self, recipe: tuple, mesh: tuple[int, ...], made: dict[int, int]) -> int:
@@ -483,9 +486,7 @@ class Placer:
         self.recipes.pop(tid, None)
         stale = [key for key in self.copies if key[0] == tid]
         for key in stale:
-            copy = self.copies.pop(key)
-            for rank in key[1].mesh:
-                self._emit(rank, ("free", None, (copy,), 0, None))
+            self._free_on(key[1].mesh, self.copies.pop(key))
 
     def _forget(self, tid: int) -> list[tuple[int, int]]:
         """(rank, id) of ``tid`` and its copies everywhere, dropped from the books."""
