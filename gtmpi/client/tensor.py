@@ -16,7 +16,7 @@ import torch
 
 from ..ops import OPS, Kind, infer
 from ..ops.table import FUSED_FNS
-from ..ops.shapes import RESTRIDING, SCALARS, VIEWS, view_strides
+from ..ops.shapes import RESTRIDING, SCALARS, VIEWS, signature_key, view_strides
 from ..transport.buffers import NUMPY_DTYPES
 from .dtypes import as_dtype
 from .. import autograd
@@ -366,8 +366,13 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         kw["grads"] = tuple(i for i, a in enumerate(operands)
                             if isinstance(a, Tensor) and a.requires_grad)
     kw = kw or None
+    key = None  # the signature's cache key, for shape inference and the placer alike
     if shape_as is None:
-        outs, multi = infer(name, tuple(sigs), tmask, kw)
+        try:
+            key = signature_key(name, tuple(sigs), tmask, kw)
+        except TypeError:  # an unhashable constant
+            pass
+        outs, multi = infer(name, tuple(sigs), tmask, kw, key)
     else:
         n, template, index_sigs = shape_as
         lead = len(sigs) - n
@@ -378,12 +383,13 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         if recording:
             autograd.engine.record(name, operands, kw, None)  # raises: in place needs no_grad()
         rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw), True, issued, sigs,
-                             outs)
+                             outs, key=key)
         rt.note_site(args[0].id)
         return args[0]
     if multi:
         ids = tuple(rt.new_id() for _ in outs)
-        rt.dispatcher.submit((name, ids, tuple(wire), tmask, kw), True, issued, sigs, outs)
+        rt.dispatcher.submit((name, ids, tuple(wire), tmask, kw), True, issued, sigs, outs,
+                             key=key)
         for i in ids:
             rt.note_site(i)
         result = tuple(Tensor(i, s) for i, s in zip(ids, outs))
@@ -402,7 +408,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         out = rt.new_id()
         rt.dispatcher.submit((name, out, tuple(wire), tmask, kw),
                              name == "matmul" or outs[0][0].numel() >= _URGENT_NUMEL, issued,
-                             sigs, outs)
+                             sigs, outs, key=key)
         rt.note_site(out)
         result = Tensor(out, outs[0])
         result._strides = strides

@@ -71,12 +71,13 @@ class Dispatcher:
         self.placer = Placer(self)
 
     def submit(self, ins: tuple, urgent: bool = True, issued: int = 0, sigs: list | None = None,
-               outs: list | None = None, host: torch.Tensor | None = None) -> None:
+               outs: list | None = None, host: torch.Tensor | None = None,
+               key: tuple | None = None) -> None:
         """A tensor instruction from the client, routed to the workers that hold its operands.
         ``urgent`` marks work big enough that an idle worker should start on it now; ``issued``
         is when the client started on it (traces only); ``sigs`` and ``outs`` are the
         (shape, dtype) of its operands and results, which placing needs; ``host`` is an upload's
-        data."""
+        data; ``key``, the operands' signature_key where the client made it."""
         rec = self.trace
         if rec is not None:
             received = _clock()
@@ -86,7 +87,7 @@ class Dispatcher:
             # a tiny op no instruction of its own
             self._route_frees()
         if self.placer.active:  # logged once placed: only then is its worker known
-            rank = self.placer.submit(ins, sigs, outs, urgent, host)
+            rank = self.placer.submit(ins, sigs, outs, urgent, host, key)
             if self.log is not None:
                 self.log.received(ins, rank)
         else:

@@ -40,7 +40,7 @@ class Placer:
         self.d = dispatcher
         self.home = Placement((dispatcher.home,), "R")
         self.table: dict[int, tuple[tuple, Placement]] = {}  # id -> (sig, placement), off home
-        self.copies: dict[tuple[int, Placement], int] = {}  # (id, placement) -> converted copy
+        self.copies: dict[int, dict[Placement, int]] = {}  # id -> placement -> converted copy
         self.signals: list[tuple[Placement, str]] = []  # open signal scopes: (placement, where
         # its axis came from, for errors), innermost last
         self.active = False
@@ -99,9 +99,9 @@ class Placer:
         self.signals.pop()
 
     def submit(self, ins: tuple, sigs: list, outs: list, urgent: bool,
-               host: torch.Tensor | None = None) -> int:
-        """Place one client instruction (``host``: an upload's data); return the first rank
-        it went to."""
+               host: torch.Tensor | None = None, key: tuple | None = None) -> int:
+        """Place one client instruction (``host``: an upload's data; ``key``: its operands'
+        signature_key, where the client made it); return the first rank it went to."""
         name, out, args, tmask, kw = ins
         if name == "upload":
             return self._upload(ins, host)
@@ -112,49 +112,47 @@ class Placer:
             if target == self.home:
                 self.recipes[out] = (ins, (), 1)
             return target.mesh[0]
-        kinds = [self.placement(a) if tmask >> i & 1 else None for i, a in enumerate(args)]
+        table, home = self.table, self.home
+        kinds = [None if not tmask >> i & 1 else
+                 table[a][1] if a in table else home for i, a in enumerate(args)]
         forward = None
         if name in DUAL and name != "linear_grad":  # (graph, g): where the forward op ran
             forward = self.forward.get(args[0]) or \
                 Plan((self.home,) * (max(kw["grads"]) + 1), self.home)  # made before placing
-        mesh, grid = (forward.out.mesh, forward.out.grid) if forward else self._mesh(kinds)
-        changed = written(name, args, tmask) if op.kind is OpKind.INPLACE else ()
-        # operands elsewhere, or laid out over other axes, count as whole here
-        on_mesh = [None if p is None else
-                   (p if p.mesh == mesh and (p.grid == grid or p.kind == "R") else
-                    Placement(mesh, "R")) for p in kinds]
-        for i in changed:
-            self.replace(args[i], sigs[i], on_mesh[i])
-        # a training loop places the same ops alike every step: plans are cached by the op,
-        # its operands' shapes, dtypes and placements, its constants and the forward plan
+        # a training loop places the same ops alike every step: decisions are cached by the op,
+        # its operands' shapes, dtypes and placements, its constants, the signal in force and
+        # the forward plan
         try:
-            key = (signature_key(name, tuple(sigs), tmask, kw), tuple(on_mesh), mesh, grid,
-                   forward)
-            p = self._plans.get(key)
+            key = (key or signature_key(name, tuple(sigs), tmask, kw), tuple(kinds),
+                   self.signals[-1][0] if self.signals else None, forward)
+            d = self._plans.get(key)
         except TypeError:  # an unhashable constant
-            key, p = None, None
-        if p is None:
-            if name in DUAL:
-                p = self._dual(name, forward, args, tmask, kw, mesh, grid, on_mesh, sigs)
-            else:
-                p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
+            key, d = None, None
+        if d is None:
+            d = self._decide(name, forward, args, tmask, kw, kinds, sigs, outs)
             if key is not None:
                 if len(self._plans) >= PLANS_CACHED:
                     self._plans.clear()
-                self._plans[key] = p
+                self._plans[key] = d
+        mesh, on_mesh, p, direct, shapes = d
+        changed = written(name, args, tmask) if op.kind is OpKind.INPLACE else ()
+        for i in changed:
+            self.replace(args[i], sigs[i], on_mesh[i])
         for i in changed:
             self.replace(args[i], sigs[i], p.wants[i])
-        wire = list(args)
-        for i, want in enumerate(p.wants):
-            if want is not None and i not in changed:
-                wire[i] = self._as(args[i], sigs[i], want)
+        wire = args
+        if not direct or changed:
+            wire = list(args)
+            for i, want in enumerate(p.wants):
+                if want is not None and i not in changed:
+                    wire[i] = self._as(args[i], sigs[i], want)
+            wire = tuple(wire)
         if changed and len(mesh) > 1:  # replicas or pieces change together, or not at all
             self._agree(mesh, [w for i, w in enumerate(wire) if tmask >> i & 1 and i not in changed])
-        placed = (name, out, tuple(wire), tmask, kw)
-        local = name in _SHAPED and p.out.kind != "R"
+        placed = (name, out, wire, tmask, kw)
         for m, rank in enumerate(mesh):
-            if local:  # each member makes its own piece's shape
-                placed = (name, out, (wire[0], p.out.local_shape(tuple(outs[0][0]), m)), tmask, kw)
+            if shapes:  # each member makes its own piece's shape
+                placed = (name, out, (wire[0], shapes[m]), tmask, kw)
             self.d.enqueue(rank, placed, urgent)
         if op.kind in (OpKind.SHAPE, OpKind.INDEX) or name == "to":
             self.viewed.update(w for i, w in enumerate(wire) if tmask >> i & 1)
@@ -175,6 +173,26 @@ class Placer:
         self.release()
         self._flush_touched()
         return mesh[0]
+
+    def _decide(self, name: str, forward: Plan | None, args: tuple, tmask: int, kw: dict,
+                kinds: list, sigs: list, outs: list) -> tuple:
+        """How an op is placed, given its operands' placements: (its mesh, each operand's
+        placement counted on that mesh, the plan, whether every operand is already as the
+        plan wants it, and each member's result shape where members make their own pieces)."""
+        mesh, grid = (forward.out.mesh, forward.out.grid) if forward else self._mesh(kinds)
+        # operands elsewhere, or laid out over other axes, count as whole here
+        on_mesh = [None if p is None else
+                   (p if p.mesh == mesh and (p.grid == grid or p.kind == "R") else
+                    Placement(mesh, "R")) for p in kinds]
+        if name in DUAL:
+            p = self._dual(name, forward, args, tmask, kw, mesh, grid, on_mesh, sigs)
+        else:
+            p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
+        direct = all(w is None or w == k for w, k in zip(p.wants, kinds))
+        shapes = None
+        if name in _SHAPED and p.out.kind != "R":
+            shapes = [p.out.local_shape(tuple(outs[0][0]), m) for m in range(len(mesh))]
+        return mesh, on_mesh, p, direct, shapes
 
     def _dual(self, name: str, forward: Plan | None, args: tuple, tmask: int, kw: dict,
               mesh: tuple[int, ...], grid: tuple[int, ...], on_mesh: list, sigs: list) -> Plan:
@@ -275,7 +293,7 @@ class Placer:
                 self._emit(rank, op)
             self._record(tid, sig, want)
             return tid
-        copy = self.copies.get((tid, want))
+        copy = self.copies.get(tid, _NONE).get(want)
         if copy is None:
             fallback = self.strict and not self._asked and _fallback(have, want)
             if fallback:
@@ -289,7 +307,7 @@ class Placer:
                     _numel(want.local_shape(shape, 0)) > _numel(have.local_shape(shape, 0)):
                 self._passing.append((copy, want.mesh))
             else:
-                self.copies[(tid, want)] = copy
+                self.copies.setdefault(tid, {})[want] = copy
         return copy
 
     def release(self) -> None:
@@ -309,7 +327,7 @@ class Placer:
         recipe = self.recipes.get(tid)
         if have.mesh != want.mesh and recipe is not None and not self._asked:
             made = self._replay(recipe, want.mesh)  # made there: nothing is sent
-            self.copies[(tid, want.whole)] = made
+            self.copies.setdefault(tid, {})[want.whole] = made
             return made if want == want.whole else self._convert(made, sig, want.whole, want)
         if have.mesh != want.mesh:
             whole = tid if have.kind == "R" else self._as(tid, sig, have.whole)
@@ -324,7 +342,7 @@ class Placer:
                                         {"dst": rank, "shape": tuple(shape), "dtype": dtype}))
                     self._emit(rank, ("recv", moved, (), 0,
                                       {"shape": tuple(shape), "dtype": dtype, "src": sender}))
-            self.copies[(tid, want.whole)] = moved
+            self.copies.setdefault(tid, {})[want.whole] = moved
             return moved if want == want.whole else self._convert(moved, sig, want.whole, want)
         if have.kind != "R" and want.kind != "R" and have.grid != want.grid:
             # laid out over other axes: whole first
@@ -484,9 +502,8 @@ class Placer:
     def _changed(self, tid: int) -> None:
         """An in-place op changed ``tid``: its copies are stale, its recipe too."""
         self.recipes.pop(tid, None)
-        stale = [key for key in self.copies if key[0] == tid]
-        for key in stale:
-            self._free_on(key[1].mesh, self.copies.pop(key))
+        for where, copy in self.copies.pop(tid, _NONE).items():
+            self._free_on(where.mesh, copy)
 
     def _forget(self, tid: int) -> list[tuple[int, int]]:
         """(rank, id) of ``tid`` and its copies everywhere, dropped from the books."""
@@ -496,9 +513,8 @@ class Placer:
         self.forward.pop(tid, None)
         mesh = entry[1].mesh if entry is not None else self.home.mesh
         held = [(rank, tid) for rank in mesh]
-        for key in [key for key in self.copies if key[0] == tid]:
-            copy = self.copies.pop(key)
-            held += [(rank, copy) for rank in key[1].mesh]
+        for where, copy in self.copies.pop(tid, _NONE).items():
+            held += [(rank, copy) for rank in where.mesh]
         return held
 
     def _groups_along(self, p: Placement, axis: int) -> list[int]:
@@ -603,6 +619,7 @@ def _name(p: Placement) -> str:
 
 
 PLANS_CACHED = 1 << 14
+_NONE: dict = {}  # no copies (never written)
 RECIPE_DEPTH = 16  # the longest chain of ops made again rather than sent
 
 

@@ -170,16 +170,19 @@ def _evaluate(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tupl
     return tuple((o.shape, o.dtype) for o in out), True
 
 
-def infer(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tuple[Sig, ...], bool]:
-    """Output Sigs of an op and whether it returns a tuple. Tensor operands are given as Sigs.
+def infer(name: str, args: tuple, tmask: int, kw: dict | None,
+          key: tuple | None = None) -> tuple[tuple[Sig, ...], bool]:
+    """Output Sigs of an op and whether it returns a tuple. Tensor operands are given as Sigs;
+    ``key``, their signature_key where the caller has it.
 
     Raises torch's own exception (shape mismatch, bad dim, bad dtype) synchronously.
     """
     if name in _INTEGER_DIVISION and tmask == 1 and args[1] == 0 and type(args[1]) in (int, bool) \
             and not args[0][1].is_floating_point:
         raise RuntimeError("ZeroDivisionError")
-    key = signature_key(name, args, tmask, kw)
     try:
+        if key is None:
+            key = signature_key(name, args, tmask, kw)
         hit = _cache.get(key)
     except TypeError:  # an unhashable constant: no caching for this call
         return _evaluate(name, args, tmask, kw)

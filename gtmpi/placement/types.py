@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Placement:
     mesh: tuple[int, ...]  # worker ranks, in order (row-major over the axes)
     kind: str = "R"        # one axis: "R", "I", "S", "P" or "V"; several axes: "grid"
@@ -30,6 +30,20 @@ class Placement:
     def __post_init__(self) -> None:
         if self.kind not in ("R", "I", "S", "P", "V", "grid"):
             raise ValueError(f"unknown placement type {self.kind!r}")
+        # the dispatcher compares and hashes placements several times per op (plan keys,
+        # copies): the fields' tuple once, not at every comparison
+        object.__setattr__(self, "_key", (self.mesh, self.kind, self.dim, self.grid, self.axes))
+        object.__setattr__(self, "_hash", hash(self._key))
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (type(other) is Placement and self._hash == other._hash
+                                 and self._key == other._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:  # a string's hash differs between processes
+        return (Placement, self._key)
 
     def __str__(self) -> str:
         types = "×".join(_name(k, d) for k, d in self.per_axis())
