@@ -6,7 +6,7 @@ worker inside the process, or n spawned ones after ``gtmpi.workers(n)``.
 """
 from __future__ import annotations
 
-from . import debug, nn, optim, trace
+from . import debug, nn, optim, pipeline, trace
 from . import signals as signal
 from .checkpoint import load, save
 from .autograd import enable_grad, is_grad_enabled, no_grad

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,48 @@ def build(lib: ModuleType) -> type:
             self.register_buffer("position_ids", lib.arange(c.seq))
 
         def forward(self, idx, targets=None):
-            B, T = idx.shape
-            x = self.tokens(idx) + self.positions(self.position_ids[:T])
+            x = self.embed(idx)
             for block in self.blocks:
                 x = block(x)
+            return self.finish(x, targets)
+
+        def embed(self, idx):
+            return self.tokens(idx) + self.positions(self.position_ids[:idx.shape[1]])
+
+        def finish(self, x, targets=None):
+            """The logits, or the mean loss where targets are given."""
             logits = self.head(self.ln(x))
             if targets is None:
                 return logits
-            return F.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
+            B, T, V = logits.shape
+            return F.cross_entropy(logits.view(B * T, V), targets.view(B * T))
 
     return GPT
+
+
+def stages(model, p: int) -> list[tuple[list, Callable]]:
+    """The GPT cut into ``p`` pipeline stages of consecutive blocks (the first stages take one
+    more where they do not divide): per stage, the modules whose weights it holds, and what it
+    runs. The first embeds the tokens; the last ends with the final norm, the head and the
+    loss, and is given the targets."""
+    blocks = list(model.blocks)
+    if not 1 <= p <= len(blocks):
+        raise ValueError(f"{len(blocks)} blocks cannot make {p} stages")
+    bounds = [len(blocks) * s // p for s in range(p + 1)]
+    out = []
+    for s in range(p):
+        mine = blocks[bounds[s]:bounds[s + 1]]
+
+        def run(x, targets=None, mine=mine, first=s == 0, last=s == p - 1):
+            if first:
+                x = model.embed(x)
+            for block in mine:
+                x = block(x)
+            return model.finish(x, targets) if last else x
+        owned = ([model.tokens, model.positions] if s == 0 else []) + mine + \
+            ([model.ln, model.head] if s == p - 1 else [])
+        out.append((owned, run))
+    return out
 
 
 def parameters(c: Config) -> int:

@@ -172,7 +172,15 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
             _accumulate(root, gradient)
             return
         order = _topological(root._node)
-        book = runtime().signals
+        rt = runtime()
+        book = rt.signals
+        # how many gradients each leaf still waits for: once none, its gradient is complete,
+        # and its sum across data-parallel replicas can start while backward goes on
+        waiting: dict[int, int] = {}
+        for node in order:
+            for a in node.operands:
+                if isinstance(a, Tensor) and a._node is None and a.requires_grad:
+                    waiting[id(a)] = waiting.get(id(a), 0) + 1
         pending: dict[int, list] = {id(root._node): [None] * root._node.outputs}
         pending[id(root._node)][root._slot] = gradient
         for node in order:
@@ -187,10 +195,16 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
             with nullcontext() if node.backward is None else book.scope(node.backward):
                 results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
             for operand, g in zip(node.operands, results):
-                if g is None or not getattr(operand, "requires_grad", False):
+                if not getattr(operand, "requires_grad", False):
                     continue
                 if operand._node is None:
-                    _accumulate(operand, g)
+                    if g is not None:
+                        _accumulate(operand, g)
+                    waiting[id(operand)] -= 1
+                    if not waiting[id(operand)] and operand.grad is not None:
+                        rt.dispatcher.gradient_ready(operand.grad.id, operand.grad._sig)
+                elif g is None:
+                    continue
                 else:
                     slots = pending.setdefault(id(operand._node), [None] * operand._node.outputs)
                     prev = slots[operand._slot]
@@ -201,6 +215,7 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                 node.saved = None
                 node.operands = tuple(Ghost(a) if isinstance(a, Tensor) else a
                                       for a in node.operands)
+        rt.dispatcher.backward_done()
 
 
 def _accumulate(leaf: Any, g: Any) -> None:

@@ -98,6 +98,15 @@ class Dispatcher:
         if rec is not None:
             rec.issues.append((issued or received, received, _clock(), ins[0], ins[1], rank))
 
+    def gradient_ready(self, tid: int, sig: tuple) -> None:
+        """Backward has made all of a leaf's gradient ``tid``: partial sums may be summed."""
+        if self.placer.active:
+            self.placer.reduce_soon(tid, sig)
+
+    def backward_done(self) -> None:
+        if self.placer.active:
+            self.placer.reduce_now()
+
     def enqueue(self, rank: int, ins: tuple, urgent: bool = True) -> None:
         """Into ``rank``'s next batch, which is sent early while the worker is idle."""
         batch = self._batch[rank]

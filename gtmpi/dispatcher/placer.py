@@ -64,7 +64,9 @@ class Placer:
         # is computed from them alone): how to make them again, so that an op elsewhere makes
         # its own copy instead of having it sent. id -> (instruction, operands' recipes, depth)
         self.recipes: dict[int, tuple] = {}
-        self._plans: dict[tuple, Plan] = {}
+        self._plans: dict[tuple, tuple] = {}
+        # partial sums (gradients) waiting to be summed together, by (mesh, dtype): ids, Sigs
+        self._buckets: dict[tuple, list[tuple[int, tuple]]] = {}
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -241,6 +243,41 @@ class Placer:
             self._agree(p.mesh, [rid])
         self._flush_touched()
         return p.mesh[0], rid
+
+    def reduce_soon(self, tid: int, sig: tuple) -> None:
+        """``tid`` (a gradient) is complete: if it is a partial sum, it is summed with others
+        complete by then, in one collective of about BUCKET_BYTES that runs while the workers
+        go on (DDP's buckets). Summed now rather than when first read, so backward's remaining
+        work hides the communication."""
+        p = self.placement(tid)
+        if p.kind != "P" or tid in self.viewed:
+            return
+        shape, dtype = sig
+        bucket = self._buckets.setdefault((p.mesh, dtype), [])
+        bucket.append((tid, sig))
+        if sum(_numel(s[0]) for _, s in bucket) * dtype.itemsize >= BUCKET_BYTES:
+            self._reduce_bucket(p.mesh, dtype)
+
+    def reduce_now(self) -> None:
+        """Sum what waits in buckets (backward has ended)."""
+        for mesh, dtype in list(self._buckets):
+            self._reduce_bucket(mesh, dtype)
+
+    def _reduce_bucket(self, mesh: tuple[int, ...], dtype: torch.dtype) -> None:
+        bucket = [(tid, sig) for tid, sig in self._buckets.pop((mesh, dtype))
+                  if self.placement(tid) == Placement(mesh, "P")]  # unchanged since
+        if not bucket:
+            return
+        ids = tuple(tid for tid, _ in bucket)
+        shapes = tuple(tuple(sig[0]) for _, sig in bucket)
+        op = ("all_reduce_bucket", ids, ids, (1 << len(ids)) - 1,
+              {"group": self._group(mesh), "shapes": shapes,
+               "shape": (sum(map(_numel, shapes)),), "dtype": dtype})
+        for rank in mesh:
+            self._emit(rank, op)
+        for tid, sig in bucket:
+            self._record(tid, sig, Placement(mesh, "R"))
+        self._flush_touched()
 
     def _agree(self, mesh: tuple[int, ...], ids: list[int]) -> None:
         """Every member of ``mesh`` poisons ``ids`` if any member has one of them poisoned."""
@@ -619,6 +656,7 @@ def _name(p: Placement) -> str:
 
 
 PLANS_CACHED = 1 << 14
+BUCKET_BYTES = 25 << 20  # DDP's default bucket size
 _NONE: dict = {}  # no copies (never written)
 RECIPE_DEPTH = 16  # the longest chain of ops made again rather than sent
 

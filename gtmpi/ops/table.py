@@ -384,6 +384,10 @@ _ops += [
     Op("all_reduce", Kind.COMM, lambda x, group, shape, dtype, plane: plane.all_reduce(x, group)),
     Op("all_reduce_", Kind.COMM,
        lambda x, group, shape, dtype, plane: plane.all_reduce(x, group, inplace=True)),
+    # partial sums (gradients) summed as one flat buffer, without waiting: the worker's stream
+    # goes on (the rest of backward) while it runs, and whatever reads a result waits for it
+    Op("all_reduce_bucket", Kind.COMM,
+       lambda *xs, group, shapes, shape, dtype, plane: plane.reduce_bucket(xs, group)),
     Op("all_gather", Kind.COMM, lambda x, group, dim, sizes, shape, dtype, plane:
        plane.all_gather(x, group, dim, sizes)),
     Op("reduce_scatter", Kind.COMM, lambda x, group, dim, sizes, index, shape, dtype, plane:

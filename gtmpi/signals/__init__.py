@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from .config import ConfigError, load, parse
 
-__all__ = ["ConfigError", "context", "enter", "exit", "register", "tensor"]
+__all__ = ["ConfigError", "context", "enter", "exit", "place", "register", "tensor"]
 
 
 def _book() -> Any:
@@ -49,6 +49,20 @@ def enter(name: str, backward: str | None = None) -> None:
 
 def exit(name: str) -> None:
     _book().exit(name)
+
+
+def place(x: Any, name: str) -> Any:
+    """Move ``x`` itself (a tensor, or every parameter and buffer of a module) where signal
+    ``name`` places it: the same objects, their values kept, now living there (a stage's
+    weights onto its workers, a model built whole then laid out). Returns ``x``."""
+    book = _book()
+    s = book.signals.get(name)
+    if s is None:
+        raise ConfigError(f"no signal named {name!r} in the loaded config")
+    tensors = [x] if not hasattr(x, "parameters") else [*x.parameters(), *x.buffers()]
+    for t in tensors:
+        book.placer.place(t.id, t._sig, book.placement(s), s.where("shard.axis"))
+    return x
 
 
 def tensor(x: Any, name: str) -> Any:

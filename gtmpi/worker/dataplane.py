@@ -30,6 +30,7 @@ class DataPlane:
         self.backend = ""
         self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()  # (isend's work, its snapshot)
+        self._work = None  # see take_work
 
     @property
     def started(self) -> bool:
@@ -78,6 +79,20 @@ class DataPlane:
         dist.all_reduce(y, group=self.groups[group])
         self._count("all_reduce", y)
         return y
+
+    def reduce_bucket(self, xs: tuple[torch.Tensor, ...], group: int) -> tuple[torch.Tensor, ...]:
+        """P -> R for several tensors in one collective that is not waited for: the sums come
+        back as views of one flat buffer, and take_work() gives what to wait on before any of
+        them is read."""
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        self._work = dist.all_reduce(flat, group=self.groups[group], async_op=True)
+        self._count("all_reduce", flat)
+        return tuple(v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs))
+
+    def take_work(self) -> Any:
+        """The unfinished collective the last kernel started, if it started one."""
+        work, self._work = self._work, None
+        return work
 
     def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
         """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded."""

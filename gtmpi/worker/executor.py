@@ -72,13 +72,16 @@ class Executor:
         self.trace: Recorder | None = None  # while a trace runs
         self._gpu_every = 0  # while tracing on a GPU: time every this many ops with CUDA events
         self._gpu_countdown = 1
+        # ids whose values an unfinished collective is still making: id -> (its work, all the
+        # ids it makes); whatever reads one waits for it first (on a GPU: the stream waits)
+        self.waits: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
     def run(self, batch: list[tuple]) -> None:
         env, poison, rec = self.env, self.poison, self.trace
         marks = rec.marks if rec is not None else None
         gpu_every = self._gpu_every if rec is not None else 0
         countdown = self._gpu_countdown
-        stats = self.stats
+        stats, waits = self.stats, self.waits
         for ins in batch:
             stats["ops"] += 1  # counted as it runs: a stats word within the batch sees it
             name, out, args, tmask, kw = ins
@@ -95,6 +98,8 @@ class Executor:
                 continue
             try:
                 if tmask:
+                    if waits:
+                        self._settle(args, tmask)
                     args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
                 inject = self._inject.get(op.kind)
                 if inject is not None:
@@ -119,8 +124,12 @@ class Executor:
                 env[out] = res
             else:
                 env.update(zip(out, res))
-            if rec is not None and op.kind is Kind.COMM:
-                self._note_comm(name, args, kw, res)
+            if op.kind is Kind.COMM:
+                work = self.plane.take_work()
+                if work is not None:
+                    waits.update((o, (work, out)) for o in out)
+                if rec is not None:
+                    self._note_comm(name, args, kw, res)
         if marks is not None:
             marks.append((_clock(), None, None))
             rec.compact()
@@ -130,14 +139,31 @@ class Executor:
     def _stand_in(self, op, kw: dict) -> None:
         """An operand of a collective failed here: take part with zeros all the same (the
         other members would wait forever), keeping the result poisoned."""
-        shape = list(kw["shape"])  # this member's piece
-        zeros = torch.zeros(shape, dtype=kw["dtype"], device=self.device)
-        op.kernel(zeros, **kw, plane=self.plane)
+        shapes = kw.get("shapes") or (kw["shape"],)  # this member's pieces
+        zeros = [torch.zeros(list(s), dtype=kw["dtype"], device=self.device) for s in shapes]
+        op.kernel(*zeros, **kw, plane=self.plane)
+        work = self.plane.take_work()
+        if work is not None:
+            work.wait()
+
+    def _settle(self, args: tuple, tmask: int) -> None:
+        """Operands still being made by a collective: wait for it."""
+        for i, a in enumerate(args):
+            if tmask >> i & 1 and a in self.waits:
+                work, ids = self.waits[a]
+                work.wait()
+                for o in ids:
+                    self.waits.pop(o, None)
+
+    def _settle_all(self) -> None:
+        for work, _ in {id(w[0]): w for w in self.waits.values()}.values():
+            work.wait()
+        self.waits.clear()
 
     def _note_comm(self, name: str, args: list, kw: dict, res: Any) -> None:
         """A collective's bytes and group, a transfer's bytes and peer, for the trace."""
-        moved = res if isinstance(res, torch.Tensor) else args[0]
-        nbytes = moved.numel() * moved.element_size()
+        moved = (res,) if isinstance(res, torch.Tensor) else res or (args[0],)  # a send: ()
+        nbytes = sum(t.numel() * t.element_size() for t in moved)
         if name in ("send", "recv"):
             self.trace.annotate(nbytes=nbytes, peer=kw["dst" if name == "send" else "src"])
         else:
@@ -195,6 +221,8 @@ class Executor:
 
     def _read(self, out, args: tuple) -> None:
         (tid,) = args
+        if self.waits:
+            self._settle(args, 1)
         fault = self.poison.get(tid)
         skipped = self.take_skipped(fault)
         if fault is not None or skipped is not None:
@@ -215,10 +243,12 @@ class Executor:
         for i in ids:
             if env.pop(i, None) is None:
                 poison.pop(i, None)
+            self.waits.pop(i, None)  # what the collective writes is kept alive by its work
         if self.trace is not None:
             self.trace.annotate(count=len(ids))
 
     def _sync(self, out, args) -> None:
+        self._settle_all()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.link.reply(Tag.SYNC, self.take_skipped())

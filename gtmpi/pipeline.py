@@ -1,0 +1,148 @@
+"""Pipeline parallelism: a model cut into stages, each on its own workers, trained on
+micro-batches with GPipe's or 1F1B's schedule.
+
+    pipe = gtmpi.pipeline.Pipeline([first, last], ["stage0", "stage1"], micro_batches=8)
+    loss = pipe.step(x, y)      # forward and backward of the whole batch; gradients accumulate
+    opt.step()
+
+Each stage is a callable (a Module) whose parameters live on its signal's workers (build it
+inside ``gtmpi.signal.context(name)``, or move it there with ``gtmpi.signal.place``); the last
+stage is called with the targets too and returns the micro-batch's loss. The batch is cut
+along dim 0 into micro-batches; the loss returned is their mean (the full batch's loss for a
+mean-reduced loss), and the gradients are those of that mean.
+
+One client drives every stage, so the schedule is an order of issuing: each worker runs its
+instructions in the order they were issued to it, and the issuing runs ahead of the workers,
+so stages really run at the same time, each in its schedule's order. An activation goes from
+one stage to the next as a transfer the stage boundary asks for, its gradient back the same
+way; every micro-batch has its own autograd graph, several alive at once (1F1B keeps at most
+p - s of them on stage s; GPipe all m).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from . import signals
+from .autograd import engine
+from .client.creation import tensor
+from .client.tensor import Tensor
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule(name: str, stages: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """The order of issuing: (``"F"`` or ``"B"``, stage, micro-batch) for every forward and
+    backward of every stage, a valid order of the dependencies (F(s, i) after F(s-1, i);
+    B(s, i) after F(s, i) and B(s+1, i)) in which each stage meets its own actions in the
+    schedule's order: GPipe, every forward then every backward; 1F1B, p - s - 1 forwards to
+    fill the pipeline, then one forward and one backward in turn, then the remaining
+    backwards."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}: one of {', '.join(SCHEDULES)}")
+    p, m = stages, micro_batches
+    per_stage = []
+    for s in range(p):
+        if name == "gpipe":
+            order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        else:
+            warm = min(p - s - 1, m)
+            order = [("F", i) for i in range(warm)]
+            for i in range(m - warm):
+                order += [("F", warm + i), ("B", i)]
+            order += [("B", i) for i in range(m - warm, m)]
+        per_stage.append(order)
+    # tick by tick, each stage takes its next action once what it needs was done in an
+    # earlier tick: the order of a real run's timeline, and so a valid one
+    done: set[tuple[str, int, int]] = set()
+    nxt = [0] * p
+    out: list[tuple[str, int, int]] = []
+    while len(out) < 2 * p * m:
+        ready = []
+        for s in range(p):
+            if nxt[s] == len(per_stage[s]):
+                continue
+            kind, i = per_stage[s][nxt[s]]
+            need = [("F", s - 1, i)] if kind == "F" and s else []
+            if kind == "B":
+                need = [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else [])
+            if all(n in done for n in need):
+                ready.append((kind, s, i))
+        if not ready:
+            raise AssertionError("pipeline schedule stalled")  # a bug in the orders above
+        for action in ready:
+            nxt[action[1]] += 1
+            out.append(action)
+        done.update(ready)
+    return out
+
+
+def bubble(stages: int, micro_batches: int) -> float:
+    """The idle fraction of a stage in GPipe's and 1F1B's schedules: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+class Pipeline:
+    def __init__(self, stages: Sequence[Callable], signals_: Sequence[str], micro_batches: int,
+                 schedule: str = "1f1b") -> None:
+        if len(stages) != len(signals_) or not stages:
+            raise ValueError(f"{len(stages)} stages need as many signals, got {len(signals_)}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be positive, got {micro_batches}")
+        self.stages, self.signals = list(stages), list(signals_)
+        self.micro_batches = micro_batches
+        self.order = globals()["schedule"](schedule, len(stages), micro_batches)
+        self.schedule = schedule
+
+    def step(self, inputs: Any, targets: Any) -> Tensor:
+        """Forward and backward of the batch, micro-batch by micro-batch in the schedule's
+        order; gradients accumulate into the stages' parameters. Returns the mean loss."""
+        p, m = len(self.stages), self.micro_batches
+        xs, ys = _cut(inputs, m), _cut(targets, m)
+        first, last = self.signals[0], self.signals[-1]
+        received: dict[tuple[int, int], Tensor] = {}  # (stage, i): its input, a leaf
+        sent: dict[tuple[int, int], Tensor] = {}  # (stage, i): its output (the loss, last)
+        losses = []
+        for kind, s, i in self.order:
+            here = self.signals[s]
+            # what crosses a stage boundary is placed by the signal of the stage it goes to
+            # (a transfer asked for), before that stage's scope makes its ops run there
+            if kind == "F":
+                if s == 0:
+                    x = _to(xs[i], first)
+                else:  # the previous stage's output, moved here: where this backward stops
+                    x = signals.tensor(sent[(s - 1, i)].detach(), here).requires_grad_()
+                    received[(s, i)] = x
+                y = _to(ys[i], last) if s == p - 1 else None
+                with signals.context(here):
+                    if s < p - 1:
+                        sent[(s, i)] = self.stages[s](x)
+                    else:
+                        loss = self.stages[s](x, y)
+                        losses.append(loss.detach())
+                        sent[(s, i)] = loss / m
+            else:
+                out = sent.pop((s, i))
+                g = None if s == p - 1 else signals.tensor(received.pop((s + 1, i)).grad, here)
+                with signals.context(here):
+                    engine.backward(out, g)
+        total = losses[0]
+        for loss in losses[1:]:
+            total = total + loss
+        return total / m
+
+
+def _to(x: Any, name: str) -> Tensor:
+    """A micro-batch on a stage's workers: host data uploaded straight there."""
+    if isinstance(x, Tensor):
+        return signals.tensor(x, name)
+    with signals.context(name):
+        return tensor(x)
+
+
+def _cut(x: Any, m: int) -> list:
+    """m equal micro-batches along dim 0 (equal, so that the mean of their mean losses is the
+    batch's)."""
+    n = x.shape[0]
+    if n % m:
+        raise ValueError(f"a batch of {n} does not cut into {m} equal micro-batches")
+    return [x[j * (n // m):(j + 1) * (n // m)] for j in range(m)]
