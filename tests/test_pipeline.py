@@ -1,0 +1,110 @@
+"""Pipeline parallelism (gtmpi.pipeline): the schedules' orders, and the GPT cut into two stages
+on two workers giving the full batch's loss and gradients, with exactly one transfer per
+micro-batch each way and nothing else, in strict placement."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gtmpi
+from gtmpi.pipeline import Pipeline, bubble, schedule
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples.gpt.model import SIZES, build, stages  # noqa: E402
+
+WORKERS = sorted(gtmpi.info()["workers"])
+spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (4, 8), (4, 3)])
+def test_schedule_orders_every_action_once_after_what_it_needs(name, p, m):
+    order = schedule(name, p, m)
+    assert sorted(order) == sorted((k, s, i) for k in "FB" for s in range(p) for i in range(m))
+    seen = set()
+    for kind, s, i in order:
+        if kind == "F" and s:
+            assert ("F", s - 1, i) in seen
+        if kind == "B":
+            assert ("F", s, i) in seen and (s == p - 1 or ("B", s + 1, i) in seen)
+        seen.add((kind, s, i))
+    for s in range(p):
+        mine = [(k, i) for k, t, i in order if t == s]
+        alive = peak = 0  # micro-batches whose forward ran and backward has not
+        for k, _ in mine:
+            alive += 1 if k == "F" else -1
+            peak = max(peak, alive)
+        if name == "gpipe":
+            assert mine == [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+            assert peak == m
+        else:  # 1F1B: p - s - 1 forwards to fill, then one of each in turn
+            warm = min(p - s - 1, m)
+            assert mine[:warm] == [("F", i) for i in range(warm)]
+            if m > warm:
+                assert mine[warm:warm + 2] == [("F", warm), ("B", 0)]
+            assert peak == min(p - s, m)
+
+
+def test_bubble_and_bad_arguments():
+    assert bubble(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
+        schedule("zb", 2, 2)
+    with pytest.raises(ValueError, match="2 stages need as many signals, got 1"):
+        Pipeline([lambda x: x, lambda x, y: x], ["a"], micro_batches=2)
+    with pytest.raises(ValueError, match="micro_batches must be positive"):
+        Pipeline([lambda x, y: x], ["a"], micro_batches=0)
+    with pytest.raises(ValueError, match="a batch of 6 does not cut into 4 equal micro-batches"):
+        Pipeline([lambda x, y: x], ["a"], micro_batches=4).step(torch.zeros(6, 2), torch.zeros(6))
+
+
+@spread
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_two_stage_gpt_gives_the_full_batch_loss_and_gradients(name):
+    c = SIZES["tiny"]
+    gtmpi.load_config({"stage0": {"shard": {"workers": [0]}},
+                       "stage1": {"shard": {"workers": [1]}}})
+    torch.manual_seed(0)
+    ref = build(torch)(c)
+    gen = torch.Generator().manual_seed(1)
+    m = 4
+    model = build(gtmpi)(c)
+    model.load_state_dict(ref.state_dict())
+    parts = stages(model, 2)
+    for s, (owned, _) in enumerate(parts):
+        for module in owned:
+            gtmpi.signal.place(module, f"stage{s}")
+    pipe = Pipeline([run for _, run in parts], ["stage0", "stage1"], micro_batches=m,
+                    schedule=name)
+    opt, topt = gtmpi.optim.AdamW(model.parameters()), torch.optim.AdamW(ref.parameters())
+    gtmpi.debug.strict_placement()
+    try:
+        for _ in range(2):  # a second step: the optimizer ran on each stage's own workers
+            data = torch.randint(0, c.vocab, (8, c.seq + 1), generator=gen)
+            x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+            before = {r: dict(s["collectives"]) for r, s in gtmpi.debug.worker_stats().items()}
+            opt.zero_grad()
+            loss = pipe.step(x, y)
+            got = loss.item()
+            topt.zero_grad()
+            want = ref(x, y)
+            want.backward()
+            assert abs(got - want.item()) < 1e-5
+            for (key, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad.cpu_torch(), q.grad, rtol=1e-4, atol=1e-6,
+                                           msg=key)
+            after = gtmpi.debug.worker_stats()
+            moved = {r: {k: v[0] - before[r].get(k, (0, 0))[0] for k, v in s["collectives"].items()
+                         if v[0] != before[r].get(k, (0, 0))[0]} for r, s in after.items()}
+            first, second = WORKERS[:2]
+            # one activation forward and one gradient back per micro-batch, nothing else
+            assert moved[first] == {"send": m, "recv": m}, moved
+            assert moved[second] == {"send": m, "recv": m}, moved
+            opt.step()
+            topt.step()
+    finally:
+        gtmpi.debug.strict_placement(False)
+    for weight, worker in ((model.tokens.weight, WORKERS[0]), (model.head.weight, WORKERS[1])):
+        assert gtmpi.debug.placement(weight)["mesh"] == [worker]
