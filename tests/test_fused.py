@@ -253,6 +253,47 @@ def test_multi_tensor_steps_match_torch_in_one_instruction(name, kw):
         assert_same(g, t, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name, kw", [("SGD", dict(lr=0.1, momentum=0.9)),
+                                      ("AdamW", dict(lr=1e-2, weight_decay=0.1))])
+def test_optimizer_state_dict_is_torchs_both_ways(name, kw):
+    """A checkpoint of the optimizer resumes the same updates: torch's state loads into
+    gtmpi's and gtmpi's into torch's, with torch's keys."""
+    torch.manual_seed(3)
+    t_model = torch.nn.Linear(5, 3)
+    g_model = gnn.Linear(5, 3)
+    g_model.load_state_dict(t_model.state_dict())
+    t_opt = getattr(torch.optim, name)(t_model.parameters(), **kw)
+    g_opt = getattr(gtmpi.optim, name)(g_model.parameters(), **kw)
+    xs = [torch.randn(4, 5) for _ in range(4)]
+    for x in xs[:2]:
+        for model, opt, inp in ((t_model, t_opt, x), (g_model, g_opt, gtmpi.tensor(x))):
+            opt.zero_grad()
+            model(inp).pow(2).mean().backward()
+            opt.step()
+    mine, theirs = g_opt.state_dict(), t_opt.state_dict()
+    assert [g["params"] for g in mine["param_groups"]] == [[0, 1]]
+    assert {i: sorted(s) for i, s in mine["state"].items()} == \
+        {i: sorted(s) for i, s in theirs["state"].items()}
+    # gtmpi's state into a fresh torch optimizer, torch's into a fresh gtmpi one
+    t2, g2 = torch.nn.Linear(5, 3), gnn.Linear(5, 3)
+    t2.load_state_dict(t_model.state_dict())
+    g2.load_state_dict(t_model.state_dict())
+    t2_opt = getattr(torch.optim, name)(t2.parameters(), **kw)
+    t2_opt.load_state_dict({"state": {i: {k: v if k == "step" else v.cpu_torch()
+                                          for k, v in s.items()} for i, s in mine["state"].items()},
+                            "param_groups": theirs["param_groups"]})
+    g2_opt = getattr(gtmpi.optim, name)(g2.parameters(), **kw)
+    g2_opt.load_state_dict(theirs)
+    for x in xs[2:]:
+        for model, opt, inp in ((t_model, t_opt, x), (t2, t2_opt, x), (g2, g2_opt, gtmpi.tensor(x))):
+            opt.zero_grad()
+            model(inp).pow(2).mean().backward()
+            opt.step()
+    for key, want in t_model.state_dict().items():
+        torch.testing.assert_close(t2.state_dict()[key], want, rtol=1e-5, atol=1e-6)
+        assert_same(g2.state_dict()[key], want, rtol=1e-5, atol=1e-6)
+
+
 def test_zero_grad_without_none_is_one_instruction():
     model = gnn.Sequential(gnn.Linear(4, 4), gnn.Linear(4, 2))
     model(gtmpi.randn(3, 4)).sum().backward()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
+
 from ..autograd import no_grad, zero_grads
-from ..client.creation import zeros_like
+from ..client.creation import beside, tensor, zeros_like
 from ..client.runtime import runtime
 from ..client.tensor import Tensor, apply
 
@@ -54,7 +56,45 @@ class Optimizer:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+        """torch's layout: per-parameter state by the parameter's index over all groups (the
+        step as a float tensor, as torch keeps it), and the groups' hyper-parameters with the
+        indices of their parameters."""
+        index = {id(p): i for i, p in enumerate(self._params())}
+        state = {index[id(p)]: {k: torch.tensor(float(v)) if k == "step" else v
+                                for k, v in self.state[id(p)].items()}
+                 for p in self._params() if self.state.get(id(p))}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's or gtmpi's state_dict (its tensors torch's or gtmpi's): each state tensor is
+        made where its parameter lives."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for mine, theirs in zip(self.param_groups, groups):
+            if len(mine["params"]) != len(theirs["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+        params = self._params()
+        self.state = {}
+        with no_grad():
+            for i, entry in state_dict["state"].items():
+                p = params[int(i)]
+                mine = self.state[id(p)] = {}
+                for k, v in entry.items():
+                    if k == "step":
+                        mine[k] = int(v.item() if hasattr(v, "item") else v)
+                        continue
+                    host = v.cpu_torch() if isinstance(v, Tensor) else torch.as_tensor(v)
+                    with beside(p):
+                        mine[k] = tensor(host, dtype=p.dtype)
+        for mine, theirs in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+
+    def _params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
 
 
 def _tensors(params: Any) -> list[Tensor]:
