@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..autograd import no_grad
+from ..client.runtime import runtime
 from ..client.tensor import Tensor
 
 
@@ -14,13 +15,16 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         raise ValueError("clip_grad_norm_ found no gradients")
-    if norm_type == float("inf"):
-        total = grads[0].abs().max()
-        for g in grads[1:]:
-            total = total.maximum(g.abs().max())
-    else:
-        total = sum((g.abs() ** norm_type).sum() for g in grads) ** (1.0 / norm_type)
-    scale = (max_norm / (total + eps)).clamp(max=1.0)
-    for g in grads:
-        g *= scale
+    # gradients on several meshes (pipeline stages): each part of the norm is made where its
+    # gradients are; only those scalars, and the scale, travel
+    with runtime().dispatcher.placer.asking():
+        if norm_type == float("inf"):
+            total = grads[0].abs().max()
+            for g in grads[1:]:
+                total = total.maximum(g.abs().max())
+        else:
+            total = sum((g.abs() ** norm_type).sum() for g in grads) ** (1.0 / norm_type)
+        scale = (max_norm / (total + eps)).clamp(max=1.0)
+        for g in grads:
+            g *= scale
     return total

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from .config import ConfigError, load, parse
 
-__all__ = ["ConfigError", "context", "enter", "exit", "place", "register", "tensor"]
+__all__ = ["ConfigError", "context", "enter", "exit", "names", "place", "register", "tensor"]
 
 
 def _book() -> Any:
@@ -49,6 +49,11 @@ def enter(name: str, backward: str | None = None) -> None:
 
 def exit(name: str) -> None:
     _book().exit(name)
+
+
+def names() -> list[str]:
+    """The signals the loaded configs define."""
+    return sorted(_book().signals)
 
 
 def place(x: Any, name: str) -> Any:
