@@ -1,0 +1,64 @@
+"""examples/gpt/train.py as a user runs it: the tiny GPT's losses on one worker, the same losses
+with the data-parallel and the 1F1B pipeline configs on two workers in strict placement, and a
+run stopped and resumed from its checkpoint continuing the same curve exactly."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import mpiexec, run_job
+
+import gtmpi
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 6
+serial = pytest.mark.skipif(len(gtmpi.info()["workers"]) > 1 or mpiexec() is None,
+                            reason="starts its own jobs; run once, from the serial suite")
+
+
+def train(tmp_path, *args: str, n: int | None = None, config: str | None = None) -> dict:
+    body = f"""
+        import runpy, sys
+        sys.argv = ["train.py", *{list(args)!r}]
+        runpy.run_path({str(ROOT / "examples/gpt/train.py")!r}, run_name="__main__")
+    """
+    env = {"GTMPI_PLACEMENT": "strict"}
+    if config:
+        env["GTMPI_CONFIG"] = str(ROOT / "configs" / config)
+    proc, _ = run_job(tmp_path, body, 240, n=n, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory) -> dict:
+    return train(tmp_path_factory.mktemp("one"), "--steps", str(STEPS), "--log-every", "2")
+
+
+@serial
+@pytest.mark.parametrize("config, mode", [("data_parallel.yaml", "data parallel"),
+                                          ("pipeline.yaml", "2 pipeline stages")])
+def test_parallel_configs_give_one_workers_losses(tmp_path, one_worker, config, mode):
+    out = train(tmp_path, "--steps", str(STEPS), "--log-every", "2", n=3, config=config)
+    assert out["workers"] == 2 and out["mode"].startswith(mode)
+    assert out["losses"] == pytest.approx(one_worker["losses"], rel=1e-4)
+    assert out["val_loss"] == pytest.approx(one_worker["val_loss"], rel=1e-4)
+
+
+@serial
+def test_resumed_run_continues_the_same_curve(tmp_path, one_worker):
+    ckpt = str(tmp_path / "ckpt.pt")
+    first = train(tmp_path, "--steps", str(STEPS), "--stop-at", "3", "--checkpoint", ckpt)
+    assert len(first["losses"]) == 3
+    resumed = train(tmp_path, "--steps", str(STEPS), "--checkpoint", ckpt, "--resume")
+    assert resumed["losses"] == one_worker["losses"]
+    losses = one_worker["losses"]
+    assert losses[-1] < losses[0] and one_worker["tokens_per_s"] > 0
+
+
+@serial
+def test_held_out_loss_falls_clearly_below_the_unigram_entropy(tmp_path):
+    out = train(tmp_path, "--steps", "60", "--log-every", "20")
+    assert out["val_loss"] < out["unigram_entropy"] - 0.5, out
