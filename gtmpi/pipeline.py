@@ -23,14 +23,14 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from . import signals
-from .autograd import engine
+from .autograd import engine, no_grad
 from .client.creation import tensor
 from .client.tensor import Tensor
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def schedule(name: str, stages: int, micro_batches: int) -> list[tuple[str, int, int]]:
+def issue_order(name: str, stages: int, micro_batches: int) -> list[tuple[str, int, int]]:
     """The order of issuing: (``"F"`` or ``"B"``, stage, micro-batch) for every forward and
     backward of every stage, a valid order of the dependencies (F(s, i) after F(s-1, i);
     B(s, i) after F(s, i) and B(s+1, i)) in which each stage meets its own actions in the
@@ -90,7 +90,7 @@ class Pipeline:
             raise ValueError(f"micro_batches must be positive, got {micro_batches}")
         self.stages, self.signals = list(stages), list(signals_)
         self.micro_batches = micro_batches
-        self.order = globals()["schedule"](schedule, len(stages), micro_batches)
+        self.order = issue_order(schedule, len(stages), micro_batches)
         self.schedule = schedule
 
     def step(self, inputs: Any, targets: Any) -> Tensor:
@@ -98,37 +98,49 @@ class Pipeline:
         order; gradients accumulate into the stages' parameters. Returns the mean loss."""
         p, m = len(self.stages), self.micro_batches
         xs, ys = _cut(inputs, m), _cut(targets, m)
-        first, last = self.signals[0], self.signals[-1]
         received: dict[tuple[int, int], Tensor] = {}  # (stage, i): its input, a leaf
         sent: dict[tuple[int, int], Tensor] = {}  # (stage, i): its output (the loss, last)
         losses = []
         for kind, s, i in self.order:
             here = self.signals[s]
-            # what crosses a stage boundary is placed by the signal of the stage it goes to
-            # (a transfer asked for), before that stage's scope makes its ops run there
             if kind == "F":
-                if s == 0:
-                    x = _to(xs[i], first)
-                else:  # the previous stage's output, moved here: where this backward stops
-                    x = signals.tensor(sent[(s - 1, i)].detach(), here).requires_grad_()
-                    received[(s, i)] = x
-                y = _to(ys[i], last) if s == p - 1 else None
-                with signals.context(here):
-                    if s < p - 1:
-                        sent[(s, i)] = self.stages[s](x)
-                    else:
-                        loss = self.stages[s](x, y)
-                        losses.append(loss.detach())
-                        sent[(s, i)] = loss / m
+                if s:  # the previous stage's output, moved here: where this backward stops
+                    received[(s, i)] = signals.tensor(sent[(s - 1, i)].detach(),
+                                                      here).requires_grad_()
+                out = self._forward(s, xs[i] if s == 0 else received[(s, i)], ys[i])
+                if s == p - 1:
+                    losses.append(out.detach())
+                    out = out / m
+                sent[(s, i)] = out
             else:
                 out = sent.pop((s, i))
                 g = None if s == p - 1 else signals.tensor(received.pop((s + 1, i)).grad, here)
                 with signals.context(here):
                     engine.backward(out, g)
-        total = losses[0]
-        for loss in losses[1:]:
-            total = total + loss
-        return total / m
+        return sum(losses[1:], losses[0]) / m
+
+    def evaluate(self, inputs: Any, targets: Any) -> Tensor:
+        """The mean loss of the batch, forward only (no graph is kept)."""
+        losses = []
+        with no_grad():
+            for x, y in zip(_cut(inputs, self.micro_batches), _cut(targets, self.micro_batches)):
+                for s in range(len(self.stages)):
+                    x = self._forward(s, x if s == 0 else signals.tensor(x, self.signals[s]), y)
+                losses.append(x)
+        return sum(losses[1:], losses[0]) / self.micro_batches
+
+    def _forward(self, s: int, x: Any, y: Any) -> Tensor:
+        """Stage s on its input (host data for the first stage is uploaded straight to it);
+        the last stage gets the targets there too and returns the loss. What crosses a stage
+        boundary is placed by the signal of the stage it goes to (a transfer asked for) before
+        that stage's scope makes its ops run there."""
+        here = self.signals[s]
+        if s == 0:
+            x = _to(x, here)
+        last = s == len(self.stages) - 1
+        y = _to(y, here) if last else None
+        with signals.context(here):
+            return self.stages[s](x, y) if last else self.stages[s](x)
 
 
 def _to(x: Any, name: str) -> Tensor:
@@ -136,7 +148,7 @@ def _to(x: Any, name: str) -> Tensor:
     if isinstance(x, Tensor):
         return signals.tensor(x, name)
     with signals.context(name):
-        return tensor(x)
+        return tensor(x)  # made there: nothing moves
 
 
 def _cut(x: Any, m: int) -> list:

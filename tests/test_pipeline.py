@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gtmpi
-from gtmpi.pipeline import Pipeline, bubble, schedule
+from gtmpi.pipeline import Pipeline, bubble, issue_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.gpt.model import SIZES, build, stages  # noqa: E402
@@ -22,7 +22,7 @@ spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (t
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (4, 8), (4, 3)])
 def test_schedule_orders_every_action_once_after_what_it_needs(name, p, m):
-    order = schedule(name, p, m)
+    order = issue_order(name, p, m)
     assert sorted(order) == sorted((k, s, i) for k in "FB" for s in range(p) for i in range(m))
     seen = set()
     for kind, s, i in order:
@@ -51,7 +51,7 @@ def test_schedule_orders_every_action_once_after_what_it_needs(name, p, m):
 def test_bubble_and_bad_arguments():
     assert bubble(4, 8) == pytest.approx(3 / 11)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
-        schedule("zb", 2, 2)
+        issue_order("zb", 2, 2)
     with pytest.raises(ValueError, match="2 stages need as many signals, got 1"):
         Pipeline([lambda x: x, lambda x, y: x], ["a"], micro_batches=2)
     with pytest.raises(ValueError, match="micro_batches must be positive"):

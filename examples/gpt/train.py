@@ -123,7 +123,7 @@ def main() -> None:
           f"entropy {entropy:.3f} nats/byte", flush=True)
 
     def put(t: torch.Tensor):
-        return gtmpi.signal.tensor(t, "data") if data_parallel else t if pipe else gtmpi.tensor(t)
+        return gtmpi.signal.tensor(t, "data") if data_parallel else gtmpi.tensor(t)
 
     def step_loss(x: torch.Tensor, y: torch.Tensor):
         if pipe is not None:
@@ -137,15 +137,7 @@ def main() -> None:
         with gtmpi.no_grad():
             for i in range(args.eval_batches):
                 x, y = batch(held, args.batch, seq, args.seed + 7, i)
-                if pipe is not None:  # run the stages' forward one after the other
-                    h = x
-                    for s, (_, run) in enumerate(parts):
-                        h = gtmpi.signal.tensor(h, f"stage{s}") if s else _on(h, "stage0")
-                        with gtmpi.signal.context(f"stage{s}"):
-                            h = run(h, _on(y, f"stage{s}")) if s == n_stages - 1 else run(h)
-                    total += h.item()
-                else:
-                    total += model(put(x), put(y)).item()
+                total += (pipe.evaluate(x, y) if pipe else model(put(x), put(y))).item()
         return total / args.eval_batches
 
     tokens = args.batch * seq
@@ -193,11 +185,6 @@ def main() -> None:
         "unigram_entropy": round(entropy, 5),
         "tokens_per_s": round(tokens_per_s) if tokens_per_s else None,
         "mfu": round(tokens_per_s * flops / peak, 4) if tokens_per_s and peak else None}))
-
-
-def _on(t: torch.Tensor, name: str):
-    with gtmpi.signal.context(name):
-        return gtmpi.tensor(t)
 
 
 def _rate(timed_from: int | None, clock: float, step: int, tokens: int) -> float | None:

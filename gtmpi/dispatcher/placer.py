@@ -65,8 +65,9 @@ class Placer:
         # its own copy instead of having it sent. id -> (instruction, operands' recipes, depth)
         self.recipes: dict[int, tuple] = {}
         self._plans: dict[tuple, tuple] = {}
-        # partial sums (gradients) waiting to be summed together, by (mesh, dtype): ids, Sigs
-        self._buckets: dict[tuple, list[tuple[int, tuple]]] = {}
+        # partial sums (gradients) waiting to be summed together, by (mesh, dtype): their
+        # bytes so far, and (id, Sig) of each
+        self._buckets: dict[tuple, tuple[list[int], list[tuple[int, tuple]]]] = {}
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -263,9 +264,10 @@ class Placer:
         if p.kind != "P" or tid in self.viewed:
             return
         shape, dtype = sig
-        bucket = self._buckets.setdefault((p.mesh, dtype), [])
+        size, bucket = self._buckets.setdefault((p.mesh, dtype), ([0], []))
         bucket.append((tid, sig))
-        if sum(_numel(s[0]) for _, s in bucket) * dtype.itemsize >= BUCKET_BYTES:
+        size[0] += _numel(shape) * dtype.itemsize
+        if size[0] >= BUCKET_BYTES:
             self._reduce_bucket(p.mesh, dtype)
 
     def reduce_now(self) -> None:
@@ -274,8 +276,9 @@ class Placer:
             self._reduce_bucket(mesh, dtype)
 
     def _reduce_bucket(self, mesh: tuple[int, ...], dtype: torch.dtype) -> None:
-        bucket = [(tid, sig) for tid, sig in self._buckets.pop((mesh, dtype))
-                  if self.placement(tid) == Placement(mesh, "P")]  # unchanged since
+        partial = Placement(mesh, "P")
+        bucket = [(tid, sig) for tid, sig in self._buckets.pop((mesh, dtype))[1]
+                  if self.placement(tid) == partial]  # unchanged since
         if not bucket:
             return
         ids = tuple(tid for tid, _ in bucket)

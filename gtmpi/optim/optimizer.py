@@ -59,10 +59,11 @@ class Optimizer:
         """torch's layout: per-parameter state by the parameter's index over all groups (the
         step as a float tensor, as torch keeps it), and the groups' hyper-parameters with the
         indices of their parameters."""
-        index = {id(p): i for i, p in enumerate(self._params())}
+        params = self._params()
+        index = {id(p): i for i, p in enumerate(params)}
         state = {index[id(p)]: {k: torch.tensor(float(v)) if k == "step" else v
                                 for k, v in self.state[id(p)].items()}
-                 for p in self._params() if self.state.get(id(p))}
+                 for p in params if self.state.get(id(p))}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
         return {"state": state, "param_groups": groups}
