@@ -60,6 +60,17 @@ def train(model, opt, data, steps: int, warmup: int, sync) -> tuple[list[float],
     return [float(loss.item()) for loss in losses], seconds
 
 
+def per_step(before: dict, after: dict, steps: int) -> dict[str, tuple[float, float]]:
+    """Collectives and transfers a worker ran (the dispatcher inserted them all), by kind:
+    (count, bytes) per step."""
+    out = {}
+    for kind, (n, b) in after.items():
+        n0, b0 = before.get(kind, (0, 0))
+        if n != n0:
+            out[kind] = ((n - n0) / steps, (b - b0) / steps)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -138,7 +149,9 @@ def main() -> None:
     after = gtmpi.debug.worker_stats()[home]
     res["gtmpi"] = {"losses": losses, "s": seconds, "peak": after.get("peak_bytes"),
                     "reserved": after.get("peak_reserved_bytes"),
-                    "instructions": (after["ops"] - before["ops"] - 1) / (warmup + steps)}
+                    "instructions": (after["ops"] - before["ops"] - 1) / (warmup + steps),
+                    "collectives": per_step(before["collectives"], after["collectives"],
+                                            warmup + steps)}
 
     flops = flops_per_token(c, c.seq) * tokens
     print(f"GPT {args.size} ({parameters(c) / 1e6:.1f}M parameters: {c.layers} layers, dim {c.dim}, "
@@ -156,11 +169,16 @@ def main() -> None:
         print(f"{label:<10} {r['s'] * 1e3:9.2f} {r['tokens_per_s']:11.0f} {mfu} {mem} "
               f"{r['losses'][0]:11.4f} {r['losses'][-1]:10.4f}")
     print(f"gtmpi: {res['gtmpi']['instructions']:.0f} worker instructions per step")
+    inserted = {kind: (round(n, 2), round(b / 1e6, 2))
+                for kind, (n, b) in res["gtmpi"]["collectives"].items()}
+    print(f"gtmpi: collectives and transfers per step on the first worker, (count, MB): "
+          f"{inserted or 'none'}")
     out = {"benchmark": "gpt", "size": args.size, "batch": args.batch, "dtype": str(dtype)[6:],
            "data_parallel": parallel,
            "device": name, "host": platform.node(), "workers": len(world["workers"]),
            "embedded": world["embedded"], "steps": steps, "warmup": warmup,
-           "gtmpi_instructions_per_step": round(res["gtmpi"]["instructions"], 1)}
+           "gtmpi_instructions_per_step": round(res["gtmpi"]["instructions"], 1),
+           "gtmpi_collectives_per_step": inserted}
     for label, r in res.items():
         out.update({f"{label}_ms": round(r["s"] * 1e3, 3), f"{label}_tokens_per_s": round(r["tokens_per_s"]),
                     f"{label}_mfu": None if r["mfu"] is None else round(r["mfu"], 4),
