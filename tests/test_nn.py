@@ -184,13 +184,23 @@ def test_dropout_train_and_eval():
     assert GF.dropout(x, 0.3, training=False) is x
 
 
-def test_clip_grad_norm_matches_torch():
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_matches_torch(norm_type):
     t_model, g_model = mlp_pair(3)
     x = torch.randn(16, 20)
     t_model(x).pow(2).sum().backward()
     g_model(gtmpi.tensor(x)).pow(2).sum().backward()
-    t_norm = torch.nn.utils.clip_grad_norm_(t_model.parameters(), 0.5)
-    g_norm = gtmpi.optim.clip_grad_norm_(g_model.parameters(), 0.5)
+    t_norm = torch.nn.utils.clip_grad_norm_(t_model.parameters(), 0.5, norm_type)
+    home = min(gtmpi.info()["workers"])
+
+    def ops() -> int:
+        stats = gtmpi.debug.worker_stats()[home]
+        return stats["ops"] - stats["control"]
+    before = ops()
+    g_norm = gtmpi.optim.clip_grad_norm_(g_model.parameters(), 0.5, norm_type)
+    # whatever the number of gradients: one norm of them all, the scale's three scalar ops
+    # (+ eps, max_norm / it, clamp), one scaling of them all
+    assert ops() - before == 5
     assert math.isclose(g_norm.item(), t_norm.item(), rel_tol=1e-4)
     for (_, gp), tp in zip(g_model.named_parameters(), t_model.parameters()):
         assert_same(gp.grad, tp.grad, rtol=1e-4, atol=1e-6)

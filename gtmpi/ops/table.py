@@ -143,8 +143,25 @@ def _zero_foreach(*tensors):
     return tensors[0]
 
 
+def _norm_foreach(*tensors, norm_type: float) -> torch.Tensor:
+    """The norm of several tensors together, as torch.nn.utils.clip_grad_norm_ takes it: each
+    one's norm (torch's foreach kernel), then the norm of those."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors), norm_type)),
+                                    norm_type)
+
+
+def _mul_foreach(*args):
+    """Every tensor but the last, times the last (a 0-d tensor), in place."""
+    torch._foreach_mul_(list(args[:-1]), args[-1])
+    return args[0]
+
+
 def _first_operand(sigs: tuple) -> tuple:
     return (sigs[0],)
+
+
+def _scalar_of_first(sigs: tuple) -> tuple:
+    return ((torch.Size([]), sigs[0][1]),)
 
 
 def _torch_grad(fn, x, g):
@@ -335,6 +352,7 @@ _ops = [
        lambda x, dim, correction, keepdim: torch.var(x, dim, correction=correction, keepdim=keepdim)),
     Op("std", Kind.REDUCE,
        lambda x, dim, correction, keepdim: torch.std(x, dim, correction=correction, keepdim=keepdim)),
+    Op("norm_foreach", Kind.REDUCE, _norm_foreach, sigs=_scalar_of_first),
     Op("softmax", Kind.REDUCE, lambda x, dim: torch.softmax(x, dim)),
     Op("log_softmax", Kind.REDUCE, lambda x, dim: torch.log_softmax(x, dim)),
     # shape
@@ -376,6 +394,7 @@ _ops = [
     Op("sgd_foreach", Kind.INPLACE, _sgd_foreach, scalar_by_type=True, sigs=_first_operand),
     Op("adam_foreach", Kind.INPLACE, _adam_foreach, scalar_by_type=True, sigs=_first_operand),
     Op("zero_foreach", Kind.INPLACE, _zero_foreach, sigs=_first_operand),
+    Op("mul_foreach", Kind.INPLACE, _mul_foreach, sigs=_first_operand),
 ]
 
 # between workers: inserted by the dispatcher where placements need them, never by the client

@@ -1,11 +1,13 @@
-"""Gradient clipping by global norm, computed and applied on the workers (no read)."""
+"""Gradient clipping by global norm, computed and applied on the workers (no read), with
+torch's arithmetic: the norm of each gradient's norm (foreach), times min(1, max/(norm+eps))."""
 from __future__ import annotations
 
 from typing import Iterable
 
 from ..autograd import no_grad
 from ..client.runtime import runtime
-from ..client.tensor import Tensor
+from ..client.functions import stack
+from ..client.tensor import Tensor, apply
 
 
 @no_grad()
@@ -15,16 +17,20 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         raise ValueError("clip_grad_norm_ found no gradients")
-    # gradients on several meshes (pipeline stages): each part of the norm is made where its
-    # gradients are; only those scalars, and the scale, travel
-    with runtime().dispatcher.placer.asking():
-        if norm_type == float("inf"):
-            total = grads[0].abs().max()
-            for g in grads[1:]:
-                total = total.maximum(g.abs().max())
-        else:
-            total = sum((g.abs() ** norm_type).sum() for g in grads) ** (1.0 / norm_type)
+    rt = runtime()
+    # one norm instruction and one scaling per group of gradients that live alike, as torch
+    # groups them by device; gradients on several meshes (pipeline stages): each part of the
+    # norm is made where its gradients are, and only those scalars and the scale travel
+    groups = [[grads[i] for i in group]
+              for group in rt.alike([g.id for g in grads], [g.dtype for g in grads])]
+    with rt.dispatcher.placer.asking():
+        parts = [apply("norm_foreach", *group, norm_type=float(norm_type)) for group in groups]
+        total = parts[0]
+        if len(parts) > 1:  # the norm of the parts' norms, torch's reduction across devices
+            joined = stack([p.to(parts[0].dtype) for p in parts]).abs()
+            total = joined.max() if norm_type == float("inf") else \
+                (joined ** norm_type).sum() ** (1.0 / norm_type)
         scale = (max_norm / (total + eps)).clamp(max=1.0)
-        for g in grads:
-            g *= scale
+        for group in groups:
+            apply("mul_foreach", *group, scale)
     return total

@@ -46,6 +46,8 @@ def written(name: str, args: tuple, tmask: int) -> tuple[int, ...]:
         return (*range(params), *range(2 * params, n))
     if name == "zero_foreach":
         return tuple(range(n))
+    if name == "mul_foreach":  # the last operand is the factor
+        return tuple(range(n - 1))
     return (0,)
 
 # linear in each tensor operand: P in every tensor operand gives P
@@ -218,7 +220,7 @@ def _matmul(name, mesh, args, kw, kinds, sigs) -> Plan | None:
         return None
     a, b = kinds
     last = len(a_shape) - 1
-    r, p = Placement(mesh, "R"), Placement(mesh, "P")
+    p = Placement(mesh, "P")
     if a.kind == "S" and a.dim < last and b.kind == "R":
         return Plan((a, b), Placement(mesh, "S", a.dim))
     if a.kind == "R" and b.kind == "S" and b.dim == 1:
@@ -445,12 +447,20 @@ def _alike(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return Plan(tuple(None if k is None else p for k in kinds), p)
 
 
+def _scale_foreach(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Tensors times one whole factor, in place: pieces and partial sums scale as they lie."""
+    p = kinds[0]
+    if p.kind not in ("R", "S", "P"):
+        return None
+    return Plan((p,) * (len(kinds) - 1) + (Placement(mesh, "R"),), p)
+
+
 _KIND_RULES = {Kind.ELEMENTWISE: _elementwise, Kind.REDUCE: _reduction, Kind.SHAPE: _dim_map,
                Kind.INPLACE: _inplace}
 RULES.update({"matmul": _matmul, "linear": _linear, "cross_entropy": _cross_entropy,
               "layer_norm": _norm, "rms_norm": _norm, "embedding": _embedding,
               "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
-              "adam_foreach": _alike, "zero_foreach": _alike})
+              "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach})
 # gradient ops placed by dual() from their forward op's plan, in the dispatcher's placer
 DUAL = {"linear_grad", *(f"{name}_grad" for name in FUSED_FNS)}
 # mix or index dims: right only on whole tensors, or on partial sums where linear
