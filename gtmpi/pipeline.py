@@ -24,7 +24,6 @@ from typing import Any, Callable, Sequence
 
 from . import signals
 from .autograd import engine, no_grad
-from .client.creation import tensor
 from .client.tensor import Tensor
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -130,25 +129,17 @@ class Pipeline:
         return sum(losses[1:], losses[0]) / self.micro_batches
 
     def _forward(self, s: int, x: Any, y: Any) -> Tensor:
-        """Stage s on its input (host data for the first stage is uploaded straight to it);
-        the last stage gets the targets there too and returns the loss. What crosses a stage
+        """Stage s on its input (the first stage's placed there by its signal); the last stage
+        gets the targets there too and returns the loss. What crosses a stage
         boundary is placed by the signal of the stage it goes to (a transfer asked for) before
         that stage's scope makes its ops run there."""
         here = self.signals[s]
         if s == 0:
-            x = _to(x, here)
+            x = signals.tensor(x, here)
         last = s == len(self.stages) - 1
-        y = _to(y, here) if last else None
+        y = signals.tensor(y, here) if last else None
         with signals.context(here):
             return self.stages[s](x, y) if last else self.stages[s](x)
-
-
-def _to(x: Any, name: str) -> Tensor:
-    """A micro-batch on a stage's workers: host data uploaded straight there."""
-    if isinstance(x, Tensor):
-        return signals.tensor(x, name)
-    with signals.context(name):
-        return tensor(x)  # made there: nothing moves
 
 
 def _cut(x: Any, m: int) -> list:

@@ -732,6 +732,52 @@ def test_data_parallel_gpt_in_strict_mode_reduces_gradients_and_gathers_nothing(
 
 
 @spread
+def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only():
+    """The GPT with Megatron's layout (configs/gpt_tp2.yaml: QKV and the MLP's first layer
+    column-parallel, heads split with them; the output projections row-parallel) gives torch's
+    loss and gradients in strict mode, with per block one all-reduce after each row-parallel
+    layer in forward and one at each column-parallel layer's input in backward: nothing else
+    moves, and the weights stay in halves."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from examples.gpt.model import SIZES, build, tensor_parallel
+    c = SIZES["tiny"]
+    gtmpi.load_config(str(root / "configs" / "gpt_tp2.yaml"))
+    torch.manual_seed(0)
+    ref = build(torch)(c)
+    model = build(gtmpi)(c)
+    model.load_state_dict(ref.state_dict())
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, signal in tensor_parallel(model).items():
+        gtmpi.signal.place(tensors[name], signal)
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=gen)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    gtmpi.debug.strict_placement()
+    try:
+        before, before_bytes = collectives(), collectives(1)
+        loss = model(gtmpi.signal.tensor(x, "act"), gtmpi.signal.tensor(y, "act"))
+        loss.backward()
+        got = loss.item()
+        ran, moved = ran_since(before), ran_since(before_bytes, 1)
+    finally:
+        gtmpi.debug.strict_placement(False)
+    want = ref(x, y)
+    want.backward()
+    assert abs(got - want.item()) < 1e-5
+    # 2 workers × layers × (2 in forward + 2 in backward), each of a (B, T, dim) activation;
+    # the reads of the loss: an agreement (and nothing gathered)
+    assert ran == {"all_reduce": 2 * c.layers * 4, "agree": 2}, ran
+    assert moved["all_reduce"] == 2 * c.layers * 4 * 4 * c.seq * c.dim * 4
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        kind = {"col": "S(0)", "row": "S(1)", "rep": "R"}[tensor_parallel(model)[name]]
+        assert where(p) == f"{kind}@{WORKERS[:2]}", name
+
+
+@spread
 def test_constants_made_outside_signals_are_made_where_they_are_used():
     """A causal mask built from arange in the forward pass, outside any signal, is made again
     on the workers of the split batch (from how it was made), never sent; a tensor changed in

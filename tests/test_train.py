@@ -1,6 +1,7 @@
 """examples/gpt/train.py as a user runs it: the tiny GPT's losses on one worker, the same losses
-with the data-parallel and the 1F1B pipeline configs on two workers in strict placement, and a
-run stopped and resumed from its checkpoint continuing the same curve exactly."""
+with the data-parallel, Megatron tensor-parallel and 1F1B pipeline configs on two workers and
+DP × TP on four, in strict placement, and a run stopped and resumed from its checkpoint
+continuing the same curve exactly."""
 from __future__ import annotations
 
 import json
@@ -38,11 +39,13 @@ def one_worker(tmp_path_factory) -> dict:
 
 
 @serial
-@pytest.mark.parametrize("config, mode", [("data_parallel.yaml", "data parallel"),
-                                          ("pipeline.yaml", "2 pipeline stages")])
-def test_parallel_configs_give_one_workers_losses(tmp_path, one_worker, config, mode):
-    out = train(tmp_path, "--steps", str(STEPS), "--log-every", "2", n=3, config=config)
-    assert out["workers"] == 2 and out["mode"].startswith(mode)
+@pytest.mark.parametrize("config, mode, workers", [
+    ("data_parallel.yaml", "data parallel", 2), ("gpt_tp2.yaml", "tensor parallel", 2),
+    ("pipeline.yaml", "2 pipeline stages", 2), ("dp_tp.yaml", "tensor parallel", 4)])
+def test_parallel_configs_give_one_workers_losses(tmp_path, one_worker, config, mode, workers):
+    out = train(tmp_path, "--steps", str(STEPS), "--log-every", "2", n=workers + 1,
+                config=config)
+    assert out["workers"] == workers and out["mode"].startswith(mode)
     assert out["losses"] == pytest.approx(one_worker["losses"], rel=1e-4)
     assert out["val_loss"] == pytest.approx(one_worker["val_loss"], rel=1e-4)
 

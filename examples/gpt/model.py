@@ -40,8 +40,11 @@ def build(lib: ModuleType) -> type:
 
         def forward(self, x):
             B, T, C = x.shape
-            q, k, v = self.qkv(x).split(C, dim=2)
-            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+            D = C // self.heads
+            # the projection's rows are laid out head by head (each head's q, k, v together,
+            # as Megatron lays them out), so that splitting its rows over workers splits heads
+            q, k, v = self.qkv(x).view(B, T, self.heads, 3 * D).split(D, dim=3)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
@@ -87,6 +90,24 @@ def build(lib: ModuleType) -> type:
             return F.cross_entropy(logits.view(B * T, V), targets.view(B * T))
 
     return GPT
+
+
+def tensor_parallel(model) -> dict[str, str]:
+    """Megatron's layout of the GPT's weights, as the signal each parameter (and buffer) goes
+    to: ``col`` (rows split: the attention's QKV projection and the MLP's first layer, with
+    their biases), ``row`` (columns split: the attention's and the MLP's output projections),
+    ``rep`` (whole on every member: norms, embeddings, head, the output projections' biases,
+    the position ids)."""
+    out = {name: "rep" for name, _ in model.named_buffers()}
+    for name, _ in model.named_parameters():
+        layer = name.split(".")[-2]  # the module that holds it
+        if layer in ("qkv", "fc"):
+            out[name] = "col"
+        elif layer in ("proj", "out") and name.endswith(".weight"):
+            out[name] = "row"
+        else:
+            out[name] = "rep"
+    return out
 
 
 def stages(model, p: int) -> list[tuple[list, Callable]]:

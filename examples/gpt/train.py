@@ -2,12 +2,16 @@
 
     python examples/gpt/train.py --size tiny --steps 200          # one worker, in seconds on a CPU
     mpiexec -n 3 python examples/gpt/train.py --size gpt2         # with GTMPI_CONFIG:
-    GTMPI_CONFIG=configs/gpt_dp2.yaml   ... data parallel on 2 workers
-    GTMPI_CONFIG=configs/gpt_pp2.yaml   ... 2 pipeline stages, 1F1B over --micro-batches
+    GTMPI_CONFIG=configs/data_parallel.yaml   ... data parallel on 2 workers
+    GTMPI_CONFIG=configs/gpt_tp2.yaml         ... Megatron tensor parallel on 2 workers
+    GTMPI_CONFIG=configs/pipeline.yaml        ... 2 pipeline stages, 1F1B over --micro-batches
 
 The parallelism comes from the config alone, by its signals' names: ``data`` and ``weights``
-(the batch split, the weights replicated: data parallel), ``stage0`` ... ``stageN`` (the
-blocks cut into that many pipeline stages, one per signal). The same command runs on one
+(the batch split, the weights replicated: data parallel), ``act``, ``col``, ``row`` and
+``rep`` (Megatron's tensor parallelism: model.tensor_parallel says which weight goes where;
+``act`` is how the batch lies, split over a data-parallel axis of the mesh in
+configs/dp_tp.yaml), ``stage0`` ... ``stageN`` (the blocks cut into that many pipeline
+stages, one per signal). The same command runs on one
 worker with no config.
 
 AdamW (weight decay on matrices only, as GPT-2 did), a cosine schedule with linear warm-up,
@@ -33,7 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import gtmpi  # noqa: E402  (under mpiexec, ranks > 0 become workers here)
 from examples.gpt.data import batch, splits, unigram_entropy  # noqa: E402
-from examples.gpt.model import SIZES, build, flops_per_token, parameters, stages  # noqa: E402
+from examples.gpt.model import (SIZES, build, flops_per_token, parameters, stages,  # noqa: E402
+                                tensor_parallel)
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
@@ -73,16 +78,23 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
 
     # the parallelism the config asks for
-    names = gtmpi.signal.names()
+    names = set(gtmpi.signal.names())
     n_stages = sum(1 for n in names if n.startswith("stage"))
-    data_parallel = "data" in names and "weights" in names
-    if n_stages and data_parallel:
-        sys.exit("this script runs data parallel or pipeline stages, not both at once")
+    tensor_par = {"act", "col", "row", "rep"} <= names
+    data_parallel = not tensor_par and {"data", "weights"} <= names
+    if bool(n_stages) + tensor_par + data_parallel > 1:
+        sys.exit("this script runs one of data parallel, tensor parallel (with data parallel in "
+                 "its mesh) and pipeline stages, not several")
+    batch_signal = "data" if data_parallel else "act" if tensor_par else None
 
     torch.manual_seed(args.seed)
     with gtmpi.signal.context("weights") if data_parallel else contextlib.nullcontext():
         gtmpi.manual_seed(args.seed)
         model = build(gtmpi)(c)
+    if tensor_par:  # Megatron's layout: each weight to its signal
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        for name, signal in tensor_parallel(model).items():
+            gtmpi.signal.place(tensors[name], signal)
     pipe = None
     if n_stages:
         parts = stages(model, n_stages)
@@ -116,14 +128,15 @@ def main() -> None:
     card = torch.cuda.get_device_name(0) if gpu and torch.cuda.is_available() else ""
     peak = next((v for k, v in PEAK_FLOPS.items() if k in card), None)
     mode = (f"{n_stages} pipeline stages ({args.schedule}, {args.micro_batches} micro-batches)"
-            if n_stages else "data parallel" if data_parallel else "one worker")
+            if n_stages else "data parallel" if data_parallel else
+            "tensor parallel (Megatron)" if tensor_par else "one worker")
     print(f"GPT {args.size}: {n_params:,} parameters ({c.layers} layers, dim {c.dim}, {c.heads} "
           f"heads, vocab {c.vocab}), seq {seq}, batch {args.batch}, {str(dtype)[6:]}; "
           f"{len(world['workers'])} worker(s), {mode}; data: {len(train):,} bytes, unigram "
           f"entropy {entropy:.3f} nats/byte", flush=True)
 
     def put(t: torch.Tensor):
-        return gtmpi.signal.tensor(t, "data") if data_parallel else gtmpi.tensor(t)
+        return gtmpi.signal.tensor(t, batch_signal) if batch_signal else gtmpi.tensor(t)
 
     def step_loss(x: torch.Tensor, y: torch.Tensor):
         if pipe is not None:

@@ -144,10 +144,11 @@ def _zero_foreach(*tensors):
 
 
 def _norm_foreach(*tensors, norm_type: float) -> torch.Tensor:
-    """The norm of several tensors together, as torch.nn.utils.clip_grad_norm_ takes it: each
-    one's norm (torch's foreach kernel), then the norm of those."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors), norm_type)),
-                                    norm_type)
+    """Several tensors' norms (torch's foreach kernel) taken together, in float32: the sum of
+    their p-th powers, or for the inf-norm their largest. A sum, so that the pieces of split
+    tensors add up (its placement rule); the p-th root is taken by the caller."""
+    norms = torch.stack(torch._foreach_norm(list(tensors), norm_type)).float()
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
 def _mul_foreach(*args):
@@ -160,8 +161,8 @@ def _first_operand(sigs: tuple) -> tuple:
     return (sigs[0],)
 
 
-def _scalar_of_first(sigs: tuple) -> tuple:
-    return ((torch.Size([]), sigs[0][1]),)
+def _float_scalar(sigs: tuple) -> tuple:
+    return ((torch.Size([]), torch.float32),)
 
 
 def _torch_grad(fn, x, g):
@@ -352,7 +353,7 @@ _ops = [
        lambda x, dim, correction, keepdim: torch.var(x, dim, correction=correction, keepdim=keepdim)),
     Op("std", Kind.REDUCE,
        lambda x, dim, correction, keepdim: torch.std(x, dim, correction=correction, keepdim=keepdim)),
-    Op("norm_foreach", Kind.REDUCE, _norm_foreach, sigs=_scalar_of_first),
+    Op("norm_foreach", Kind.REDUCE, _norm_foreach, sigs=_float_scalar),
     Op("softmax", Kind.REDUCE, lambda x, dim: torch.softmax(x, dim)),
     Op("log_softmax", Kind.REDUCE, lambda x, dim: torch.log_softmax(x, dim)),
     # shape

@@ -6,7 +6,6 @@ from typing import Iterable
 
 from ..autograd import no_grad
 from ..client.runtime import runtime
-from ..client.functions import stack
 from ..client.tensor import Tensor, apply
 
 
@@ -25,11 +24,13 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
               for group in rt.alike([g.id for g in grads], [g.dtype for g in grads])]
     with rt.dispatcher.placer.asking():
         parts = [apply("norm_foreach", *group, norm_type=float(norm_type)) for group in groups]
+        # the parts are sums of p-th powers (those of split gradients partial sums), or maxima
+        inf = norm_type == float("inf")
         total = parts[0]
-        if len(parts) > 1:  # the norm of the parts' norms, torch's reduction across devices
-            joined = stack([p.to(parts[0].dtype) for p in parts]).abs()
-            total = joined.max() if norm_type == float("inf") else \
-                (joined ** norm_type).sum() ** (1.0 / norm_type)
+        for part in parts[1:]:
+            total = total.maximum(part) if inf else total + part
+        if not inf:
+            total = total ** (1.0 / norm_type)
         scale = (max_norm / (total + eps)).clamp(max=1.0)
         for group in groups:
             apply("mul_foreach", *group, scale)

@@ -233,7 +233,8 @@ def _matmul(name, mesh, args, kw, kinds, sigs) -> Plan | None:
 
 def _linear(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """linear(x, W, b), W of shape (out, in): column parallel shards W's rows (and b), row
-    parallel its columns (no bias: it would be added once per member)."""
+    parallel its columns; there the result is a partial sum, so the bias is too (the first
+    member adds it, the others zeros: cut from the whole, nothing moves)."""
     x, w, b = kinds
     last = len(sigs[0][0]) - 1
     if (partial := _partial(name, mesh, [x, w])) is not None:
@@ -242,9 +243,10 @@ def _linear(name, mesh, args, kw, kinds, sigs) -> Plan | None:
         return Plan((x, w, b), Placement(mesh, "S", x.dim))
     if x.kind == "R" and w.kind == "S" and w.dim == 0:
         return Plan((x, w, None if b is None else Placement(mesh, "S", 0)), Placement(mesh, "S", last))
-    if b is None and w.kind in ("R", "S") and x.kind in ("R", "S") and \
-            (w.kind != "S" or w.dim == 1) and (x.kind != "S" or x.dim == last):
-        return Plan((Placement(mesh, "S", last), Placement(mesh, "S", 1), None), Placement(mesh, "P"))
+    if w.kind in ("R", "S") and x.kind in ("R", "S") and (b is None or b.kind in ("R", "P")) \
+            and (w.kind != "S" or w.dim == 1) and (x.kind != "S" or x.dim == last):
+        p = Placement(mesh, "P")
+        return Plan((Placement(mesh, "S", last), Placement(mesh, "S", 1), None if b is None else p), p)
     return None
 
 
@@ -447,6 +449,14 @@ def _alike(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return Plan(tuple(None if k is None else p for k in kinds), p)
 
 
+def _power_sum(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """A sum of p-th powers over tensors split alike is the sum of the pieces' sums."""
+    p = kinds[0]
+    if p.kind != "S" or math.isinf(kw["norm_type"]) or any(k != p for k in kinds):
+        return None
+    return Plan(tuple(kinds), Placement(mesh, "P"))
+
+
 def _scale_foreach(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """Tensors times one whole factor, in place: pieces and partial sums scale as they lie."""
     p = kinds[0]
@@ -460,7 +470,8 @@ _KIND_RULES = {Kind.ELEMENTWISE: _elementwise, Kind.REDUCE: _reduction, Kind.SHA
 RULES.update({"matmul": _matmul, "linear": _linear, "cross_entropy": _cross_entropy,
               "layer_norm": _norm, "rms_norm": _norm, "embedding": _embedding,
               "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
-              "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach})
+              "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach,
+              "norm_foreach": _power_sum})
 # gradient ops placed by dual() from their forward op's plan, in the dispatcher's placer
 DUAL = {"linear_grad", *(f"{name}_grad" for name in FUSED_FNS)}
 # mix or index dims: right only on whole tensors, or on partial sums where linear

@@ -71,13 +71,16 @@ def place(x: Any, name: str) -> Any:
 
 
 def tensor(x: Any, name: str) -> Any:
-    """A copy of ``x`` placed by signal ``name`` (autograd flows back to ``x``)."""
+    """A copy of ``x`` placed by signal ``name`` (autograd flows back to ``x``). Host data
+    (torch, numpy, lists) is uploaded straight to where the signal places it: each member its
+    own piece."""
     from ..client.tensor import Tensor, apply
     from ..client.creation import tensor as make
-    if not isinstance(x, Tensor):
-        x = make(x)
-    copy = apply("clone", x)
     book = _book()
+    if not isinstance(x, Tensor):
+        with book.scope(name):
+            return make(x)
+    copy = apply("clone", x)
     s = book.signals.get(name)
     if s is None:
         book.enter(name)  # warns once
