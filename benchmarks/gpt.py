@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gtmpi  # noqa: E402  (under mpiexec, ranks > 0 become workers here)
-from examples.gpt.model import SIZES, build, flops_per_token, parameters  # noqa: E402
+from examples.gpt.model import (SIZES, build, flops_per_token, parameters,  # noqa: E402
+                                tensor_parallel)
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
@@ -84,7 +85,12 @@ def main() -> None:
     p.add_argument("--data-parallel", action="store_true",
                    help="gtmpi splits each batch over all its workers (weights replicated, "
                         "gradients all-reduced); torch runs the same batch on one GPU")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="gtmpi splits the blocks' weights Megatron's way over all its workers "
+                        "(model.tensor_parallel); torch runs the model on one GPU")
     args = p.parse_args()
+    if args.data_parallel and args.tensor_parallel:
+        p.error("--data-parallel or --tensor-parallel, not both")
 
     world = gtmpi.info()
     device = torch.device(world["workers"][min(world["workers"])]["device"])
@@ -107,6 +113,8 @@ def main() -> None:
     torch.manual_seed(0)
     reference = build(torch)(c)
     init = {k: v.clone() for k, v in reference.state_dict().items()}
+    whole_weights = sum(v.numel() * (dtype.itemsize if v.is_floating_point() else v.element_size())
+                        for v in init.values())
     res: dict[str, dict] = {}
 
     def run_torch(label: str, compiled: bool) -> None:
@@ -133,21 +141,31 @@ def main() -> None:
             run_torch("compile", True)
 
     everyone = list(range(len(world["workers"])))
+    whole = {"shard": {"workers": everyone, "replicated": True}}
     gtmpi.load_config({"dp_data": {"shard": {"axis": 0, "workers": everyone}},
-                       "dp_weights": {"shard": {"workers": everyone, "replicated": True}}})
+                       "dp_weights": whole, "act": whole, "rep": whole,
+                       "col": {"shard": {"axis": 0, "workers": everyone}},
+                       "row": {"shard": {"axis": 1, "workers": everyone}}})
     parallel = args.data_parallel
     with gtmpi.signal.context("dp_weights") if parallel else contextlib.nullcontext():
         model = build(gtmpi)(c)
     model.load_state_dict(init)
+    if args.tensor_parallel:
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        for name, signal in tensor_parallel(model).items():
+            gtmpi.signal.place(tensors[name], signal)
     model.to(dtype)
-    opt = gtmpi.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    on_workers = [(gtmpi.signal.tensor(x, "dp_data"), gtmpi.signal.tensor(y, "dp_data"))
-                  if parallel else (gtmpi.tensor(x), gtmpi.tensor(y)) for x, y in data]
     home = min(world["workers"])
+    weights = gtmpi.debug.worker_stats()[home]["memory_bytes"]  # on the first worker
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    batch_signal = "dp_data" if parallel else "act" if args.tensor_parallel else None
+    on_workers = [(gtmpi.signal.tensor(x, batch_signal), gtmpi.signal.tensor(y, batch_signal))
+                  if batch_signal else (gtmpi.tensor(x), gtmpi.tensor(y)) for x, y in data]
     before = gtmpi.debug.worker_stats(reset_peak=True)[home]
     losses, seconds = train(model, opt, on_workers, steps, warmup, gtmpi.synchronize)
     after = gtmpi.debug.worker_stats()[home]
     res["gtmpi"] = {"losses": losses, "s": seconds, "peak": after.get("peak_bytes"),
+                    "weights": weights,
                     "reserved": after.get("peak_reserved_bytes"),
                     "instructions": (after["ops"] - before["ops"] - 1) / (warmup + steps),
                     "collectives": per_step(before["collectives"], after["collectives"],
@@ -174,11 +192,16 @@ def main() -> None:
     print(f"gtmpi: collectives and transfers per step on the first worker, (count, MB): "
           f"{inserted or 'none'}")
     out = {"benchmark": "gpt", "size": args.size, "batch": args.batch, "dtype": str(dtype)[6:],
-           "data_parallel": parallel,
+           "data_parallel": parallel, "tensor_parallel": args.tensor_parallel,
            "device": name, "host": platform.node(), "workers": len(world["workers"]),
            "embedded": world["embedded"], "steps": steps, "warmup": warmup,
            "gtmpi_instructions_per_step": round(res["gtmpi"]["instructions"], 1),
-           "gtmpi_collectives_per_step": inserted}
+           "gtmpi_collectives_per_step": inserted,
+           "gtmpi_weights_bytes": res["gtmpi"]["weights"],
+           "torch_weights_bytes": whole_weights}
+    print(f"weights and buffers per GPU: one GPU {whole_weights / 1e9:.3f} GB, gtmpi's first "
+          f"worker {res['gtmpi']['weights'] / 1e9:.3f} GB "
+          f"({res['gtmpi']['weights'] / whole_weights:.3f}x)")
     for label, r in res.items():
         out.update({f"{label}_ms": round(r["s"] * 1e3, 3), f"{label}_tokens_per_s": round(r["tokens_per_s"]),
                     f"{label}_mfu": None if r["mfu"] is None else round(r["mfu"], 4),
