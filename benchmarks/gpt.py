@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import sys
@@ -59,6 +60,13 @@ def train(model, opt, data, steps: int, warmup: int, sync) -> tuple[list[float],
     sync()
     seconds = (time.perf_counter() - start) / steps
     return [float(loss.item()) for loss in losses], seconds
+
+
+def _held_by(t, rank: int) -> int:
+    """Bytes of ``t`` that worker ``rank`` holds, from its placement (its piece of a split
+    tensor; all of a whole one)."""
+    piece = gtmpi.debug.placement(t)["shards"].get(rank)
+    return 0 if piece is None else math.prod(piece) * t.element_size()
 
 
 def per_step(before: dict, after: dict, steps: int) -> dict[str, tuple[float, float]]:
@@ -152,11 +160,11 @@ def main() -> None:
     model.load_state_dict(init)
     if args.tensor_parallel:
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-        for name, signal in tensor_parallel(model).items():
-            gtmpi.signal.place(tensors[name], signal)
+        for key, signal in tensor_parallel(model).items():
+            gtmpi.signal.place(tensors[key], signal)
     model.to(dtype)
     home = min(world["workers"])
-    weights = gtmpi.debug.worker_stats()[home]["memory_bytes"]  # on the first worker
+    weights = sum(_held_by(t, home) for t in [*model.parameters(), *model.buffers()])
     opt = gtmpi.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     batch_signal = "dp_data" if parallel else "act" if args.tensor_parallel else None
     on_workers = [(gtmpi.signal.tensor(x, batch_signal), gtmpi.signal.tensor(y, batch_signal))
@@ -199,8 +207,8 @@ def main() -> None:
            "gtmpi_collectives_per_step": inserted,
            "gtmpi_weights_bytes": res["gtmpi"]["weights"],
            "torch_weights_bytes": whole_weights}
-    print(f"weights and buffers per GPU: one GPU {whole_weights / 1e9:.3f} GB, gtmpi's first "
-          f"worker {res['gtmpi']['weights'] / 1e9:.3f} GB "
+    print(f"weights and buffers per GPU (by their placements): one GPU "
+          f"{whole_weights / 1e9:.3f} GB, gtmpi's first worker {res['gtmpi']['weights'] / 1e9:.3f} GB "
           f"({res['gtmpi']['weights'] / whole_weights:.3f}x)")
     for label, r in res.items():
         out.update({f"{label}_ms": round(r["s"] * 1e3, 3), f"{label}_tokens_per_s": round(r["tokens_per_s"]),
