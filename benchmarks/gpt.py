@@ -153,6 +153,7 @@ def main() -> None:
     gtmpi.load_config({"dp_data": {"shard": {"axis": 0, "workers": everyone}},
                        "dp_weights": whole, "act": whole, "rep": whole,
                        "col": {"shard": {"axis": 0, "workers": everyone}},
+                       "vocab": {"shard": {"axis": 0, "workers": everyone}},
                        "row": {"shard": {"axis": 1, "workers": everyone}}})
     parallel = args.data_parallel
     with gtmpi.signal.context("dp_weights") if parallel else contextlib.nullcontext():

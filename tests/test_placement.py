@@ -732,12 +732,55 @@ def test_data_parallel_gpt_in_strict_mode_reduces_gradients_and_gathers_nothing(
 
 
 @spread
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocabulary_parallel_embedding_and_cross_entropy_match_torch(gen, reduction):
+    """A table split along its rows looked up by whole indices gives partial sums (each member
+    its rows, zeros elsewhere); logits split along the classes give torch's cross-entropy
+    (ignored targets and uneven pieces included) and its gradient, with no gather."""
+    table = torch.randn(11, 6, generator=gen)  # 11 rows: pieces of 6 and 5
+    idx = torch.randint(0, 11, (3, 4), generator=gen)
+    logits = torch.randn(7, 11, generator=gen)
+    target = torch.randint(0, 11, (7,), generator=gen)
+    target[2] = -100
+    with gtmpi.signal.context("col"):
+        g_table = gtmpi.tensor(table, requires_grad=True)
+    with gtmpi.signal.context("row"):
+        g_logits = gtmpi.tensor(logits, requires_grad=True)
+    with gtmpi.signal.context("weights"):
+        g_idx, g_target = gtmpi.tensor(idx), gtmpi.tensor(target)
+    t_table, t_logits = table.clone().requires_grad_(), logits.clone().requires_grad_()
+    before = collectives()
+    looked = F.embedding(g_idx, g_table)
+    loss = F.cross_entropy(g_logits, g_target, reduction=reduction)
+    assert where(looked) == f"P@{WORKERS[:2]}" and where(loss) == f"R@{WORKERS[:2]}"
+    weights = torch.randn(looked.shape, generator=gen)
+    upstream = torch.randn(loss.shape, generator=gen)
+    ((looked * gtmpi.signal.tensor(weights, "weights")).sum() +
+     (loss * gtmpi.signal.tensor(upstream, "weights")).sum()).backward()
+    ran = ran_since(before)  # before the reads below, which gather and sum what they read
+    assert "all_gather" not in ran and "send" not in ran, ran
+    ((torch.nn.functional.embedding(idx, t_table) * weights).sum() +
+     (torch.nn.functional.cross_entropy(t_logits, target, reduction=reduction) * upstream).sum()
+     ).backward()
+    assert_same(looked, torch.nn.functional.embedding(idx, table), rtol=1e-5, atol=1e-6)
+    assert_same(loss, torch.nn.functional.cross_entropy(logits, target, reduction=reduction),
+                rtol=1e-5, atol=1e-6)
+    assert where(g_table.grad) == f"S(0)@{WORKERS[:2]}"
+    assert where(g_logits.grad) == f"S(1)@{WORKERS[:2]}"
+    assert_same(g_table.grad, t_table.grad, rtol=1e-5, atol=1e-6)
+    assert_same(g_logits.grad, t_logits.grad, rtol=1e-5, atol=1e-6)
+
+
+@spread
 def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only():
     """The GPT with Megatron's layout (configs/gpt_tp2.yaml: QKV and the MLP's first layer
-    column-parallel, heads split with them; the output projections row-parallel) gives torch's
-    loss and gradients in strict mode, with per block one all-reduce after each row-parallel
-    layer in forward and one at each column-parallel layer's input in backward: nothing else
-    moves, and the weights stay in halves."""
+    column-parallel, heads split with them; the output projections row-parallel; the token
+    embedding and the head split along the vocabulary, the loss the parallel cross-entropy)
+    gives torch's loss and gradients in strict mode, with per block one all-reduce after each
+    row-parallel layer in forward and one at each column-parallel layer's input in backward,
+    one after the embedding and one at the head's input in backward: nothing else moves
+    (the cross-entropy's own three sums per row run inside its kernel), and the weights stay
+    in halves."""
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
@@ -767,13 +810,15 @@ def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only():
     want = ref(x, y)
     want.backward()
     assert abs(got - want.item()) < 1e-5
-    # 2 workers × layers × (2 in forward + 2 in backward), each of a (B, T, dim) activation;
-    # the reads of the loss: an agreement (and nothing gathered)
-    assert ran == {"all_reduce": 2 * c.layers * 4, "agree": 2}, ran
-    assert moved["all_reduce"] == 2 * c.layers * 4 * 4 * c.seq * c.dim * 4
+    # 2 workers × (layers × (2 in forward + 2 in backward) + 2), each of a (B, T, dim)
+    # activation; the read of the loss: an agreement (and nothing gathered)
+    reduces = 2 * (c.layers * 4 + 2)
+    assert ran == {"all_reduce": reduces, "agree": 2}, ran
+    assert moved["all_reduce"] == reduces * 4 * c.seq * c.dim * 4
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_same(p.grad, q.grad, rtol=1e-4, atol=1e-6)
-        kind = {"col": "S(0)", "row": "S(1)", "rep": "R"}[tensor_parallel(model)[name]]
+        kind = {"col": "S(0)", "vocab": "S(0)", "row": "S(1)",
+                "rep": "R"}[tensor_parallel(model)[name]]
         assert where(p) == f"{kind}@{WORKERS[:2]}", name
 
 

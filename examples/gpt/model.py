@@ -92,16 +92,20 @@ def build(lib: ModuleType) -> type:
     return GPT
 
 
-def tensor_parallel(model) -> dict[str, str]:
+def tensor_parallel(model, vocab: bool = True) -> dict[str, str]:
     """Megatron's layout of the GPT's weights, as the signal each parameter (and buffer) goes
     to: ``col`` (rows split: the attention's QKV projection and the MLP's first layer, with
     their biases), ``row`` (columns split: the attention's and the MLP's output projections),
-    ``rep`` (whole on every member: norms, embeddings, head, the output projections' biases,
-    the position ids)."""
+    ``vocab`` (rows split along the vocabulary: the token embedding and the head, whose loss is
+    then Megatron's parallel cross-entropy; ``rep`` instead where ``vocab`` is False), ``rep``
+    (whole on every member: norms, position table, the output projections' biases, the
+    position ids)."""
     out = {name: "rep" for name, _ in model.named_buffers()}
     for name, _ in model.named_parameters():
         layer = name.split(".")[-2]  # the module that holds it
-        if layer in ("qkv", "fc"):
+        if layer in ("tokens", "head"):
+            out[name] = "vocab" if vocab else "rep"
+        elif layer in ("qkv", "fc"):
             out[name] = "col"
         elif layer in ("proj", "out") and name.endswith(".weight"):
             out[name] = "row"

@@ -9,6 +9,7 @@
 The parallelism comes from the config alone, by its signals' names: ``data`` and ``weights``
 (the batch split, the weights replicated: data parallel), ``act``, ``col``, ``row`` and
 ``rep`` (Megatron's tensor parallelism: model.tensor_parallel says which weight goes where;
+``vocab`` too, where the config splits the embedding and the head along the vocabulary;
 ``act`` is how the batch lies, split over a data-parallel axis of the mesh in
 configs/dp_tp.yaml), ``stage0`` ... ``stageN`` (the blocks cut into that many pipeline
 stages, one per signal). The same command runs on one
@@ -93,7 +94,7 @@ def main() -> None:
         model = build(gtmpi)(c)
     if tensor_par:  # Megatron's layout: each weight to its signal
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-        for name, signal in tensor_parallel(model).items():
+        for name, signal in tensor_parallel(model, vocab="vocab" in names).items():
             gtmpi.signal.place(tensors[name], signal)
     pipe = None
     if n_stages:

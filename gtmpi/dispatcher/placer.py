@@ -147,7 +147,7 @@ class Placer:
                 if len(self._plans) >= PLANS_CACHED:
                     self._plans.clear()
                 self._plans[key] = d
-        mesh, on_mesh, p, direct, shapes = d
+        mesh, on_mesh, p, direct, shapes, local = d
         changed = written(name, args, tmask) if op.kind is OpKind.INPLACE else ()
         for i in changed:
             self.replace(args[i], sigs[i], on_mesh[i])
@@ -166,6 +166,8 @@ class Placer:
         for m, rank in enumerate(mesh):
             if shapes:  # each member makes its own piece's shape
                 placed = (name, out, (wire[0], shapes[m]), tmask, kw)
+            elif local:  # each member is told where its piece of the vocabulary starts
+                placed = (name, out, wire, tmask, {**(kw or {}), **local[m]})
             self.d.enqueue(rank, placed, urgent)
         if op.kind in (OpKind.SHAPE, OpKind.INDEX) or name == "to":
             self.viewed.update(w for i, w in enumerate(wire) if tmask >> i & 1)
@@ -191,7 +193,8 @@ class Placer:
                 kinds: list, sigs: list, outs: list) -> tuple:
         """How an op is placed, given its operands' placements: (its mesh, each operand's
         placement counted on that mesh, the plan, whether every operand is already as the
-        plan wants it, and each member's result shape where members make their own pieces)."""
+        plan wants it, each member's result shape where members make their own pieces, and
+        each member's keyword constants where a vocabulary-parallel kernel needs them)."""
         mesh, grid = (forward.out.mesh, forward.out.grid) if forward else self._mesh(kinds)
         # operands elsewhere, or laid out over other axes, count as whole here
         on_mesh = [None if p is None else
@@ -202,10 +205,14 @@ class Placer:
         else:
             p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
         direct = all(w is None or w == k for w, k in zip(p.wants, kinds))
-        shapes = None
+        shapes = local = None
         if name in _SHAPED and p.out.kind != "R":
             shapes = [p.out.local_shape(tuple(outs[0][0]), m) for m in range(len(mesh))]
-        return mesh, on_mesh, p, direct, shapes
+        if p.vocab is not None:
+            starts = p.wants[p.vocab].starts(tuple(sigs[p.vocab][0]))
+            group = self._group(mesh)
+            local = [{"offset": start, "group": group} for start in starts]
+        return mesh, on_mesh, p, direct, shapes, local
 
     def _dual(self, name: str, forward: Plan | None, args: tuple, tmask: int, kw: dict,
               mesh: tuple[int, ...], grid: tuple[int, ...], on_mesh: list, sigs: list) -> Plan:

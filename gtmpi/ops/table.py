@@ -23,6 +23,7 @@ from enum import Enum
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -257,13 +258,74 @@ def _cross_entropy(x, target, ignore_index, reduction, label_smoothing):
                            label_smoothing=label_smoothing)
 
 
+def _embedding(indices, weight, padding_idx, offset=None, group=None, plane=None):
+    """torch's embedding; with ``offset``, Megatron's vocabulary-parallel one: ``weight`` is the
+    rows from ``offset`` on, and indices outside them look up zeros (the members' results sum
+    to the whole lookup, and so do their gradients' rows)."""
+    if offset is None:
+        return F.embedding(indices, weight, padding_idx)
+    rows = weight.shape[0]
+    local = indices - offset
+    inside = (local >= 0) & (local < rows)
+    if padding_idx is not None and not 0 <= padding_idx - offset < rows:
+        padding_idx = None
+    return F.embedding(local.clamp(0, rows - 1), weight,
+                       None if padding_idx is None else padding_idx - offset) * \
+        inside.unsqueeze(-1).to(weight.dtype)
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    """Megatron's parallel cross-entropy: logits split along the classes, each member holding
+    the classes from ``offset`` on. Three all-reduces of one number per row (the largest logit,
+    the softmax's denominator, the target's logit) give every member the whole loss; the
+    gradient is each member's piece of softmax minus one-hot, with no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, target, offset, ignore_index, reduction, group):
+        x = logits.float()
+        width = x.shape[1]
+        top = x.amax(1)
+        dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+        e = torch.exp(x - top[:, None])
+        total = e.sum(1)
+        dist.all_reduce(total, group=group)
+        local = (target - offset).clamp(0, width - 1)
+        valid = target != ignore_index
+        hit = (target - offset >= 0) & (target - offset < width) & valid
+        picked = x.gather(1, local[:, None])[:, 0] * hit
+        dist.all_reduce(picked, group=group)
+        losses = (total.log() + top - picked) * valid
+        count = valid.sum()
+        ctx.save_for_backward((e / total[:, None]).to(logits.dtype), local, hit, valid, count)
+        ctx.reduction = reduction
+        loss = losses.sum() / count if reduction == "mean" else \
+            losses.sum() if reduction == "sum" else losses
+        return loss.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        probs, local, hit, valid, count = ctx.saved_tensors
+        grad = probs.float()
+        grad.scatter_add_(1, local[:, None], -hit.float()[:, None])
+        scale = g.float() / count if ctx.reduction == "mean" else g.float()
+        grad *= (valid * scale)[:, None] if ctx.reduction == "none" else valid[:, None] * scale
+        return grad.to(probs.dtype), None, None, None, None, None
+
+
 _cross_entropy_from_logits = _recorded(_cross_entropy)
 
 
-def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing, grads=()):
+def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing, grads=(),
+                            offset=None, group=None, plane=None):
     """torch's cross-entropy is log_softmax then nll_loss; torch's record of it keeps the
     log-probabilities, not the logits. Recorded from the log-probabilities on, ours keeps the
-    same (a record from the logits would hold them too: a whole extra logits tensor)."""
+    same (a record from the logits would hold them too: a whole extra logits tensor). With
+    ``offset``, the classes are split over the members of ``group`` (_VocabCrossEntropy)."""
+    if offset is not None:
+        pg = plane.groups[group]
+        return _recorded(lambda x, t: _VocabCrossEntropy.apply(x, t, offset, ignore_index,
+                                                               reduction, pg))(x, target,
+                                                                                grads=grads)
     if label_smoothing or not grads:
         return _cross_entropy_from_logits(x, target, ignore_index, reduction, label_smoothing,
                                           grads=grads)
@@ -281,7 +343,7 @@ FUSED_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "layer_norm": lambda x, shape, weight, bias, eps: F.layer_norm(x, shape, weight, bias, eps),
     "rms_norm": lambda x, shape, weight, eps: F.rms_norm(x, shape, weight, eps),
     "scaled_dot_product_attention": _attention,
-    "embedding": lambda indices, weight, padding_idx: F.embedding(indices, weight, padding_idx),
+    "embedding": _embedding,
     "cross_entropy": _cross_entropy,
 }
 _KERNELS = {"cross_entropy": _cross_entropy_recorded}

@@ -28,6 +28,10 @@ class PlacementError(ValueError):
 class Plan(NamedTuple):
     wants: tuple[Placement | None, ...]  # per operand: the placement it must have (None: constant)
     out: Placement | tuple[Placement, ...]  # of the result, or of each result
+    # vocabulary-parallel kernels (Megatron's embedding and cross-entropy): the operand split
+    # along the vocabulary; each member is given its piece's first index there as ``offset``,
+    # and the mesh's group as ``group`` for the collectives the kernel runs itself
+    vocab: int | None = None
 
 
 Rule = Callable[..., Plan]
@@ -77,8 +81,11 @@ def plan(name: str, mesh: tuple[int, ...], grid: tuple[int, ...], args: tuple, t
                     for j in range(len(plans[0].out)))
     else:
         out = make(mesh, grid, [(q.out.kind, q.out.dim) for q in plans])
-    if any(_nested(p) for p in (*wants, *outs(out)) if p is not None):
-        return replicate(mesh, kinds)  # one dim cut along two axes: not supported, made whole
+    if any(_nested(p) for p in (*wants, *outs(out)) if p is not None) or \
+            any(q.vocab is not None for q in plans):
+        # one dim cut along two axes, or a vocabulary split on a mesh of several axes (whose
+        # kernels would need the line's offset and group): not supported, made whole
+        return replicate(mesh, kinds)
     return Plan(wants, out)
 
 
@@ -394,9 +401,14 @@ def _cross_entropy(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     sum is then partial, per-row losses stay split; a mean needs the global count of rows
     (nn.functional.cross_entropy divides a sum by it when the rows are split)."""
     x, target = kinds[0], kinds[1]
-    reduction = args[-2]
+    reduction, label_smoothing = args[-2], args[-1]
     if x.kind == "S" and x.dim == 0 and target == x and reduction in ("sum", "none"):
         return Plan(tuple(kinds), Placement(mesh, "P") if reduction == "sum" else x)
+    if x.kind == "S" and x.dim == 1 and target.kind == "R" and not label_smoothing:
+        # logits split along the classes (a vocabulary-parallel head): Megatron's parallel
+        # cross-entropy, whose kernel sums the softmax's pieces itself; every member gets the
+        # whole loss
+        return Plan(tuple(kinds), Placement(mesh, "R"), vocab=0)
     return None
 
 
@@ -411,8 +423,12 @@ def _norm(name, mesh, args, kw, kinds, sigs) -> Plan | None:
 
 
 def _embedding(name, mesh, args, kw, kinds, sigs) -> Plan | None:
-    """Indices split along any dim (batch, sequence) look up a whole table: rows split alike."""
+    """Indices split along any dim (batch, sequence) look up a whole table: rows split alike.
+    Whole indices in a table split along its rows (Megatron's vocabulary-parallel embedding):
+    each member looks up the rows it holds, zeros for the others, a partial sum."""
     indices, weight = kinds[0], kinds[1]
+    if indices.kind == "R" and weight.kind == "S" and weight.dim == 0:
+        return Plan((indices, weight, None), Placement(mesh, "P"), vocab=1)
     if indices.kind != "S" or weight.kind != "R":
         return None
     return Plan((indices, weight, None), indices)

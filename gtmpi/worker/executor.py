@@ -104,6 +104,8 @@ class Executor:
                 inject = self._inject.get(op.kind)
                 if inject is not None:
                     kw = {**kw, **inject} if kw else inject
+                elif kw is not None and "group" in kw:  # a vocabulary-parallel fused kernel
+                    kw = {**kw, "plane": self.plane}
                 start = None
                 if gpu_every:
                     countdown -= 1
