@@ -276,27 +276,30 @@ def _embedding(indices, weight, padding_idx, offset=None, group=None, plane=None
 
 class _VocabCrossEntropy(torch.autograd.Function):
     """Megatron's parallel cross-entropy: logits split along the classes, each member holding
-    the classes from ``offset`` on. Three all-reduces of one number per row (the largest logit,
-    the softmax's denominator, the target's logit) give every member the whole loss; the
-    gradient is each member's piece of softmax minus one-hot, with no communication."""
+    the classes from ``offset`` on. Three all-reduces of one number per row (the largest of
+    the pieces' log-sum-exps, the sum of their exponentials, the target's logit) give every
+    member the whole loss; the gradient is each member's piece of softmax minus one-hot, made
+    again from the logits and the log-sum-exp (what is kept: the logits, as torch keeps the
+    log-probabilities), with no communication."""
 
     @staticmethod
     def forward(ctx, logits, target, offset, ignore_index, reduction, group):
         x = logits.float()
         width = x.shape[1]
-        top = x.amax(1)
+        lse = torch.logsumexp(x, 1)  # of this member's piece; one pass over it
+        top = lse.clone()
         dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
-        e = torch.exp(x - top[:, None])
-        total = e.sum(1)
+        total = torch.exp(lse - top)
         dist.all_reduce(total, group=group)
+        lse = top + total.log()
         local = (target - offset).clamp(0, width - 1)
         valid = target != ignore_index
         hit = (target - offset >= 0) & (target - offset < width) & valid
         picked = x.gather(1, local[:, None])[:, 0] * hit
         dist.all_reduce(picked, group=group)
-        losses = (total.log() + top - picked) * valid
+        losses = (lse - picked) * valid
         count = valid.sum()
-        ctx.save_for_backward((e / total[:, None]).to(logits.dtype), local, hit, valid, count)
+        ctx.save_for_backward(logits, lse, local, hit, valid, count)
         ctx.reduction = reduction
         loss = losses.sum() / count if reduction == "mean" else \
             losses.sum() if reduction == "sum" else losses
@@ -304,12 +307,12 @@ class _VocabCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        probs, local, hit, valid, count = ctx.saved_tensors
-        grad = probs.float()
+        logits, lse, local, hit, valid, count = ctx.saved_tensors
+        grad = (logits.float() - lse[:, None]).exp_()
         grad.scatter_add_(1, local[:, None], -hit.float()[:, None])
         scale = g.float() / count if ctx.reduction == "mean" else g.float()
         grad *= (valid * scale)[:, None] if ctx.reduction == "none" else valid[:, None] * scale
-        return grad.to(probs.dtype), None, None, None, None, None
+        return grad.to(logits.dtype), None, None, None, None, None
 
 
 _cross_entropy_from_logits = _recorded(_cross_entropy)
