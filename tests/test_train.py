@@ -1,7 +1,7 @@
 """examples/gpt/train.py as a user runs it: the tiny GPT's losses on one worker, the same losses
-with the data-parallel, Megatron tensor-parallel and 1F1B pipeline configs on two workers and
-DP × TP on four, in strict placement, and a run stopped and resumed from its checkpoint
-continuing the same curve exactly."""
+with the data-parallel, Megatron tensor-parallel and 1F1B pipeline configs on two workers,
+DP × TP and TP × PP on four and the seed's TP=2 × PP=4 on eight, in strict placement, and a
+run stopped and resumed from its checkpoint continuing the same curve exactly."""
 from __future__ import annotations
 
 import json
@@ -41,13 +41,26 @@ def one_worker(tmp_path_factory) -> dict:
 @serial
 @pytest.mark.parametrize("config, mode, workers", [
     ("data_parallel.yaml", "data parallel", 2), ("gpt_tp2.yaml", "tensor parallel", 2),
-    ("pipeline.yaml", "2 pipeline stages", 2), ("dp_tp.yaml", "tensor parallel", 4)])
+    ("pipeline.yaml", "2 pipeline stages", 2), ("dp_tp.yaml", "tensor parallel", 4),
+    ("gpt_tp2_pp2.yaml", "2 pipeline stages", 4)])
 def test_parallel_configs_give_one_workers_losses(tmp_path, one_worker, config, mode, workers):
     out = train(tmp_path, "--steps", str(STEPS), "--log-every", "2", n=workers + 1,
                 config=config)
     assert out["workers"] == workers and out["mode"].startswith(mode)
     assert out["losses"] == pytest.approx(one_worker["losses"], rel=1e-4)
     assert out["val_loss"] == pytest.approx(one_worker["val_loss"], rel=1e-4)
+
+
+@serial
+def test_the_seeds_tp2_pp4_layout_on_8_workers_gives_one_workers_losses(tmp_path):
+    """The seed's Mini-GPT layout, TP=2 × PP=4 with 1F1B over 8 micro-batches, on 9 ranks of
+    this machine's CPUs (4 blocks of the tiny size, one per stage)."""
+    args = ("--layers", "4", "--steps", "4", "--log-every", "2")
+    want = train(tmp_path, *args)
+    out = train(tmp_path, *args, "--micro-batches", "8", n=9, config="gpt_tp2_pp4.yaml")
+    assert out["workers"] == 8 and "4 pipeline stages" in out["mode"] and \
+        "tensor parallel in each" in out["mode"]
+    assert out["losses"] == pytest.approx(want["losses"], rel=1e-4)
 
 
 @serial

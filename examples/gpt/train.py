@@ -12,7 +12,9 @@ The parallelism comes from the config alone, by its signals' names: ``data`` and
 ``vocab`` too, where the config splits the embedding and the head along the vocabulary;
 ``act`` is how the batch lies, split over a data-parallel axis of the mesh in
 configs/dp_tp.yaml), ``stage0`` ... ``stageN`` (the blocks cut into that many pipeline
-stages, one per signal). The same command runs on one
+stages, one per signal; with ``stageS.col``, ``stageS.row``, ``stageS.rep`` and
+``stageS.vocab`` too, each stage tensor parallel over its own workers: configs/gpt_tp2_pp2.yaml,
+configs/gpt_tp2_pp4.yaml). The same command runs on one
 worker with no config.
 
 AdamW (weight decay on matrices only, as GPT-2 did), a cosine schedule with linear warm-up,
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -50,6 +54,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=16, help="sequences per step (the global batch)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: the size's)")
     p.add_argument("--micro-batches", type=int, default=4, help="per step, with pipeline stages")
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default by size)")
@@ -80,28 +85,41 @@ def main() -> None:
 
     # the parallelism the config asks for
     names = set(gtmpi.signal.names())
-    n_stages = sum(1 for n in names if n.startswith("stage"))
+    n_stages = sum(1 for n in names if re.fullmatch(r"stage\d+", n))
+    # tensor parallel within each stage: stageS.col, stageS.row, stageS.rep (stageS.vocab)
+    staged_tp = n_stages and all(f"stage{s}.{r}" in names for s in range(n_stages)
+                                 for r in ("col", "row", "rep"))
     tensor_par = {"act", "col", "row", "rep"} <= names
     data_parallel = not tensor_par and {"data", "weights"} <= names
     if bool(n_stages) + tensor_par + data_parallel > 1:
         sys.exit("this script runs one of data parallel, tensor parallel (with data parallel in "
-                 "its mesh) and pipeline stages, not several")
+                 "its mesh) and pipeline stages (with tensor parallel in each), not several")
     batch_signal = "data" if data_parallel else "act" if tensor_par else None
+    if args.layers:
+        c = dataclasses.replace(c, layers=args.layers)
 
     torch.manual_seed(args.seed)
     with gtmpi.signal.context("weights") if data_parallel else contextlib.nullcontext():
         gtmpi.manual_seed(args.seed)
         model = build(gtmpi)(c)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     if tensor_par:  # Megatron's layout: each weight to its signal
-        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         for name, signal in tensor_parallel(model, vocab="vocab" in names).items():
             gtmpi.signal.place(tensors[name], signal)
     pipe = None
     if n_stages:
         parts = stages(model, n_stages)
+        name_of = {id(t): name for name, t in tensors.items()}
+        stage_of = {name: 0 for name, _ in model.named_buffers()}  # used by the first stage
         for s, (owned, _) in enumerate(parts):
             for module in owned:
-                gtmpi.signal.place(module, f"stage{s}")
+                for t in [*module.parameters(), *module.buffers()]:
+                    stage_of[name_of[id(t)]] = s
+        roles = tensor_parallel(model, vocab=all(f"stage{s}.vocab" in names
+                                                  for s in range(n_stages)))
+        for name, s in stage_of.items():
+            gtmpi.signal.place(tensors[name], f"stage{s}.{roles[name]}" if staged_tp
+                               else f"stage{s}")
         pipe = gtmpi.pipeline.Pipeline([run for _, run in parts],
                                        [f"stage{s}" for s in range(n_stages)],
                                        args.micro_batches, args.schedule)
@@ -128,7 +146,8 @@ def main() -> None:
     flops = flops_per_token(c, seq)
     card = torch.cuda.get_device_name(0) if gpu and torch.cuda.is_available() else ""
     peak = next((v for k, v in PEAK_FLOPS.items() if k in card), None)
-    mode = (f"{n_stages} pipeline stages ({args.schedule}, {args.micro_batches} micro-batches)"
+    mode = (f"{n_stages} pipeline stages ({args.schedule}, {args.micro_batches} micro-batches"
+            f"{', tensor parallel in each' if staged_tp else ''})"
             if n_stages else "data parallel" if data_parallel else
             "tensor parallel (Megatron)" if tensor_par else "one worker")
     print(f"GPT {args.size}: {n_params:,} parameters ({c.layers} layers, dim {c.dim}, {c.heads} "
