@@ -10,13 +10,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_script(tmp_path, name: str, env: dict) -> str:
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'n1\\nn2\\nn3\\n'\n")
     (bin_dir / "srun").write_text('#!/bin/sh\necho "SRUN $*"\n'
-                                  '[ -n "$SLURM_HOSTFILE" ] && cat "$SLURM_HOSTFILE"\nexit 0\n')
+                                  '[ -n "$SLURM_HOSTFILE" ] && cat "$SLURM_HOSTFILE"\n'
+                                  '[ -n "$GTMPI_CONFIG" ] && echo "CONFIG $GTMPI_CONFIG"\n'
+                                  'exit 0\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
+    full_env = {**{k: v for k, v in os.environ.items() if k != "GTMPI_CONFIG"},
+                "PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
     proc = subprocess.run(["bash", str(ROOT / "slurm" / name), "train.py", "--lr", "3e-4"],
                           capture_output=True, text=True, timeout=30, env=full_env)
     assert proc.returncode == 0, proc.stderr
@@ -37,3 +40,18 @@ def test_multi_node_puts_the_dispatcher_beside_the_first_nodes_workers(tmp_path)
     assert lines[0].endswith("python -m gtmpi train.py --lr 3e-4")
     hosts = lines[1:]
     assert hosts == ["n1"] * 5 + ["n2"] * 4 + ["n3"] * 4
+
+
+def test_gpt_scripts_run_the_seeds_layout_through_the_generic_ones(tmp_path):
+    """train_gpt.sbatch (one node of 8 GPUs) and its 2-node variant (4 GPUs each) start the
+    same tasks as the generic scripts, with the TP=2 × PP=4 config and the Mini-GPT."""
+    common = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "7"}
+    one = run_script(tmp_path / "one", "train_gpt.sbatch", {**common, "SLURM_GPUS_ON_NODE": "8"})
+    assert "SRUN --ntasks=9 " in one
+    assert "python -m gtmpi examples/gpt/train.py --size mini --micro-batches 8 train.py" in one
+    assert "CONFIG configs/gpt_tp2_pp4.yaml" in one
+    two = run_script(tmp_path / "two", "train_gpt_2node.sbatch",
+                     {**common, "SLURM_GPUS_ON_NODE": "4", "SLURM_NNODES": "2",
+                      "SLURM_JOB_NODELIST": "n[1-2]"}).splitlines()
+    assert two[0].startswith("SRUN --distribution=arbitrary --ntasks=9 ")
+    assert two[1:10] == ["n1"] * 5 + ["n2"] * 4 and "CONFIG configs/gpt_tp2_pp4.yaml" in two
