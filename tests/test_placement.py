@@ -301,8 +301,11 @@ def mlp_params(gen):
 
 
 @spread
-def test_data_parallel_training_equals_one_worker(gen):
-    """Batch sharded, parameters replicated, gradients all-reduced, replicas identical."""
+@pytest.mark.parametrize("optimizer, kw", [("AdamW", {"lr": 0.05}), ("SGD", {"lr": 0.1}),
+                                           ("SGD", {"lr": 0.1, "momentum": 0.9})])
+def test_data_parallel_training_equals_one_worker(gen, optimizer, kw):
+    """Batch sharded, parameters replicated, gradients all-reduced, replicas identical; with
+    SGD (no optimizer state at all) and with momentum as with Adam."""
     init = mlp_params(gen)
     xs = [torch.randn(8, 4, generator=gen) for _ in range(3)]
     ys = [torch.randint(0, 3, (8,), generator=gen) for _ in range(3)]
@@ -310,7 +313,7 @@ def test_data_parallel_training_equals_one_worker(gen):
     def train(sharded: bool):
         with gtmpi.signal.context("weights") if sharded else contextlib.nullcontext():
             params = [gtmpi.tensor(p, requires_grad=True) for p in init]
-        opt = gtmpi.optim.AdamW(params, lr=0.05)
+        opt = getattr(gtmpi.optim, optimizer)(params, **kw)
         losses = []
         for x, y in zip(xs, ys):
             if sharded:
