@@ -1,6 +1,8 @@
 """Faults: a failed batch keeps the model, and what a fault leaves behind is reported truly."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -133,6 +135,7 @@ def test_sends_between_workers_are_released(halves):
 @spread
 def test_a_shard_holds_only_its_piece(halves):
     a, b = WORKERS[:2]
+    gc.collect()  # earlier tests' graphs (reference cycles) freed now, not between the counts
     gtmpi.synchronize()
     base = {r: _held(r) for r in (a, b)}
     x = gtmpi.signal.tensor(gtmpi.randn(512, 1024), halves)  # 2 MB whole, 1 MB per piece
