@@ -169,10 +169,14 @@ class DataPlane:
         self._count("recv", x)
         return x
 
+    def settle_sends(self) -> None:
+        """Wait for every send still held, and drop its snapshot: at a sync, which every worker
+        reaches after the receives matching this worker's sends, so none waits on this one."""
+        while self._sends:
+            self._sends.popleft()[0].wait()
+
     def finish(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
+        self.settle_sends()
         if self.started:
             dist.destroy_process_group()
 

@@ -251,6 +251,8 @@ class Executor:
 
     def _sync(self, out, args) -> None:
         self._settle_all()
+        if self.plane is not None:  # what synchronize() leaves held is the program's alone
+            self.plane.settle_sends()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.link.reply(Tag.SYNC, self.take_skipped())
