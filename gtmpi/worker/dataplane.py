@@ -14,8 +14,12 @@ import socket
 from collections import defaultdict, deque
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
+
+from ..transport.poll import wait_for
 
 
 SENDS_IN_FLIGHT = 8  # unfinished sends a worker keeps before it waits for the oldest
@@ -27,6 +31,9 @@ class DataPlane:
         self.device = device
         self.workers_comm = workers_comm  # an MPI communicator of the workers only
         self.groups: dict[int, Any] = {}
+        # the same groups over MPI, with their members' ranks: agreements are host facts, and
+        # settling them over NCCL would make every worker wait for its GPU's queue to drain
+        self.comms: dict[int, tuple[MPI.Intracomm, tuple[int, ...]]] = {}
         self.backend = ""
         self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()  # (isend's work, its snapshot)
@@ -60,10 +67,14 @@ class DataPlane:
         dist.init_process_group(backend, store=store, rank=comm.Get_rank(),
                                 world_size=comm.Get_size(), **kw)
         self.groups[0] = dist.group.WORLD
+        self.comms[0] = (comm, tuple(range(1, comm.Get_size() + 1)))
 
     def new_group(self, gid: int, ranks: tuple[int, ...]) -> None:
         """Every worker calls this for every group, in the same order (torch requires it)."""
         self.groups[gid] = dist.new_group([r - 1 for r in ranks])
+        sub = self.workers_comm.Split(0 if self.rank in ranks else MPI.UNDEFINED, self.rank)
+        if sub != MPI.COMM_NULL:
+            self.comms[gid] = (sub, tuple(sorted(ranks)))
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         entry = self.stats[kind]
@@ -132,17 +143,18 @@ class DataPlane:
 
     def agree(self, fault: Any, group: int) -> Any:
         """Collective: the Fault of the member of highest rank that has one (None if none
-        has), on every member, so that all of them skip what one of them cannot compute."""
-        flag = torch.tensor([fault.rank if fault is not None else 0], dtype=torch.int32,
-                            device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups[group])
-        self._count("agree", flag)
-        worst = int(flag.item())
-        if not worst:
+        has), on every member, so that all of them skip what one of them cannot compute.
+        Faults are known on the host when an op is issued, so the members agree over MPI
+        without waiting for their GPUs."""
+        comm, ranks = self.comms[group]
+        mine = np.array([fault.rank if fault is not None else 0], dtype=np.int32)
+        worst = np.zeros(1, dtype=np.int32)
+        request = comm.Iallreduce(mine, worst, op=MPI.MAX)
+        wait_for(lambda: True if request.Test() else None)
+        self._count("agree", torch.from_numpy(mine))
+        if not worst[0]:
             return None
-        box = [fault]
-        dist.broadcast_object_list(box, src=worst - 1, group=self.groups[group])
-        return box[0]
+        return comm.bcast(fault, root=ranks.index(int(worst[0])))
 
     def send(self, x: torch.Tensor, dst: int) -> tuple:
         """Without waiting: the receiver takes it when its stream gets there. No results. A
@@ -177,6 +189,10 @@ class DataPlane:
 
     def finish(self) -> None:
         self.settle_sends()
+        for gid, (comm, _) in self.comms.items():
+            if gid:
+                comm.Free()
+        self.comms.clear()
         if self.started:
             dist.destroy_process_group()
 
