@@ -42,7 +42,9 @@ def arity(op) -> int:
 
 
 _UNARY = {"invert", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid",
-          "relu", "gelu", "silu", "sign"}
+          "relu", "gelu", "silu", "sign", "floor", "ceil", "round", "trunc", "erf", "erfinv",
+          "log1p", "expm1", "reciprocal", "square", "logical_not", "isnan", "isinf", "isfinite",
+          "leaky_relu"}
 
 
 @pytest.mark.parametrize("op", POINTWISE, ids=lambda o: o.name)
@@ -55,6 +57,10 @@ def test_pointwise_rule_matches_meta(op):
                 args = ((args[0][0], torch.bool),) + args
             elif op.name == "clamp":
                 args = args + (None,)
+            elif op.name == "leaky_relu":
+                args = args + (0.1,)
+            elif op.name == "masked_fill":  # (x, mask, value): the mask is boolean
+                args = (args[0], (args[1][0], torch.bool), 1.5)
             tmask = (1 << sum(isinstance(a, tuple) for a in args)) - 1
             try:
                 want = meta_oracle(op, args, tmask)

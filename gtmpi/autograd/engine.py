@@ -12,11 +12,14 @@ import weakref
 from contextlib import ContextDecorator, nullcontext
 from typing import Any, Iterable, Sequence
 
+import torch
+
 _state = threading.local()
 
 
 def is_grad_enabled() -> bool:
-    return getattr(_state, "enabled", True)
+    """Ours and torch's: a program's ``with torch.no_grad():`` records nothing either."""
+    return getattr(_state, "enabled", True) and torch.is_grad_enabled()
 
 
 class _GradMode(ContextDecorator):
@@ -24,7 +27,7 @@ class _GradMode(ContextDecorator):
         self.enabled = enabled
 
     def __enter__(self) -> None:
-        self.prev = is_grad_enabled()
+        self.prev = getattr(_state, "enabled", True)
         _state.enabled = self.enabled
 
     def __exit__(self, *exc: Any) -> None:
@@ -38,6 +41,23 @@ def no_grad() -> _GradMode:
 
 def enable_grad() -> _GradMode:
     return _GradMode(True)
+
+
+def inference_mode(mode: bool = True) -> _GradMode:
+    return _GradMode(not mode)
+
+
+class set_grad_enabled(_GradMode):
+    """As torch's: called, it sets the mode at once; as a context manager it also restores the
+    mode before it on exit."""
+
+    def __init__(self, mode: bool):
+        super().__init__(bool(mode))
+        self.prev = getattr(_state, "enabled", True)
+        _state.enabled = self.enabled
+
+    def __enter__(self) -> None:
+        pass
 
 
 def zero_grads(params: Iterable[Any], set_to_none: bool = True) -> None:
@@ -103,6 +123,13 @@ class Node:
         self.freed = False
         self.results: tuple = ()  # (id, (shape, dtype)) per output, for print_tape
         self.backward: str | None = None  # the signal its gradient ops run under
+
+    def name(self) -> str:
+        """torch's name for the backward of this op (``AddBackward0``)."""
+        return self.op.replace("true", "").title().replace("_", "") + "Backward0"
+
+    def __repr__(self) -> str:
+        return f"<{self.name()} object at {id(self):#x}>"
 
     def parents(self):
         for a in self.operands:

@@ -423,3 +423,22 @@ def _getitem(node, g):
     x, *index = node.operands
     gx = apply("getitem_grad", g, *index, key=node.kw["key"], shape=tuple(x.shape))
     return (gx,) + (None,) * len(index)
+
+
+# ops whose gradient torch's autograd computes on the worker, from the op's own kernel run
+# again (ops/table.py's "vjp"): rare in training loops, exact, and one instruction each
+@rule("floor", "ceil", "round", "trunc", "erf", "erfinv", "log1p", "expm1", "reciprocal", "square",
+      "leaky_relu", "masked_fill", "cumsum", "prod", "logsumexp", "vector_norm", "normalize",
+      "topk", "sort", "gather", "index_select", "tril", "triu", "repeat", "flip", "roll", "pad",
+      "einsum")
+def _by_torch(node, g):
+    gs = g if node.outputs > 1 else (g,)
+    outs = tuple(j for j, x in enumerate(gs) if x is not None)
+    want = tuple(i for i, a in enumerate(node.operands) if _t(a))
+    grads: list = [None] * len(node.operands)
+    if outs and want:
+        got = apply("vjp", *(gs[j] for j in outs), *node.operands, op=node.op, grads=want,
+                    outs=outs, kw=tuple(sorted((node.kw or {}).items())))
+        for i, gi in zip(want, got):
+            grads[i] = gi
+    return tuple(grads)

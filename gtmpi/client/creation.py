@@ -9,15 +9,16 @@ import torch
 from ..autograd import no_grad
 from .dtypes import as_dtype
 from .runtime import runtime
-from .tensor import Tensor, _sizes, apply
+from .tensor import Tensor, _sizes, apply, with_device
 
 
 def _grad(t: Tensor, requires_grad: bool) -> Tensor:
     return t.requires_grad_() if requires_grad else t
 
 
-def tensor(data: Any, dtype=None, requires_grad: bool = False) -> Tensor:
+def tensor(data: Any, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
     """Like torch.tensor: copies ``data`` (nested lists, scalars, numpy, torch, gtmpi)."""
+    with_device(kw)
     dtype = as_dtype(dtype)
     if isinstance(data, Tensor):
         with no_grad():
@@ -33,10 +34,11 @@ def tensor(data: Any, dtype=None, requires_grad: bool = False) -> Tensor:
     return _grad(upload(host), requires_grad)
 
 
-def from_numpy(array: np.ndarray) -> Tensor:
+def from_numpy(array: np.ndarray, requires_grad: bool = False) -> Tensor:
+    """torch's from_numpy; GT's ``requires_grad=`` too (torch's has none)."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"expected np.ndarray (got {type(array).__name__})")
-    return upload(torch.from_numpy(np.ascontiguousarray(array)))
+    return _grad(upload(torch.from_numpy(np.ascontiguousarray(array))), requires_grad)
 
 
 def upload(host: torch.Tensor) -> Tensor:
@@ -56,66 +58,94 @@ def _default(dtype) -> torch.dtype:
     return torch.get_default_dtype() if dtype is None else dtype
 
 
-def zeros(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+def zeros(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+    with_device(kw)
     return _grad(apply("zeros", _sizes(size), _default(dtype)), requires_grad)
 
 
-def ones(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+def ones(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+    with_device(kw)
     return _grad(apply("ones", _sizes(size), _default(dtype)), requires_grad)
 
 
-def empty(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+    with_device(kw)
     """Zero-filled: a worker never hands out uninitialised memory."""
     return zeros(*size, dtype=dtype, requires_grad=requires_grad)
 
 
-def full(size, fill_value, dtype=None, requires_grad: bool = False) -> Tensor:
+def full(size, fill_value, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+    with_device(kw)
     return _grad(apply("full", _sizes((size,)), fill_value, as_dtype(dtype)), requires_grad)
 
 
-def arange(start, end=None, step=1, dtype=None, requires_grad: bool = False) -> Tensor:
+def arange(start, end=None, step=1, dtype=None, requires_grad: bool = False,
+           **kw: Any) -> Tensor:
+    with_device(kw)
     if end is None:
         start, end = 0, start
     return _grad(apply("arange", start, end, step, as_dtype(dtype)), requires_grad)
 
 
-def eye(n: int, m: int | None = None, dtype=None, requires_grad: bool = False) -> Tensor:
+def eye(n: int, m: int | None = None, dtype=None, requires_grad: bool = False,
+        **kw: Any) -> Tensor:
+    with_device(kw)
     return _grad(apply("eye", n, n if m is None else m, _default(dtype)), requires_grad)
 
 
-def randn(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+def randn(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+    with_device(kw)
     return _grad(apply("randn", _sizes(size), _default(dtype), runtime().next_seed()), requires_grad)
 
 
-def rand(*size, dtype=None, requires_grad: bool = False) -> Tensor:
+def rand(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+    with_device(kw)
     return _grad(apply("rand", _sizes(size), _default(dtype), runtime().next_seed()), requires_grad)
 
 
-def zeros_like(t: Tensor, dtype=None) -> Tensor:
+def randint(low: int, high: int | None = None, size=None, dtype=None, **kw: Any) -> Tensor:
+    """torch.randint(high, size) or (low, high, size); int64 unless told."""
+    with_device(kw)
+    if size is None:
+        low, high, size = 0, low, high
+    return apply("randint", low, high, _sizes((size,)), as_dtype(dtype) or torch.int64,
+                 runtime().next_seed())
+
+
+def multinomial(probs: Tensor, num_samples: int, replacement: bool = False) -> Tensor:
+    return apply("multinomial", probs, num_samples, replacement, runtime().next_seed())
+
+
+def zeros_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+    with_device(kw)
     with beside(t):
         return zeros(t.shape, dtype=dtype or t.dtype)
 
 
-def ones_like(t: Tensor, dtype=None) -> Tensor:
+def ones_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+    with_device(kw)
     with beside(t):
         return ones(t.shape, dtype=dtype or t.dtype)
 
 
-def empty_like(t: Tensor, dtype=None) -> Tensor:
-    return zeros_like(t, dtype)
+def empty_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+    return zeros_like(t, dtype, **kw)
 
 
-def full_like(t: Tensor, fill_value, dtype=None) -> Tensor:
+def full_like(t: Tensor, fill_value, dtype=None, **kw: Any) -> Tensor:
+    with_device(kw)
     with beside(t):
         return full(t.shape, fill_value, dtype=dtype or t.dtype)
 
 
-def randn_like(t: Tensor, dtype=None) -> Tensor:
+def randn_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+    with_device(kw)
     with beside(t):
         return randn(t.shape, dtype=dtype or t.dtype)
 
 
-def rand_like(t: Tensor, dtype=None) -> Tensor:
+def rand_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+    with_device(kw)
     with beside(t):
         return rand(t.shape, dtype=dtype or t.dtype)
 

@@ -8,6 +8,7 @@ import torch
 
 float32, float16, bfloat16, float64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 int32, int64, bool_ = torch.int32, torch.int64, torch.bool
+int8, int16, uint8 = torch.int8, torch.int16, torch.uint8
 half, double, long = torch.float16, torch.float64, torch.int64
 
 _PY = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 from .tensor import Tensor, apply
 
 
@@ -53,19 +55,20 @@ def minimum(a, b) -> Tensor:
     return apply("minimum", a, b)
 
 
-def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
-    return apply("cat", *tensors, dim=dim)
+def cat(tensors: Sequence[Tensor], dim: int = 0, *, axis: int | None = None) -> Tensor:
+    """torch's cat; GT's ``axis=`` names the dim too."""
+    return apply("cat", *tensors, dim=dim if axis is None else axis)
 
 
 concatenate = cat
 
 
-def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
-    return apply("stack", *tensors, dim=dim)
+def stack(tensors: Sequence[Tensor], dim: int = 0, *, axis: int | None = None) -> Tensor:
+    return apply("stack", *tensors, dim=dim if axis is None else axis)
 
 
-def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]:
-    return x.split(split_size_or_sections, dim)
+def split(x: Tensor, split_size_or_sections=None, dim: int = 0, **gt) -> tuple[Tensor, ...]:
+    return x.split(split_size_or_sections, dim, **gt)
 
 
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
@@ -126,3 +129,117 @@ def var(x: Tensor, dim=None, unbiased=None, keepdim: bool = False, **kw) -> Tens
 
 def std(x: Tensor, dim=None, unbiased=None, keepdim: bool = False, **kw) -> Tensor:
     return x.std(dim, unbiased, keepdim, **kw)
+
+
+floor, ceil, round, trunc = _unary("floor"), _unary("ceil"), _unary("round"), _unary("trunc")
+sign, erf, log1p, expm1 = _unary("sign"), _unary("erf"), _unary("log1p"), _unary("expm1")
+reciprocal, square, logical_not = _unary("reciprocal"), _unary("square"), _unary("logical_not")
+isnan, isinf, isfinite = _unary("isnan"), _unary("isinf"), _unary("isfinite")
+
+
+def logical_and(a, b) -> Tensor:
+    return apply("logical_and", a, b)
+
+
+def logical_or(a, b) -> Tensor:
+    return apply("logical_or", a, b)
+
+
+def masked_fill(x: Tensor, mask, value) -> Tensor:
+    return x.masked_fill(mask, value)
+
+
+def tril(x: Tensor, diagonal: int = 0) -> Tensor:
+    return x.tril(diagonal)
+
+
+def triu(x: Tensor, diagonal: int = 0) -> Tensor:
+    return x.triu(diagonal)
+
+
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+    if a.ndim != 3 or b.ndim != 3:
+        raise RuntimeError("batch1 must be a 3D tensor" if a.ndim != 3 else
+                           "batch2 must be a 3D tensor")
+    return apply("matmul", a, b)
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    if a.ndim != 2 or b.ndim != 2:
+        raise RuntimeError("self must be a matrix" if a.ndim != 2 else "mat2 must be a matrix")
+    return apply("matmul", a, b)
+
+
+def einsum(equation: str, *operands) -> Tensor:
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    return apply("einsum", *operands, equation=equation)
+
+
+def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    return x.gather(dim, index)
+
+
+def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    return x.index_select(dim, index)
+
+
+def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    return x.topk(k, dim, largest, sorted)
+
+
+def sort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False):
+    return x.sort(dim, descending, stable)
+
+
+def cumsum(x: Tensor, dim: int) -> Tensor:
+    return x.cumsum(dim)
+
+
+def prod(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    return x.prod(dim, keepdim)
+
+
+def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
+    return x.logsumexp(dim, keepdim)
+
+
+def norm(x: Tensor, p="fro", dim=None, keepdim: bool = False) -> Tensor:
+    return x.norm(p, dim, keepdim)
+
+
+def any(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    return x.any(dim, keepdim)
+
+
+def all(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    return x.all(dim, keepdim)
+
+
+def flip(x: Tensor, dims) -> Tensor:
+    return x.flip(dims)
+
+
+def roll(x: Tensor, shifts, dims=None) -> Tensor:
+    return x.roll(shifts, dims)
+
+
+def unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
+    return x.unbind(dim)
+
+
+def allclose(a, b, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> bool:
+    """A read of both: the answer is a Python bool, as in torch."""
+    return torch.allclose(_host(a), _host(b), rtol, atol, equal_nan)
+
+
+def equal(a, b) -> bool:
+    return torch.equal(_host(a), _host(b))
+
+
+def _host(x) -> torch.Tensor:
+    return x.cpu_torch() if isinstance(x, Tensor) else torch.as_tensor(x)
+
+
+def is_tensor(x) -> bool:
+    return isinstance(x, Tensor)

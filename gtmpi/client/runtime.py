@@ -20,6 +20,7 @@ import threading
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from ..dispatcher import Dispatcher
 from ..signals.config import load
@@ -119,6 +120,12 @@ class Runtime:
             where = placer.placement(tid) if placer.active else None
             groups.setdefault((where, key), []).append(i)
         return list(groups.values())
+
+    def device_of(self, tensor_id: int) -> torch.device:
+        """The device of the first worker that holds a tensor."""
+        d = self.dispatcher
+        rank = d.placer.placement(tensor_id).mesh[0] if d.placer.active else d.home
+        return torch.device(d.devices.get(rank, "cpu"))
 
     # reads and waits -----------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ from .. import autograd
 from .runtime import current, runtime
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
+TopK = namedtuple("TopK", ["values", "indices"])
+Sort = namedtuple("Sort", ["values", "indices"])
 _clock = time.perf_counter_ns
 Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
 
@@ -152,8 +154,12 @@ class Tensor:
         text = repr(self.cpu_torch().requires_grad_())  # torch's layout of the suffix
         if self._node is None:
             return text
-        name = self._node.op.replace("true", "").title().replace("_", "")
-        return text.replace("requires_grad=True", f"grad_fn=<{name}Backward0>")
+        return text.replace("requires_grad=True", f"grad_fn=<{self._node.name()}>")
+
+    def __format__(self, spec: str) -> str:
+        if self.ndim == 0:  # f"{loss:.3f}", as torch formats its 0-d tensors
+            return format(self.item(), spec)
+        return format(repr(self), spec)
 
     def __float__(self) -> float:
         return float(self.item())
@@ -246,10 +252,145 @@ class Tensor:
     def where(self, condition: Operand, other: Operand) -> Tensor:
         return apply("where", condition, self, other)
 
-    # dtype ------------------------------------------------------------------------------------
+    def masked_fill(self, mask: Operand, value: Operand) -> Tensor:
+        return apply("masked_fill", self, mask, value)
 
-    def to(self, dtype: Any) -> Tensor:
-        return apply("to", self, as_dtype(dtype))
+    def leaky_relu(self, negative_slope: float = 0.01) -> Tensor:
+        return apply("leaky_relu", self, negative_slope)
+
+    def floor(self) -> Tensor: return apply("floor", self)
+    def ceil(self) -> Tensor: return apply("ceil", self)
+    def round(self) -> Tensor: return apply("round", self)
+    def trunc(self) -> Tensor: return apply("trunc", self)
+    def sign(self) -> Tensor: return apply("sign", self)
+    def erf(self) -> Tensor: return apply("erf", self)
+    def erfinv(self) -> Tensor: return apply("erfinv", self)
+    def log1p(self) -> Tensor: return apply("log1p", self)
+    def expm1(self) -> Tensor: return apply("expm1", self)
+    def reciprocal(self) -> Tensor: return apply("reciprocal", self)
+    def square(self) -> Tensor: return apply("square", self)
+    def logical_not(self) -> Tensor: return apply("logical_not", self)
+    def logical_and(self, o: Operand) -> Tensor: return apply("logical_and", self, o)
+    def logical_or(self, o: Operand) -> Tensor: return apply("logical_or", self, o)
+    def isnan(self) -> Tensor: return apply("isnan", self)
+    def isinf(self) -> Tensor: return apply("isinf", self)
+    def isfinite(self) -> Tensor: return apply("isfinite", self)
+
+    # along dims (placed on whole tensors) -----------------------------------------------------
+
+    def cumsum(self, dim: int) -> Tensor: return apply("cumsum", self, dim)
+    def prod(self, dim: int | None = None, keepdim: bool = False) -> Tensor: return apply("prod", self, dim, keepdim)
+    def any(self, dim: int | None = None, keepdim: bool = False) -> Tensor: return apply("any", self, dim, keepdim)
+    def all(self, dim: int | None = None, keepdim: bool = False) -> Tensor: return apply("all", self, dim, keepdim)
+
+    def logsumexp(self, dim, keepdim: bool = False) -> Tensor:
+        return apply("logsumexp", self, _dims(dim), keepdim)
+
+    def norm(self, p: float | str = "fro", dim=None, keepdim: bool = False) -> Tensor:
+        """The vector 2-norm ("fro" over all elements is the same), or any p-norm."""
+        p = 2 if p in ("fro", None) else float("inf") if p == "inf" else p
+        return apply("vector_norm", self, _dims(dim), keepdim, p)
+
+    def topk(self, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+        return TopK(*apply("topk", self, dim, k, largest, sorted))
+
+    def sort(self, dim: int = -1, descending: bool = False, stable: bool = False):
+        return Sort(*apply("sort", self, dim, descending, stable))
+
+    def gather(self, dim: int, index: Tensor) -> Tensor: return apply("gather", self, dim, index)
+    def index_select(self, dim: int, index: Tensor) -> Tensor: return apply("index_select", self, dim, index)
+    def tril(self, diagonal: int = 0) -> Tensor: return apply("tril", self, diagonal)
+    def triu(self, diagonal: int = 0) -> Tensor: return apply("triu", self, diagonal)
+    def repeat(self, *sizes) -> Tensor: return apply("repeat", self, _sizes(sizes))
+    def flip(self, *dims) -> Tensor: return apply("flip", self, _sizes(dims))
+    def roll(self, shifts, dims=None) -> Tensor: return apply("roll", self, shifts, dims)
+
+    def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
+        return tuple(self.select(dim, i) for i in range(self.shape[dim]))
+
+    def select(self, dim: int, index: int) -> Tensor:
+        return self[(slice(None),) * (dim % max(self.ndim, 1)) + (index,)]
+
+    # in place: torch's method forms ----------------------------------------------------------
+
+    def add_(self, o: Operand, alpha: float = 1) -> Tensor:
+        return apply("iadd", self, o if alpha == 1 else o * alpha)
+
+    def sub_(self, o: Operand, alpha: float = 1) -> Tensor:
+        return apply("isub", self, o if alpha == 1 else o * alpha)
+
+    def mul_(self, o: Operand) -> Tensor: return apply("imul", self, o)
+    def div_(self, o: Operand) -> Tensor: return apply("itruediv", self, o)
+
+    def clamp_(self, min: Operand | None = None, max: Operand | None = None) -> Tensor:
+        return apply("clamp_", self, min, max)
+
+    def masked_fill_(self, mask: Operand, value: Operand) -> Tensor:
+        return apply("masked_fill_", self, mask, value)
+
+    def normal_(self, mean: float = 0.0, std: float = 1.0) -> Tensor:
+        return apply("normal_", self, float(mean), float(std), runtime().next_seed())
+
+    def uniform_(self, a: float = 0.0, b: float = 1.0) -> Tensor:
+        return apply("uniform_", self, float(a), float(b), runtime().next_seed())
+
+    # dtype and device -------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the (first) worker that holds it."""
+        return runtime().device_of(self.id)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def to(self, *args: Any, **kwargs: Any) -> Tensor:
+        """torch's forms: to(dtype), to(device), to(device, dtype), to(other), with keywords
+        dtype=, device=, non_blocking=, copy=. Devices are accepted and checked, and change
+        nothing: where data lives is the runtime's choice (signals and configs), not the
+        program's."""
+        dtype = split_device(args, kwargs)
+        return self if dtype is None or dtype == self.dtype else apply("to", self, dtype)
+
+    def cpu(self) -> Tensor:
+        """Itself: reads (numpy, item, tolist) bring data to the host whatever its device."""
+        return self
+
+    def cuda(self, device: Any = None) -> Tensor:
+        return self
+
+    def type_as(self, other: Tensor) -> Tensor:
+        return self.to(other.dtype)
+
+    def view_as(self, other: Tensor) -> Tensor:
+        return self.view(other.shape)
+
+    def reshape_as(self, other: Tensor) -> Tensor:
+        return self.reshape(other.shape)
+
+    def new_zeros(self, *size, dtype=None, **kw) -> Tensor:
+        from .creation import zeros
+        with_device(kw)
+        return zeros(*size, dtype=dtype or self.dtype)
+
+    def new_ones(self, *size, dtype=None, **kw) -> Tensor:
+        from .creation import ones
+        with_device(kw)
+        return ones(*size, dtype=dtype or self.dtype)
+
+    def new_full(self, size, fill_value, dtype=None, **kw) -> Tensor:
+        from .creation import full
+        with_device(kw)
+        return full(size, fill_value, dtype=dtype or self.dtype)
+
+    def new_empty(self, *size, dtype=None, **kw) -> Tensor:
+        return self.new_zeros(*size, dtype=dtype, **kw)
+
+    def new_tensor(self, data: Any, dtype=None, **kw) -> Tensor:
+        from .creation import tensor
+        with_device(kw)
+        return tensor(data, dtype=dtype or self.dtype)
 
     def type(self, dtype: Any) -> Tensor:
         return self.to(dtype)
@@ -298,7 +439,15 @@ class Tensor:
     def contiguous(self) -> Tensor: return apply("contiguous", self)
     def is_contiguous(self) -> bool: return view_strides(self._strides) is None
     def clone(self) -> Tensor: return apply("clone", self)
-    def split(self, split_size_or_sections, dim: int = 0): return apply("split", self, split_size_or_sections, dim)
+    def split(self, split_size_or_sections=None, dim: int = 0, *, split_size=None,
+              axis: int | None = None) -> tuple[Tensor, ...]:
+        """torch's split; GT's ``split_size=`` and ``axis=`` too."""
+        sections = split_size if split_size_or_sections is None else split_size_or_sections
+        if sections is None:
+            raise TypeError("split() missing required argument 'split_size_or_sections'")
+        if isinstance(sections, list):
+            sections = tuple(sections)
+        return apply("split", self, sections, dim if axis is None else axis)
     def chunk(self, chunks: int, dim: int = 0): return apply("chunk", self, chunks, dim)
 
     def squeeze(self, dim: int | Sequence[int] | None = None) -> Tensor:
@@ -313,6 +462,15 @@ class Tensor:
     @property
     def T(self) -> "Tensor":
         return self if self.ndim < 2 else self.transpose()
+
+    def t(self) -> Tensor:
+        if self.ndim > 2:
+            raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {self.ndim}D")
+        return self if self.ndim < 2 else self.transpose(0, 1)
+
+    @property
+    def mT(self) -> Tensor:
+        return self.transpose(-2, -1)
 
     # indexing -----------------------------------------------------------------------------------
 
@@ -438,6 +596,49 @@ def _sizes(args: tuple) -> tuple:
     if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
         return tuple(args[0])
     return tuple(args)
+
+
+def _dims(dim) -> Any:
+    return tuple(dim) if isinstance(dim, list) else dim
+
+
+def with_device(kw: dict) -> None:
+    """torch's device= (and pin_memory=, layout=) on creation: checked, then left to the
+    runtime, which places data by signals and configs."""
+    device = kw.pop("device", None)
+    kw.pop("pin_memory", None)
+    kw.pop("layout", None)
+    if kw:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(kw)}")
+    if device is not None and not isinstance(device, torch.device):
+        torch.device(device)  # raises torch's own error for a malformed device
+
+
+def split_device(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype among .to()'s arguments; devices among them are checked and dropped."""
+    dtype = as_dtype(kwargs.pop("dtype", None))
+    kwargs.pop("non_blocking", None)
+    kwargs.pop("copy", None)
+    kwargs.pop("memory_format", None)
+    with_device(kwargs)
+    for a in args:
+        if isinstance(a, Tensor):
+            dtype = a.dtype
+        elif isinstance(a, (torch.device, int)):
+            continue
+        elif isinstance(a, str) and _is_device(a):
+            continue
+        else:
+            dtype = as_dtype(a)
+    return dtype
+
+
+def _is_device(name: str) -> bool:
+    try:
+        torch.device(name)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _axis(dim, kw: dict):

@@ -1,11 +1,16 @@
-"""Neural-network modules. GT's spellings keep working: ``from gtmpi.nn import Module, Linear, SGD``."""
-from . import functional
-from .layers import (GELU, Dropout, Embedding, LayerNorm, Linear, MultiheadSelfAttention, ReLU,
-                     RMSNorm, SiLU, Softmax)
+"""Neural-network modules. GT's spellings keep working: ``from gtmpi.nn import Module, Linear, SGD``
+and ``nn.mse_loss(pred, target)``."""
+from . import functional, init, utils
+from .functional import cross_entropy, mse_loss
+from .layers import (GELU, CrossEntropyLoss, Dropout, Embedding, Flatten, Identity, LayerNorm,
+                     LeakyReLU, Linear, MSELoss, MultiheadAttention, MultiheadSelfAttention,
+                     NLLLoss, ReLU, RMSNorm, Sigmoid, SiLU, Softmax, Tanh)
 from .module import Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
 
-__all__ = ["functional", "GELU", "Dropout", "Embedding", "LayerNorm", "Linear",
-           "MultiheadSelfAttention", "ReLU", "RMSNorm", "SiLU", "Softmax", "Module", "ModuleDict",
-           "ModuleList", "Sequential", "Parameter", "SGD", "Adam", "AdamW"]
+__all__ = ["functional", "init", "utils", "cross_entropy", "mse_loss", "GELU",
+           "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "Identity", "LayerNorm",
+           "LeakyReLU", "Linear", "MSELoss", "MultiheadAttention", "MultiheadSelfAttention",
+           "NLLLoss", "ReLU", "RMSNorm", "Sigmoid", "SiLU", "Softmax", "Tanh", "Module",
+           "ModuleDict", "ModuleList", "Sequential", "Parameter", "SGD", "Adam", "AdamW"]

@@ -5,11 +5,12 @@ Semantics and defaults follow torch.nn.functional."""
 from __future__ import annotations
 
 from ..client.creation import arange, rand
-from ..client.functions import gelu, log_softmax, relu, silu, softmax, where
+from ..client.functions import gelu, log_softmax, relu, sigmoid, silu, softmax, tanh, where
 from ..client.tensor import Tensor, apply
 
-__all__ = ["linear", "relu", "gelu", "silu", "softmax", "log_softmax", "dropout", "layer_norm",
-           "rms_norm", "embedding", "scaled_dot_product_attention", "mse_loss", "nll_loss",
+__all__ = ["linear", "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "softmax",
+           "log_softmax", "dropout", "layer_norm", "rms_norm", "embedding",
+           "scaled_dot_product_attention", "one_hot", "pad", "normalize", "mse_loss", "nll_loss",
            "cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
 
 
@@ -19,6 +20,25 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         # row parallel: the products are partial sums; the bias is added once, after them
         return apply("linear", x, weight, None) + bias
     return apply("linear", x, weight, bias)
+
+
+def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    return apply("leaky_relu", x, negative_slope)
+
+
+def one_hot(indices: Tensor, num_classes: int = -1) -> Tensor:
+    """int64 one-hot rows; num_classes=-1 reads the largest index (a wait, as in torch)."""
+    if num_classes < 0:
+        num_classes = int(indices.max().item()) + 1
+    return apply("one_hot", indices, num_classes)
+
+
+def pad(x: Tensor, pad: tuple, mode: str = "constant", value: float | None = None) -> Tensor:
+    return apply("pad", x, tuple(pad), mode, value)
+
+
+def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Tensor:
+    return apply("normalize", x, dim, p, eps)
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..client.creation import ones, rand, randn, zeros
 from ..client.tensor import Tensor
 from . import functional as F
@@ -133,3 +135,141 @@ class MultiheadSelfAttention(Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Identity(Module):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+class Flatten(Module):
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        super().__init__()
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.flatten(self.start_dim, self.end_dim)
+
+
+class Tanh(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.tanh()
+
+
+class Sigmoid(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.sigmoid()
+
+
+class LeakyReLU(Module):
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
+        super().__init__()
+        self.negative_slope = negative_slope
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.leaky_relu(x, self.negative_slope)
+
+
+class CrossEntropyLoss(Module):
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = \
+            ignore_index, reduction, label_smoothing
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(input, target, self.ignore_index, self.reduction,
+                               self.label_smoothing)
+
+
+class MSELoss(Module):
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return F.mse_loss(input, target, self.reduction)
+
+
+class NLLLoss(Module):
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean") -> None:
+        super().__init__()
+        self.ignore_index, self.reduction = ignore_index, reduction
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return F.nll_loss(input, target, self.ignore_index, self.reduction)
+
+
+class MultiheadAttention(Module):
+    """torch.nn.MultiheadAttention's API, parameters and state-dict keys (``in_proj_weight``,
+    ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``), for query, key and value of the
+    same width. Without attention weights wanted it is torch's fused attention kernel; with
+    them, the scores are formed and returned (averaged over heads unless told)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
+                 vdim: int | None = None, batch_first: bool = False) -> None:
+        super().__init__()
+        if add_bias_kv or add_zero_attn or (kdim or embed_dim) != embed_dim or \
+                (vdim or embed_dim) != embed_dim:
+            raise NotImplementedError("gtmpi's MultiheadAttention: add_bias_kv, add_zero_attn "
+                                      "and kdim/vdim other than embed_dim are not supported")
+        if embed_dim % num_heads:
+            raise AssertionError("embed_dim must be divisible by num_heads")
+        self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
+        self.batch_first, self.head_dim = batch_first, embed_dim // num_heads
+        bound = math.sqrt(6.0 / (4 * embed_dim))  # xavier_uniform_ of a (3E, E) matrix
+        self.in_proj_weight = Parameter(_uniform((3 * embed_dim, embed_dim), bound))
+        self.in_proj_bias = Parameter(zeros(3 * embed_dim)) if bias else None
+        self.out_proj = Linear(embed_dim, embed_dim, bias)
+        if bias:
+            self.out_proj.bias = Parameter(zeros(embed_dim))
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Tensor | None = None, need_weights: bool = True,
+                attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        if not self.batch_first and query.ndim == 3:  # (L, N, E) -> (N, L, E)
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        N, L, E = query.shape
+        S, h, d = key.shape[1], self.num_heads, self.head_dim
+        w = self.in_proj_weight.chunk(3)
+        b = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3
+        q, k, v = (F.linear(t, wi, bi).reshape(N, n, h, d).transpose(1, 2)
+                   for t, wi, bi, n in zip((query, key, value), w, b, (L, S, S)))
+        mask = _additive(attn_mask, key_padding_mask, is_causal, N, h, L, S, q.dtype)
+        p = self.dropout if self.training else 0.0
+        if need_weights:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            weights = (scores if mask is None else scores + mask).softmax(-1)
+            y = F.dropout(weights, p) @ v
+        else:
+            y, weights = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p), None
+        y = self.out_proj(y.transpose(1, 2).reshape(N, L, E))
+        if not self.batch_first and query.ndim == 3:
+            y = y.transpose(0, 1)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(1)
+        return y, weights
+
+
+def _additive(attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool,
+              N: int, h: int, L: int, S: int, dtype) -> Tensor | None:
+    """torch's masks of MultiheadAttention as one additive float mask: boolean True (and a
+    padded key) is a position not attended to, a float mask is added as it is."""
+    mask = None
+    if attn_mask is None and is_causal:
+        attn_mask = ones(L, S).triu(1) > 0
+    if attn_mask is not None:
+        mask = zeros(attn_mask.shape, dtype=dtype).masked_fill(attn_mask, float("-inf")) \
+            if attn_mask.dtype == torch.bool else attn_mask.to(dtype)
+        mask = mask.reshape(N, h, L, S) if mask.ndim == 3 else mask
+    if key_padding_mask is not None:
+        pad = zeros(N, S, dtype=dtype).masked_fill(key_padding_mask, float("-inf")) \
+            if key_padding_mask.dtype == torch.bool else key_padding_mask.to(dtype)
+        pad = pad.reshape(N, 1, 1, S)
+        mask = pad if mask is None else mask + pad
+    return mask

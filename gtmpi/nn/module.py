@@ -2,36 +2,60 @@
 gtmpi checkpoint loads into the same model written in plain torch and the other way round."""
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 
 from ..autograd import no_grad, zero_grads
 from ..client.creation import beside, tensor
-from ..client.dtypes import as_dtype
-from ..client.tensor import Tensor
+from ..client.tensor import Tensor, split_device
 from .parameter import Parameter
+
+_hook_ids = itertools.count()
+
+
+class _IncompatibleKeys(NamedTuple):
+    """What load_state_dict returns, as torch's: the keys it did not find and did not use."""
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class RemovableHandle:
+    """What register_*_hook returns: ``handle.remove()`` takes the hook away."""
+
+    def __init__(self, hooks: dict, key: int) -> None:
+        self._hooks, self._key = hooks, key
+
+    def remove(self) -> None:
+        self._hooks.pop(self._key, None)
 
 
 class Module:
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_non_persistent", set())
         object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_forward_hooks", OrderedDict())
+        object.__setattr__(self, "_forward_pre_hooks", OrderedDict())
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        buffers = self.__dict__.get("_buffers")
+        if buffers is not None and name in buffers and (value is None or
+                                                        type(value) is Tensor):
+            buffers[name] = value  # a registered buffer stays one when assigned anew
+            return
         for table in (self._parameters, self._buffers, self._modules):
             table.pop(name, None)
         if isinstance(value, Parameter):
             self._parameters[name] = value
         elif isinstance(value, Module):
             self._modules[name] = value
-        elif isinstance(value, Tensor) and name in self.__dict__.get("_buffer_names", ()):
-            self._buffers[name] = value
         else:
             object.__setattr__(self, name, value)
 
@@ -49,9 +73,15 @@ class Module:
                 return
         object.__delattr__(self, name)
 
-    def register_buffer(self, name: str, value: Tensor | None) -> None:
-        self.__dict__.setdefault("_buffer_names", set()).add(name)
+    def register_buffer(self, name: str, value: Tensor | None, persistent: bool = True) -> None:
+        """A tensor the module keeps and moves with it; in the state dict unless not
+        ``persistent`` (torch's rule)."""
+        self.__dict__.pop(name, None)
         self._buffers[name] = value
+        if persistent:
+            self._non_persistent.discard(name)
+        else:
+            self._non_persistent.add(name)
 
     def register_parameter(self, name: str, value: Parameter | None) -> None:
         self._parameters[name] = value
@@ -59,19 +89,59 @@ class Module:
     def add_module(self, name: str, module: "Module | None") -> None:
         self._modules[name] = module
 
+    register_module = add_module
+
+    def get_submodule(self, target: str) -> "Module":
+        module = self
+        for part in filter(None, target.split(".")):
+            module = module._modules[part]
+        return module
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        for hook in list(self._forward_pre_hooks.values()):
+            changed = hook(self, args)
+            if changed is not None:
+                args = changed if isinstance(changed, tuple) else (changed,)
+        out = self.forward(*args, **kwargs)
+        for hook in list(self._forward_hooks.values()):
+            changed = hook(self, args, out)
+            if changed is not None:
+                out = changed
+        return out
 
-    # traversal ------------------------------------------------------------------------------
+    def register_forward_hook(self, hook: Callable) -> RemovableHandle:
+        """hook(module, args, output) after forward; a result other than None replaces the
+        output."""
+        return self._hook(self._forward_hooks, hook)
 
-    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+    def register_forward_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """hook(module, args) before forward; a result other than None replaces the args."""
+        return self._hook(self._forward_pre_hooks, hook)
+
+    @staticmethod
+    def _hook(hooks: dict, hook: Callable) -> RemovableHandle:
+        key = next(_hook_ids)
+        hooks[key] = hook
+        return RemovableHandle(hooks, key)
+
+    # traversal: torch's orders, each module and each tensor once -----------------------------
+
+    def named_modules(self, memo: set | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, "Module"]]:
+        if memo is None:
+            memo = set()
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
         yield prefix, self
         for name, child in self._modules.items():
             if child is not None:
-                yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+                yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name,
+                                               remove_duplicate)
 
     def modules(self) -> Iterator["Module"]:
         return (m for _, m in self.named_modules())
@@ -82,23 +152,39 @@ class Module:
     def children(self) -> Iterator["Module"]:
         return (m for _, m in self.named_children())
 
-    def _named(self, table: str) -> Iterator[tuple[str, Tensor]]:
-        for prefix, module in self.named_modules():
+    def _named(self, table: str, prefix: str, recurse: bool,
+               remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """A shared tensor (tied weights) comes once, under its first name, as in torch."""
+        seen: set[int] = set()
+        modules = self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate) \
+            if recurse else [(prefix, self)]
+        for path, module in modules:
             for name, value in getattr(module, table).items():
-                if value is not None:
-                    yield (f"{prefix}.{name}" if prefix else name), value
+                if value is None or (remove_duplicate and id(value) in seen):
+                    continue
+                seen.add(id(value))
+                yield (f"{path}.{name}" if path else name), value
 
-    def named_parameters(self) -> Iterator[tuple[str, Parameter]]:
-        return self._named("_parameters")
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, Parameter]]:
+        return self._named("_parameters", prefix, recurse, remove_duplicate)
 
-    def parameters(self) -> Iterator[Parameter]:
-        return (p for _, p in self.named_parameters())
+    def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        return (p for _, p in self.named_parameters(recurse=recurse))
 
-    def named_buffers(self) -> Iterator[tuple[str, Tensor]]:
-        return self._named("_buffers")
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
+        return self._named("_buffers", prefix, recurse, remove_duplicate)
 
-    def buffers(self) -> Iterator[Tensor]:
-        return (b for _, b in self.named_buffers())
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        return (b for _, b in self.named_buffers(recurse=recurse))
+
+    def apply(self, fn: Callable[["Module"], Any]) -> "Module":
+        """fn on every submodule, children first, then on this one (torch's order)."""
+        for child in self.children():
+            child.apply(fn)
+        fn(self)
+        return self
 
     # modes and state ------------------------------------------------------------------------
 
@@ -110,23 +196,50 @@ class Module:
     def eval(self) -> "Module":
         return self.train(False)
 
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+        return self
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grads(self.parameters(), set_to_none)
 
-    def state_dict(self) -> "OrderedDict[str, Tensor]":
-        state = OrderedDict(self.named_parameters())
-        state.update(self.named_buffers())
+    def state_dict(self, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> "OrderedDict[str, Tensor]":
+        """torch's keys in torch's order: each module's parameters then its persistent
+        buffers, module by module; a tied weight under each of its names. The values are the
+        parameters and buffers themselves (torch's keep_vars=True): a detached alias would
+        cost an instruction per tensor, and reads and copies treat both alike."""
+        state = OrderedDict() if destination is None else destination
+        for path, module in self.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+            head = f"{path}." if path else ""
+            for name, p in module._parameters.items():
+                if p is not None:
+                    state[head + name] = p
+            for name, b in module._buffers.items():
+                if b is not None and name not in module._non_persistent:
+                    state[head + name] = b
         return state
 
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+    def load_state_dict(self, state: Mapping, strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """Values from torch or gtmpi tensors or numpy arrays, copied in place where each
+        parameter or buffer lives; returns (missing_keys, unexpected_keys) as torch does."""
         if not isinstance(state, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state)}.")
-        own = self.state_dict()
+        own = self.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state]
         unexpected = [k for k in state if k not in own]
         if strict and (missing or unexpected):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: "
-                               f"missing keys {missing}, unexpected keys {unexpected}")
+            parts = []
+            if unexpected:
+                parts.append("Unexpected key(s) in state_dict: " +
+                             ", ".join(f'"{k}"' for k in unexpected) + ". ")
+            if missing:
+                parts.append("Missing key(s) in state_dict: " +
+                             ", ".join(f'"{k}"' for k in missing) + ". ")
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" +
+                               "\n\t".join(parts))
         with no_grad():
             for name, target in own.items():
                 if name not in state:
@@ -137,22 +250,32 @@ class Module:
                         value = tensor(value)
                 if tuple(value.shape) != tuple(target.shape):
                     raise RuntimeError(f"size mismatch for {name}: copying a param with shape "
-                                       f"{tuple(value.shape)}, the shape in current model is "
-                                       f"{tuple(target.shape)}.")
+                                       f"{tuple(value.shape)} from checkpoint, the shape in "
+                                       f"current model is {tuple(target.shape)}.")
                 target.copy_(value)
+        return _IncompatibleKeys(missing, unexpected)
 
-    def to(self, dtype: Any) -> "Module":
-        """Convert floating-point parameters and buffers to ``dtype`` (devices are the
-        runtime's business, not the model's)."""
-        dtype = as_dtype(dtype)
+    def to(self, *args: Any, **kwargs: Any) -> "Module":
+        """Convert floating-point parameters and buffers to a dtype among the arguments;
+        devices are accepted and change nothing (where data lives is the runtime's choice,
+        by signals and configs)."""
+        dtype = split_device(args, kwargs)
+        if dtype is None:
+            return self
         with no_grad():
             for module in self.modules():
                 for name, p in list(module._parameters.items()):
-                    if p is not None and p.dtype.is_floating_point:
+                    if p is not None and p.dtype.is_floating_point and p.dtype != dtype:
                         module._parameters[name] = Parameter(p.to(dtype), p.requires_grad)
                 for name, b in list(module._buffers.items()):
                     if b is not None and b.dtype.is_floating_point:
                         module._buffers[name] = b.to(dtype)
+        return self
+
+    def cpu(self) -> "Module":
+        return self
+
+    def cuda(self, device: Any = None) -> "Module":
         return self
 
     def float(self) -> "Module":

@@ -36,6 +36,7 @@ class Kind(Enum):
     INDEX = "index"
     INPLACE = "inplace"          # writes into its first operand; result id is that operand's
     FUSED = "fused"              # one of torch's fused kernels, with a Graph for its gradient
+    GENERAL = "general"          # mixes elements along dims in ways no placement rule covers
     COMM = "comm"                # between workers (worker.dataplane); inserted by placement
 
 
@@ -54,18 +55,44 @@ class Op:
     sigs: Callable[[tuple], tuple] | None = None
 
 
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
 def _seeded(sample: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A random op whose values depend only on (seed, shape, dtype): the same on every run,
     whatever the number of workers, because each op carries its own seed."""
     def kernel(shape, dtype, seed, device):
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
-        return sample(shape, dtype=dtype, device=device, generator=gen)
+        return sample(shape, dtype=dtype, device=device, generator=_generator(seed, device))
     return kernel
 
 
 def _meta_empty(shape, dtype, seed, device):
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _randint(low, high, shape, dtype, seed, device):
+    return torch.randint(low, high, shape, dtype=dtype, device=device,
+                         generator=_generator(seed, device))
+
+
+def _multinomial(probs, num_samples, replacement, seed):
+    return torch.multinomial(probs, num_samples, replacement,
+                             generator=_generator(seed, probs.device))
+
+
+def _multinomial_meta(probs, num_samples, replacement, seed):
+    return torch.empty((*probs.shape[:-1], num_samples), dtype=torch.int64, device=probs.device)
+
+
+def _normal_(x, mean, std, seed):
+    return x.normal_(mean, std, generator=_generator(seed, x.device))
+
+
+def _uniform_(x, low, high, seed):
+    return x.uniform_(low, high, generator=_generator(seed, x.device))
 
 
 def index_key(template: tuple, tensors: tuple) -> tuple:
@@ -145,10 +172,12 @@ def _zero_foreach(*tensors):
 
 
 def _norm_foreach(*tensors, norm_type: float) -> torch.Tensor:
-    """Several tensors' norms (torch's foreach kernel) taken together, in float32: the sum of
-    their p-th powers, or for the inf-norm their largest. A sum, so that the pieces of split
-    tensors add up (its placement rule); the p-th root is taken by the caller."""
-    norms = torch.stack(torch._foreach_norm(list(tensors), norm_type)).float()
+    """Several tensors' norms (torch's foreach kernel) taken together, in float32 (float64 for
+    float64 tensors): the sum of their p-th powers, or for the inf-norm their largest. A sum,
+    so that the pieces of split tensors add up (its placement rule); the p-th root is taken by
+    the caller."""
+    norms = torch.stack(torch._foreach_norm(list(tensors), norm_type)).to(_accumulating(
+        tensors[0].dtype))
     return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
@@ -162,8 +191,13 @@ def _first_operand(sigs: tuple) -> tuple:
     return (sigs[0],)
 
 
+def _accumulating(dtype: torch.dtype) -> torch.dtype:
+    """float32 for sums of lower precision, float64 kept (torch keeps it too)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _float_scalar(sigs: tuple) -> tuple:
-    return ((torch.Size([]), torch.float32),)
+    return ((torch.Size([]), _accumulating(sigs[0][1])),)
 
 
 def _torch_grad(fn, x, g):
@@ -365,6 +399,27 @@ def _linear_grad(g, x, w, b, grads):
     return tuple(out)
 
 
+def _vjp(*args, op, grads, outs, kw):
+    """The gradient of any row ``op`` by torch's autograd on the worker: its kernel run again
+    on the operands (args after the len(outs) incoming gradients, which belong to the results
+    at positions ``outs``), pulled back to the operands at positions ``grads``. One
+    instruction and torch's numbers, for ops whose rule is not worth writing in our ops."""
+    gs, operands = args[:len(outs)], list(args[len(outs):])
+    with torch.enable_grad():
+        for i in grads:
+            operands[i] = operands[i].detach().requires_grad_()
+        result = OPS[op].kernel(*operands, **dict(kw))
+        results = result if isinstance(result, tuple) else (result,)
+        got = torch.autograd.grad([results[j] for j in outs], [operands[i] for i in grads], gs,
+                                  allow_unused=True)
+    return tuple(torch.zeros_like(operands[i]) if g is None else g.detach()
+                 for g, i in zip(got, grads))
+
+
+def _vjp_meta(*args, op, grads, outs, kw):
+    return tuple(torch.empty_like(args[len(outs) + i]) for i in grads)
+
+
 def _getitem_grad(g, *tensors, key, shape):
     """The gradient of x[key] for x of ``shape``: g scattered back, repeated indices summed."""
     return _torch_grad(lambda base: base[index_key(key, tensors)],
@@ -380,6 +435,8 @@ _ops = [
        lambda start, end, step, dtype, device: torch.arange(start, end, step, dtype=dtype, device=device)),
     Op("eye", Kind.CREATE, lambda n, m, dtype, device: torch.eye(n, m, dtype=dtype, device=device)),
     Op("randn", Kind.CREATE, _seeded(torch.randn), meta=_meta_empty),
+    Op("randint", Kind.CREATE, _randint,
+       meta=lambda low, high, shape, dtype, seed, device: torch.empty(shape, dtype=dtype, device=device)),
     Op("rand", Kind.CREATE, _seeded(torch.rand), meta=_meta_empty),
     # elementwise: Python operators so that a scalar may stand on either side (2.0 - x)
     *(Op(name, Kind.ELEMENTWISE, fn, scalar_by_type=True) for name, fn in [
@@ -393,6 +450,13 @@ _ops = [
         ("tanh", torch.tanh), ("sigmoid", torch.sigmoid), ("relu", torch.relu),
         ("gelu", F.gelu), ("silu", F.silu), ("where", torch.where), ("clamp", torch.clamp),
         ("maximum", torch.maximum), ("minimum", torch.minimum), ("sign", torch.sign),
+        ("floor", torch.floor), ("ceil", torch.ceil), ("round", torch.round),
+        ("trunc", torch.trunc), ("erf", torch.erf), ("erfinv", torch.erfinv), ("log1p", torch.log1p),
+        ("expm1", torch.expm1), ("reciprocal", torch.reciprocal), ("square", torch.square),
+        ("logical_not", torch.logical_not), ("logical_and", torch.logical_and),
+        ("logical_or", torch.logical_or), ("isnan", torch.isnan), ("isinf", torch.isinf),
+        ("isfinite", torch.isfinite), ("leaky_relu", F.leaky_relu),
+        ("masked_fill", torch.masked_fill),
     ]),
     Op("gelu_grad", Kind.ELEMENTWISE,
        lambda g, x, approximate="none": torch.ops.aten.gelu_backward(g, x, approximate=approximate)),
@@ -421,6 +485,32 @@ _ops = [
     Op("norm_foreach", Kind.REDUCE, _norm_foreach, sigs=_float_scalar),
     Op("softmax", Kind.REDUCE, lambda x, dim: torch.softmax(x, dim)),
     Op("log_softmax", Kind.REDUCE, lambda x, dim: torch.log_softmax(x, dim)),
+    # along dims, placed on whole tensors (dims first after the tensor, where they have one)
+    Op("cumsum", Kind.GENERAL, lambda x, dim: torch.cumsum(x, dim)),
+    Op("prod", Kind.GENERAL,
+       lambda x, dim, keepdim: x.prod() if dim is None else x.prod(dim, keepdim)),
+    Op("logsumexp", Kind.GENERAL, torch.logsumexp),
+    Op("vector_norm", Kind.GENERAL,
+       lambda x, dim, keepdim, p: torch.linalg.vector_norm(x, p, dim, keepdim)),
+    Op("normalize", Kind.GENERAL, lambda x, dim, p, eps: F.normalize(x, p, dim, eps)),
+    Op("any", Kind.GENERAL, lambda x, dim, keepdim: x.any() if dim is None else x.any(dim, keepdim)),
+    Op("all", Kind.GENERAL, lambda x, dim, keepdim: x.all() if dim is None else x.all(dim, keepdim)),
+    Op("topk", Kind.GENERAL, lambda x, dim, k, largest, sorted:
+       tuple(torch.topk(x, k, dim, largest, sorted))),
+    Op("sort", Kind.GENERAL, lambda x, dim, descending, stable:
+       tuple(torch.sort(x, dim=dim, descending=descending, stable=stable))),
+    Op("gather", Kind.GENERAL, torch.gather),
+    Op("index_select", Kind.GENERAL, torch.index_select),
+    Op("tril", Kind.GENERAL, torch.tril),
+    Op("triu", Kind.GENERAL, torch.triu),
+    Op("repeat", Kind.GENERAL, lambda x, sizes: x.repeat(sizes)),
+    Op("flip", Kind.GENERAL, torch.flip),
+    Op("roll", Kind.GENERAL, torch.roll),
+    Op("pad", Kind.GENERAL, lambda x, pad, mode, value: F.pad(x, pad, mode, value)),
+    Op("one_hot", Kind.GENERAL, F.one_hot),
+    Op("einsum", Kind.GENERAL, lambda *xs, equation: torch.einsum(equation, *xs)),
+    Op("multinomial", Kind.GENERAL, _multinomial, meta=_multinomial_meta),
+    Op("vjp", Kind.GENERAL, _vjp, meta=_vjp_meta),
     # shape
     Op("reshape", Kind.SHAPE, torch.reshape),
     Op("view", Kind.SHAPE, lambda x, shape: x.view(shape)),
@@ -455,6 +545,10 @@ _ops = [
     Op("zero_", Kind.INPLACE, torch.Tensor.zero_),
     Op("fill_", Kind.INPLACE, torch.Tensor.fill_, scalar_by_type=True),
     Op("copy_", Kind.INPLACE, _copy),
+    Op("clamp_", Kind.INPLACE, torch.Tensor.clamp_, scalar_by_type=True),
+    Op("masked_fill_", Kind.INPLACE, torch.Tensor.masked_fill_, scalar_by_type=True),
+    Op("normal_", Kind.INPLACE, _normal_, scalar_by_type=True, sigs=_first_operand),
+    Op("uniform_", Kind.INPLACE, _uniform_, scalar_by_type=True, sigs=_first_operand),
     # multi-tensor updates: one instruction for all parameters of a group (torch's foreach);
     # hyper-parameters and the step count change every step, so the shape cache keys them by type
     Op("sgd_foreach", Kind.INPLACE, _sgd_foreach, scalar_by_type=True, sigs=_first_operand),

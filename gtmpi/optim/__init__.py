@@ -1,6 +1,7 @@
 """Optimizers, gradient clipping and learning-rate schedules."""
 from . import lr_scheduler
-from .clip import clip_grad_norm_
+from .clip import clip_grad_norm_, clip_grad_value_
 from .optimizer import SGD, Adam, AdamW, Optimizer
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm_", "lr_scheduler"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm_", "clip_grad_value_",
+           "lr_scheduler"]

@@ -13,6 +13,8 @@ from ..client.tensor import Tensor, apply
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0,
                     eps: float = 1e-6) -> Tensor:
     """Scale every gradient by min(1, max_norm / total_norm); return total_norm (a tensor)."""
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         raise ValueError("clip_grad_norm_ found no gradients")
@@ -35,3 +37,12 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
         for group in groups:
             apply("mul_foreach", *group, scale)
     return total
+
+
+@no_grad()
+def clip_grad_value_(parameters: Iterable[Tensor] | Tensor, clip_value: float) -> None:
+    """Clamp every gradient into [-clip_value, clip_value], in place."""
+    params = [parameters] if isinstance(parameters, Tensor) else parameters
+    for p in params:
+        if p.grad is not None:
+            p.grad.clamp_(-clip_value, clip_value)

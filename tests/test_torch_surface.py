@@ -1,0 +1,340 @@
+"""The torch surface a ported program uses, each idiom against torch on random inputs: ops and
+their gradients, torch's grad modes and functions applied to gtmpi tensors, device idioms,
+nn layers and Module behaviour (hooks, buffers, tied weights, state dicts), nn.init, and GT's
+documented call forms."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import gtmpi
+import gtmpi.nn as gnn
+import gtmpi.nn.functional as GF
+from conftest import HOME_DEVICE, assert_same
+from test_autograd import grad_check, r
+
+TF = torch.nn.functional
+I64 = torch.int64
+
+
+def idx(*shape, high: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ops and gradients: the same expression on torch tensors and on gtmpi tensors ------------------
+
+DIFFERENTIABLE = [
+    ("masked_fill", lambda x, m: x.masked_fill(m, -1.5), (r(4, 5), r(4, 5) > 0)),
+    ("masked_fill with a row mask", lambda x, m: x.masked_fill(m[:1], 0.0), (r(4, 5), r(4, 5) > 0)),
+    ("tril", lambda x: x.tril(), (r(5, 5),)),
+    ("triu with diagonal", lambda x: x.triu(1), (r(3, 4, 4),)),
+    ("square", lambda x: x.square(), (r(3, 4),)),
+    ("erf", lambda x: x.erf(), (r(3, 4),)),
+    ("log1p", lambda x: x.log1p(), (r(3, 4, low=0.1),)),
+    ("reciprocal", lambda x: x.reciprocal(), (r(3, 4, low=0.5),)),
+    ("floor, round and sign have zero gradients", lambda x: x.floor() + x.round() + x.sign() + x,
+     (r(3, 4),)),
+    ("leaky_relu", lambda x: TF.leaky_relu(x, 0.2) if isinstance(x, torch.Tensor) else
+     GF.leaky_relu(x, 0.2), (r(3, 4),)),
+    ("cumsum", lambda x: x.cumsum(1), (r(3, 4),)),
+    ("prod over a dim", lambda x: x.prod(1), (r(3, 4, low=0.5),)),
+    ("prod of all", lambda x: x.prod(), (r(2, 3, low=0.5),)),
+    ("logsumexp", lambda x: x.logsumexp(-1, keepdim=True), (r(3, 4),)),
+    ("norm", lambda x: x.norm(), (r(3, 4),)),
+    ("norm over a dim", lambda x: x.norm(dim=1), (r(3, 4),)),
+    ("norm p=1", lambda x: x.norm(p=1, dim=0), (r(3, 4),)),
+    ("topk values", lambda x: x.topk(2, dim=1).values, (r(3, 6),)),
+    ("sort values", lambda x: x.sort(dim=-1, descending=True).values, (r(3, 6),)),
+    ("gather", lambda x: x.gather(1, idx(3, 2, high=5)), (r(3, 5),)),
+    ("index_select", lambda x: x.index_select(0, idx(4, high=3)), (r(3, 5),)),
+    ("repeat", lambda x: x.repeat(2, 1, 3), (r(3, 2),)),
+    ("flip", lambda x: x.flip(0, 1), (r(3, 2),)),
+    ("roll", lambda x: x.roll(1, 0), (r(3, 2),)),
+    ("unbind", lambda x: x.unbind(1), (r(3, 2),)),
+    ("t and mT", lambda x: x.t() + x.mT, (r(3, 3),)),
+    ("bmm", lambda a, b: torch.bmm(a, b) if isinstance(a, torch.Tensor) else gtmpi.bmm(a, b),
+     (r(2, 3, 4), r(2, 4, 5))),
+    ("einsum", lambda a, b: (torch if isinstance(a, torch.Tensor) else gtmpi).einsum(
+        "bij,bkj->bik", a, b), (r(2, 3, 4), r(2, 5, 4))),
+    ("pad", lambda x: (TF if isinstance(x, torch.Tensor) else GF).pad(x, (1, 2), value=0.5),
+     (r(2, 3),)),
+    ("normalize", lambda x: (TF if isinstance(x, torch.Tensor) else GF).normalize(x, dim=-1),
+     (r(3, 4),)),
+    ("view_as", lambda x, y: x.view_as(y) * 2, (r(2, 6), r(3, 4) > 0)),
+]
+
+
+@pytest.mark.parametrize("name,fn,inputs", DIFFERENTIABLE, ids=[d[0] for d in DIFFERENTIABLE])
+def test_op_and_its_gradient_match_torch(name, fn, inputs):
+    grad_check(fn, *inputs)
+
+
+def test_reductions_and_predicates_without_gradients():
+    x = r(4, 6)
+    g = gtmpi.tensor(x)
+    assert_same((g > 0).any(), (x > 0).any())
+    assert_same((g > -3).all(), (x > -3).all())
+    assert_same((g > 0).any(1, keepdim=True), (x > 0).any(1, keepdim=True))
+    assert_same(g.topk(3).indices, x.topk(3).indices)
+    assert_same(g.sort(0).indices, x.sort(0).indices)
+    assert_same((g > 0).logical_not(), (x > 0).logical_not())
+    assert_same(gtmpi.isfinite(g / 0.0), torch.isfinite(x / 0.0))
+    assert_same(GF.one_hot(gtmpi.tensor(idx(5, high=4)), 4), TF.one_hot(idx(5, high=4), 4))
+    assert_same(GF.one_hot(gtmpi.tensor(idx(5, high=4))), TF.one_hot(idx(5, high=4)))
+    assert gtmpi.allclose(g, gtmpi.tensor(x + 1e-12)) and not gtmpi.allclose(g, g + 1)
+    assert gtmpi.equal(g, gtmpi.tensor(x))
+    assert f"{g.sum():.3f}" == f"{x.sum():.3f}"
+    assert_same(g.type_as(gtmpi.zeros(1, dtype=torch.int32)), x.type_as(torch.zeros(1, dtype=torch.int32)))
+
+
+def test_in_place_forms_match_torch():
+    x = r(3, 4)
+    g = gtmpi.tensor(x)
+    t = x.clone()
+    g.add_(1.5).mul_(2).sub_(gtmpi.tensor(x), alpha=0.5).div_(3).clamp_(-1, 1)
+    t.add_(1.5).mul_(2).sub_(x, alpha=0.5).div_(3).clamp_(-1, 1)
+    assert_same(g, t)
+    g.masked_fill_(gtmpi.tensor(x) > 0, 7.0)
+    t.masked_fill_(x > 0, 7.0)
+    assert_same(g, t)
+
+
+def test_random_ops_are_seeded_and_distributed_as_asked():
+    gtmpi.manual_seed(3)
+    a = gtmpi.randint(0, 10, (1000,))
+    gtmpi.manual_seed(3)
+    b = gtmpi.randint(10, (1000,))
+    assert a.dtype == I64 and a.shape == (1000,)
+    assert torch.equal(a.cpu_torch(), b.cpu_torch())
+    assert 0 <= int(a.min()) and int(a.max()) <= 9 and len(set(a.tolist())) == 10
+    probs = gtmpi.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
+    draws = gtmpi.multinomial(probs, 4, replacement=True).cpu_torch()
+    assert draws.shape == (2, 4) and draws.dtype == I64
+    assert (draws[0] == 1).all() and set(draws[1].tolist()) <= {0, 2}
+    w = gtmpi.zeros(200, 300)
+    w.normal_(0.0, 0.02)
+    v = w.cpu_torch()
+    assert abs(float(v.mean())) < 1e-3 and abs(float(v.std()) - 0.02) < 1e-3
+    w.uniform_(-0.5, 0.5)
+    v = w.cpu_torch()
+    assert -0.5 <= float(v.min()) and float(v.max()) <= 0.5 and float(v.std()) > 0.25
+
+
+# torch's grad modes and functions on gtmpi tensors ------------------------------------------
+
+def test_torch_no_grad_records_nothing_and_allows_in_place_updates():
+    w = gtmpi.tensor(r(3, 3), requires_grad=True)
+    (w * w).sum().backward()
+    with torch.no_grad():
+        y = w * 2
+        w -= 0.1 * w.grad  # torch's manual SGD step
+    assert not y.requires_grad and y.grad_fn is None
+    assert w.is_leaf and w.requires_grad
+
+    @torch.no_grad()
+    def evaluate(t):
+        return t * 3
+
+    assert not evaluate(w).requires_grad
+    with torch.inference_mode():
+        assert not (w + 1).requires_grad
+    with torch.enable_grad():
+        assert (w + 1).requires_grad
+    gtmpi.set_grad_enabled(False)
+    assert not (w + 1).requires_grad
+    gtmpi.set_grad_enabled(True)
+    with gtmpi.set_grad_enabled(False):
+        assert not (w + 1).requires_grad
+    assert (w + 1).requires_grad
+
+
+def test_torch_functions_on_gtmpi_tensors_run_gtmpi_ops():
+    x = r(3, 4)
+    g = gtmpi.tensor(x, requires_grad=True)
+    out = torch.relu(g)
+    assert isinstance(out, gtmpi.Tensor)
+    assert_same(out.detach(), torch.relu(x))
+    assert_same(TF.gelu(g).detach(), TF.gelu(x))
+    assert_same(torch.softmax(g, dim=-1).detach(), torch.softmax(x, dim=-1))
+    assert_same(torch.cat([g, g], dim=0).detach(), torch.cat([x, x], dim=0))
+    with pytest.raises(TypeError, match="torch.*stft.*no gtmpi equivalent"):
+        torch.stft(g, 4)
+    assert repr(g.sum().grad_fn).startswith("<SumBackward0 object at 0x")
+    assert g.sum().grad_fn.name() == "SumBackward0"
+
+
+# devices ------------------------------------------------------------------------------------
+
+def test_device_idioms_are_accepted_and_keep_data_where_the_runtime_put_it():
+    x = r(2, 3)
+    g = gtmpi.tensor(x, device="cpu")
+    assert g.device == HOME_DEVICE
+    assert g.to("cpu") is g and g.cpu() is g and g.cuda() is g and g.to(g.device) is g
+    assert g.to("cuda:0", torch.float32).dtype == torch.float32
+    assert g.to(device="cpu", dtype=torch.float16).dtype == torch.float16
+    assert g.to(gtmpi.zeros(1, dtype=torch.int32)).dtype == torch.int32
+    for made in (gtmpi.zeros(2, device="cpu"), gtmpi.ones(2, device=HOME_DEVICE),
+                 gtmpi.arange(3, device="cpu"), gtmpi.randn(2, device="cpu"),
+                 gtmpi.zeros_like(g, device="cpu"), gtmpi.full((2,), 1.0, device="cpu"),
+                 g.new_zeros(2, 2), g.new_ones((3,)), g.new_full((2,), 4.0), g.new_tensor([1.0])):
+        assert made.device == HOME_DEVICE
+    assert g.new_zeros(2, 2).dtype == torch.float64
+    with pytest.raises(RuntimeError):
+        gtmpi.zeros(2, device="not a device")
+    device = "cuda" if gtmpi.cuda.is_available() else "cpu"
+    assert device == HOME_DEVICE.type
+    model = gnn.Linear(3, 2).to(device)
+    assert model.weight.dtype == torch.float32
+    assert model.to(torch.float64).weight.dtype == torch.float64
+
+
+# nn ---------------------------------------------------------------------------------------
+
+def test_functional_and_layer_forms_match_torch():
+    x = r(4, 6).float()
+    g = gtmpi.tensor(x)
+    y = idx(4, high=6)
+    assert_same(GF.tanh(g), torch.tanh(x))
+    assert_same(GF.sigmoid(g), torch.sigmoid(x))
+    assert_same(gnn.Tanh()(g), torch.nn.Tanh()(x))
+    assert_same(gnn.Sigmoid()(g), torch.nn.Sigmoid()(x))
+    assert_same(gnn.LeakyReLU(0.1)(g), torch.nn.LeakyReLU(0.1)(x))
+    assert_same(gnn.Identity(3, k=1)(g), x)
+    assert_same(gnn.Flatten()(g.view(4, 2, 3)), torch.nn.Flatten()(x.view(4, 2, 3)))
+    assert_same(gnn.CrossEntropyLoss(label_smoothing=0.1)(g, gtmpi.tensor(y)),
+                torch.nn.CrossEntropyLoss(label_smoothing=0.1)(x, y))
+    assert_same(gnn.MSELoss(reduction="sum")(g, g * 2), torch.nn.MSELoss(reduction="sum")(x, x * 2))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_matches_torch(batch_first, need_weights):
+    torch.manual_seed(0)
+    t = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    g = gnn.MultiheadAttention(8, 2, batch_first=batch_first)
+    assert list(g.state_dict()) == list(t.state_dict())
+    g.load_state_dict(t.state_dict())
+    q, kv = torch.randn(3, 5, 8), torch.randn(3, 7, 8)  # (N, L, E), (N, S, E)
+    if not batch_first:
+        q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+    mask = torch.ones(5, 7, dtype=torch.bool).triu(3)  # True: not attended, as in torch
+    with torch.no_grad():
+        want, want_w = t(q, kv, kv, attn_mask=mask, need_weights=need_weights)
+    got, got_w = g(gtmpi.tensor(q), gtmpi.tensor(kv), gtmpi.tensor(kv),
+                   attn_mask=gtmpi.tensor(mask), need_weights=need_weights)
+    assert_same(got.detach(), want, rtol=1e-4, atol=1e-5)
+    if need_weights:
+        assert_same(got_w.detach(), want_w, rtol=1e-4, atol=1e-5)
+    else:
+        assert got_w is None
+
+
+def test_multihead_attention_key_padding_mask_matches_torch():
+    torch.manual_seed(1)
+    t = torch.nn.MultiheadAttention(8, 4, batch_first=True)
+    g = gnn.MultiheadAttention(8, 4, batch_first=True)
+    g.load_state_dict(t.state_dict())
+    x = torch.randn(2, 6, 8)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    with torch.no_grad():
+        want, _ = t(x, x, x, key_padding_mask=pad, need_weights=False)
+    got, _ = g(gtmpi.tensor(x), gtmpi.tensor(x), gtmpi.tensor(x),
+               key_padding_mask=gtmpi.tensor(pad), need_weights=False)
+    assert_same(got.detach(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_module_apply_hooks_buffers_and_tied_weights_as_torch():
+    def build(nn):
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(10, 4)
+                self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+                self.head = nn.Linear(4, 10, bias=False)
+                self.head.weight = self.emb.weight  # tied
+                self.register_buffer("mask", torch.ones(3) if nn is torch.nn else
+                                     gtmpi.ones(3))
+                self.register_buffer("scratch", torch.zeros(2) if nn is torch.nn else
+                                     gtmpi.zeros(2), persistent=False)
+        return Net()
+
+    t, g = build(torch.nn), build(gnn)
+    assert [n for n, _ in g.named_parameters()] == [n for n, _ in t.named_parameters()]
+    assert list(g.state_dict()) == list(t.state_dict())
+    assert [n for n, _ in g.named_buffers()] == [n for n, _ in t.named_buffers()]
+    assert [n for n, _ in g.named_modules()] == [n for n, _ in t.named_modules()]
+    assert g.head.weight is g.emb.weight
+    seen = []
+    g.apply(lambda m: seen.append(type(m).__name__))
+    order = []
+    t.apply(lambda m: order.append(type(m).__name__))
+    assert seen == order
+    calls = []
+    handle = g.body.register_forward_hook(lambda m, args, out: calls.append(out.shape) or out * 0)
+    pre = g.body.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    out = g.body(gtmpi.ones(2, 4))
+    assert calls == [torch.Size([2, 4])] and float(out.abs().sum()) == 0.0
+    handle.remove()
+    pre.remove()
+    assert float(g.body(gtmpi.ones(2, 4)).abs().sum()) > 0
+    result = g.load_state_dict({k: v for k, v in t.state_dict().items() if k != "mask"} |
+                               {"extra": torch.zeros(1)}, strict=False)
+    assert result.missing_keys == ["mask"] and result.unexpected_keys == ["extra"]
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "mask"'):
+        g.load_state_dict({k: v for k, v in t.state_dict().items() if k != "mask"})
+    assert_same(g.head.weight.detach(), t.head.weight.detach())
+
+
+def test_nn_init_follows_torch_formulas():
+    w = gtmpi.zeros(64, 128)
+    gnn.init.xavier_uniform_(w)
+    bound = math.sqrt(6 / (64 + 128))
+    v = w.cpu_torch()
+    assert float(v.abs().max()) <= bound and float(v.abs().max()) > 0.9 * bound
+    gnn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    assert float(w.cpu_torch().abs().max()) <= 1 / math.sqrt(128)
+    gnn.init.normal_(w, mean=1.0, std=0.02)
+    assert abs(float(w.cpu_torch().mean()) - 1.0) < 2e-3
+    gnn.init.trunc_normal_(w, std=0.02, a=-0.03, b=0.03)
+    v = w.cpu_torch()
+    assert float(v.abs().max()) <= 0.03 and 0.01 < float(v.std()) < 0.02
+    gnn.init.zeros_(w)
+    assert float(w.cpu_torch().abs().max()) == 0
+    gnn.init.constant_(w, 0.5)
+    assert float(w.cpu_torch().min()) == 0.5
+    assert gnn.init.calculate_gain("relu") == torch.nn.init.calculate_gain("relu")
+    assert gnn.init.calculate_gain("leaky_relu", 0.2) == torch.nn.init.calculate_gain("leaky_relu", 0.2)
+
+
+def test_clip_grad_utilities_as_torch():
+    x = r(4, 3)
+    tp = torch.nn.Parameter(x.clone())
+    gp = gnn.Parameter(gtmpi.tensor(x))
+    (tp * tp * 3).sum().backward()
+    (gp * gp * 3).sum().backward()
+    assert_same(gnn.utils.clip_grad_norm_(gp, 1.0), torch.nn.utils.clip_grad_norm_(tp, 1.0))
+    assert_same(gp.grad, tp.grad)
+    gnn.utils.clip_grad_value_([gp], 0.1)
+    torch.nn.utils.clip_grad_value_([tp], 0.1)
+    assert_same(gp.grad, tp.grad)
+
+
+# GT's documented forms --------------------------------------------------------------------
+
+def test_gt_documented_forms():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    x = gtmpi.from_numpy(a, requires_grad=True)
+    assert x.requires_grad and x.is_leaf
+    loss = gnn.mse_loss(x * 2, gtmpi.from_numpy(a))
+    loss.backward()
+    assert_same(x.grad, torch.from_numpy(a) * 4 / 6 * 2 / 2)
+    t = torch.from_numpy(a)
+    assert_same(gtmpi.cat([x.detach(), x.detach()], axis=1), torch.cat([t, t], dim=1))
+    parts = gtmpi.split(x.detach(), split_size=1, axis=0)
+    assert len(parts) == 2 and parts[1].shape == (1, 3)
+    assert x.detach().split(split_size=2, axis=1)[1].shape == (2, 1)
+    assert_same(x.detach().transpose(), t.T)
