@@ -116,3 +116,87 @@ def test_meta_ops_give_torch_shapes():
     outs, multi = infer("split", (x, [1, 3], 2), 0b1, None)
     assert multi and [o[0] for o in outs] == [(2, 3, 1), (2, 3, 3)]
     assert infer("matmul", (x, (torch.Size([4, 5]), torch.float32)), 0b11, None)[0][0][0] == (2, 3, 5)
+
+
+# the fast rules of ops/shape_rules.py against meta, on random valid operands and on a few
+# that the rules must leave to meta (which then raises torch's own error)
+
+def _meta(name, args, tmask, kw):
+    op = OPS[name]
+    margs = [torch.empty(a[0], dtype=a[1], device="meta") if tmask >> i & 1 else a
+             for i, a in enumerate(args)]
+    out = (op.meta or op.kernel)(*margs, **(kw or {}))
+    outs = (out,) if isinstance(out, torch.Tensor) else out
+    return tuple((o.shape, o.dtype) for o in outs)
+
+
+def _rule_cases(rng):
+    F32, BF, F64, I64 = torch.float32, torch.bfloat16, torch.float64, torch.int64
+    S = torch.Size
+    for _ in range(40):
+        dt = [F32, BF, F64][rng.randrange(3)]
+        b, t, c, o = (rng.randrange(1, 5) for _ in range(4))
+        lead = tuple(rng.randrange(1, 4) for _ in range(rng.randrange(0, 3)))
+        x = (S((*lead, c)), dt)
+        w = (S((o, c)), dt)
+        yield "linear", (x, w, (S([o]), dt)), 7, None
+        yield "linear", (x, w, None), 3, None
+        yield "linear_grad", ((S((*lead, o)), dt), x, w, (S([o]), dt)), 15, {"grads": (0, 1, 2)}
+        yield "linear_grad", ((S((*lead, o)), dt), x, w, None), 7, {"grads": (1,)}
+        a_shape = tuple(rng.randrange(1, 4) for _ in range(rng.randrange(1, 5)))
+        b_shape = tuple(rng.randrange(1, 4) for _ in range(rng.randrange(1, 5)))
+        if len(b_shape) > 1:
+            b_shape = b_shape[:-2] + (a_shape[-1], b_shape[-1])
+        else:
+            b_shape = (a_shape[-1],)
+        yield "matmul", ((S(a_shape), dt), (S(b_shape), dt)), 3, None
+        yield "layer_norm", (x, (c,), (S([c]), dt), (S([c]), dt), 1e-5), 13, {"grads": (0, 2)}
+        yield "layer_norm", (x, (c,), None, None, 1e-5), 1, None
+        yield "rms_norm", (x, (c,), (S([c]), dt), None), 5, None
+        q = (S((b, 2, t, c)), dt)
+        kv = (S((b, 2, t + 1, c)), dt)
+        yield "scaled_dot_product_attention", (q, kv, kv, None, 0.0, False, None), 7, None
+        yield "scaled_dot_product_attention", (q, q, q, None, 0.0, True, 0.5), 7, {"grads": (0,)}
+        yield "embedding", ((S((b, t)), I64), w, None), 3, None
+        yield "embedding", ((S((b, t)), I64), w, 0), 3, {"grads": (1,)}
+        for red in ("mean", "sum", "none"):
+            yield "cross_entropy", ((S((b, o)), dt), (S([b]), I64), -100, red, 0.0), 3, None
+        shape = S(tuple(rng.randrange(1, 4) for _ in range(rng.randrange(1, 4))))
+        dim = rng.choice([None, 0, -1, (0,), tuple(range(len(shape)))])
+        for name in ("sum", "mean", "amax", "amin"):
+            for dtype in (dt, I64, torch.bool):
+                yield name, ((shape, dtype), dim, rng.random() < 0.5), 1, None
+        for name in ("argmax", "argmin", "max_dim", "min_dim", "softmax", "log_softmax"):
+            d = rng.randrange(-len(shape), len(shape))
+            args = ((shape, dt), d) if "softmax" in name else ((shape, dt), d, rng.random() < 0.5)
+            yield name, args, 1, None
+        yield "var", ((shape, dt), dim, 1, False), 1, None
+        yield "std", ((shape, dt), dim, 0, True), 1, None
+        d = rng.randrange(len(shape))
+        other = S(n + (2 if i == d else 0) for i, n in enumerate(shape))
+        yield "cat", ((shape, dt), (other, dt)), 3, {"dim": d}
+        yield "stack", ((shape, dt), (shape, dt)), 3, {"dim": rng.randrange(-len(shape) - 1, len(shape) + 1)}
+    # left to meta: mismatches, integer means, out-of-range dims, mixed dtypes
+    yield "linear", ((S([2, 3]), F32), (S([4, 5]), F32), None), 3, None
+    yield "matmul", ((S([2, 3]), F32), (S([4, 5]), F32)), 3, None
+    yield "mean", ((S([2, 3]), I64), None, False), 1, None
+    yield "sum", ((S([2, 3]), F32), 2, False), 1, None
+    yield "cat", ((S([2, 3]), F32), (S([2, 3]), torch.float16)), 3, {"dim": 0}
+    yield "layer_norm", ((S([2, 3]), F32), (4,), None, None, 1e-5), 1, None
+
+
+def test_shape_rules_match_meta():
+    import random
+    from gtmpi.ops.shape_rules import RULES
+    checked = 0
+    for name, args, tmask, kw in _rule_cases(random.Random(0)):
+        got = RULES[name](args, tmask, kw or {})
+        try:
+            want = _meta(name, args, tmask, kw)
+        except Exception:
+            assert got is None, (name, args, got)  # an error: meta must raise it
+            continue
+        if got is not None:
+            assert got == want, (name, args, got, want)
+            checked += 1
+    assert checked > 1000

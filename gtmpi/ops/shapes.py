@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
+from .shape_rules import RULES
 from .table import OPS, Kind
+
+# ops whose kernel returns a tuple even of one tensor (their rule's single Sig is still a tuple)
+_TUPLED = frozenset({"linear_grad"})
 
 Sig = tuple  # (torch.Size, torch.dtype) of one tensor
 META = torch.device("meta")
@@ -159,6 +163,11 @@ def _evaluate(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tupl
             return fast, False
     elif name == "matmul" and tmask == 3:
         _check_matmul(args[0][0], args[1][0])
+    rule = RULES.get(name)
+    if rule is not None:
+        got = rule(args, tmask, kw or {})
+        if got is not None:
+            return got, len(got) > 1 or name in _TUPLED
     margs = [torch.empty(a[0], dtype=a[1], device=META) if tmask >> i & 1 else a
              for i, a in enumerate(args)]
     kwargs = dict(kw or {})
