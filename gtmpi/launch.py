@@ -100,6 +100,10 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     workers = {r: links[r].wait_reply(Tag.HELLO) for r in links}
     for w in workers.values():
         verbose(f"worker rank {w['rank']} on {w['host']} (pid {w['pid']}): {w['device']}")
+    if len(workers) > 1 and not (os.environ.get("GTMPI_CONFIG") or os.environ.get("GT_CONFIG")):
+        verbose(f"{len(workers)} workers and no sharding config: all work runs on worker "
+                f"{min(workers)} until a config or signal places tensors on the others "
+                "(GTMPI_CONFIG=file.yaml or gtmpi.load_config)")
 
     job = (socket.gethostname(), os.getpid())
     notice = ending.DeathNotice(0, job)
