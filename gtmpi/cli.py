@@ -33,9 +33,13 @@ def _table(rows: list[dict], columns: list[tuple[str, str, str]], out: TextIO) -
     """Rows as aligned columns: (key, header, format) each."""
     cells = [[format(r[k], f) if f else str(r[k]) for k, _, f in columns] for r in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h, _) in enumerate(columns)]
-    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)), file=out)
+    # text reads from the left, numbers line up on the right
+    left = [bool(rows) and isinstance(rows[0][k], str) and k != "op" for k, _, _ in columns]
+    print("  ".join(h.ljust(w) if lf else h.rjust(w)
+                    for (_, h, _), w, lf in zip(columns, widths, left)).rstrip(), file=out)
     for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths)), file=out)
+        print("  ".join(v.ljust(w) if lf else v.rjust(w)
+                        for v, w, lf in zip(c, widths, left)).rstrip(), file=out)
     if not rows:
         print("  (none)", file=out)
 
@@ -70,10 +74,15 @@ def summary(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> N
 
 
 def ops(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:
-    _table(analysis.op_rows(trace, args.ranks), [("op", "op", ""), ("count", "count", ""),
-           ("total_us", "total us", ".1f"), ("mean_us", "mean us", ".2f"),
-           ("p50_us", "p50 us", ".2f"), ("p99_us", "p99 us", ".2f"),
-           ("gpu_timed", "gpu timed", ""), ("gpu_mean_us", "gpu mean us", ".2f")], out)
+    rows = analysis.op_rows(trace, args.ranks)
+    columns = [("op", "op", ""), ("count", "count", ""), ("total_us", "total us", ".1f"),
+               ("mean_us", "mean us", ".2f"), ("p50_us", "p50 us", ".2f"),
+               ("p99_us", "p99 us", ".2f")]
+    if any(r["gpu_timed"] for r in rows):
+        columns += [("gpu_timed", "gpu timed", ""), ("gpu_mean_us", "gpu mean us", ".2f")]
+    _table(rows, columns, out)
+    if rows and not any(r["gpu_timed"] for r in rows):
+        print("(no GPU times: the workers ran on CPUs, or GTMPI_TRACE_GPU_EVERY=0)", file=out)
 
 
 def idle(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:
@@ -87,13 +96,19 @@ def idle(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None
                                      for t, g in r["longest"]) or "-"
     _table(rows, [("rank", "rank", ""), ("busy_pct", "busy %", ".1f"), ("gaps", "gaps", ""),
                   ("gap_ms", "gap ms", ".3f"), ("longest_txt", "longest", "")], out)
-    print("\nbubble fraction per stage (idle share of the window from the first op to the last)",
-          file=out)
     bubbles = analysis.bubble_rows(trace)
+    if not bubbles:
+        print("\nno pipeline in this run (gtmpi.pipeline.Pipeline records its stages): no "
+              "bubble fractions", file=out)
+        return
+    pipeline = trace.meta["pipeline"]
+    print(f"\npipeline: {len(bubbles)} stages, {pipeline.get('micro_batches')} micro-batches, "
+          f"{pipeline.get('schedule')}; bubble fraction per stage (idle share of the window "
+          "from the first op to the last) against the schedule's (p-1)/(m+p-1)", file=out)
     for b in bubbles:
         b["ranks_txt"] = ",".join(map(str, b["ranks"]))
     _table(bubbles, [("stage", "stage", ""), ("ranks_txt", "ranks", ""),
-                     ("bubble", "bubble", ".3f")], out)
+                     ("bubble", "bubble", ".3f"), ("ideal", "ideal", ".3f")], out)
 
 
 def comms(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:
@@ -104,6 +119,15 @@ def comms(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> Non
 def timeline(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:
     from .trace.timeline import draw
     ops = [o for o in args.ops.split(",") if o] if args.ops else None
+    if ops:
+        ran = analysis.op_names(trace)
+        unknown = [o for o in ops if o not in ran]
+        if len(unknown) == len(ops):
+            raise TraceError(f"--ops {args.ops}: no such op ran in {trace.path} (ops that ran: "
+                             f"{', '.join(sorted(ran)) or 'none'})")
+        if unknown:
+            print(f"gtmpi-trace: no op named {', '.join(unknown)} ran in this trace; drawing "
+                  "the others", file=sys.stderr)
     labels = draw(trace, args.output, args.start, args.end, args.ranks, ops)
     print(f"{args.output}: {len(labels)} lanes ({', '.join(labels)})", file=out)
 

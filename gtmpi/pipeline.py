@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from . import signals
 from .autograd import engine, no_grad
+from .client.runtime import runtime
 from .client.tensor import Tensor
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -96,6 +97,7 @@ class Pipeline:
         """Forward and backward of the batch, micro-batch by micro-batch in the schedule's
         order; gradients accumulate into the stages' parameters. Returns the mean loss."""
         p, m = len(self.stages), self.micro_batches
+        self._note_in_trace()
         xs, ys = _cut(inputs, m), _cut(targets, m)
         received: dict[tuple[int, int], Tensor] = {}  # (stage, i): its input, a leaf
         sent: dict[tuple[int, int], Tensor] = {}  # (stage, i): its output (the loss, last)
@@ -117,6 +119,18 @@ class Pipeline:
                 with signals.context(here):
                     engine.backward(out, g)
         return sum(losses[1:], losses[0]) / m
+
+    def _note_in_trace(self) -> None:
+        """A trace being recorded learns the stages' workers and the schedule, from which
+        gtmpi-trace idle reports each stage's bubble against (p-1)/(m+p-1)."""
+        rt = runtime()
+        if rt.tracing is None:
+            return
+        book = rt.signals
+        rt.tracing.pipeline = {
+            "stages": [list(book.placement(book.signals[name]).mesh) if name in book.signals
+                       else [] for name in self.signals],
+            "micro_batches": self.micro_batches, "schedule": self.schedule}
 
     def evaluate(self, inputs: Any, targets: Any) -> Tensor:
         """The mean loss of the batch, forward only (no graph is kept)."""

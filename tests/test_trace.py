@@ -160,8 +160,9 @@ def test_summary_ops_idle(traced, capsys):
     assert re.search(r"^\s*matmul\s+1\s", out, re.M)
 
     code, out, _ = cli(capsys, "idle", trace.path, "--min-gap-us", "1")
-    assert code == 0 and "bubble" in out
-    assert [b["ranks"] for b in analysis.bubble_rows(trace)] == [[w] for w in WORKERS]
+    assert code == 0 and "no pipeline in this run" in out
+    assert analysis.bubble_rows(trace) == []  # no pipeline ran: no stages, no bubbles
+    assert "gpu timed" not in cli(capsys, "ops", trace.path)[1] or HOME_DEVICE.type == "cuda"
 
 
 def test_timeline_picture_has_a_lane_per_rank(traced, tmp_path, capsys):
@@ -452,3 +453,25 @@ def test_gt_instruction_log(tmp_path):
                         "ReduceOp | result=4 op=sum args=3 const:None const:False worker=1"]
     assert "GetData | tensors=4 worker=1" in recv
     assert any(" SEND | worker 1 | Batch | seq=" in l for l in lines)
+
+
+@pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+def test_idle_reports_a_pipelines_stages_against_the_schedules_bubble(tmp_path, capsys):
+    from gtmpi.pipeline import Pipeline
+    gtmpi.load_config({"front": {"shard": {"workers": [0]}}, "back": {"shard": {"workers": [1]}}})
+    w1 = gtmpi.signal.tensor(torch.randn(16, 16), "front").requires_grad_()
+    w2 = gtmpi.signal.tensor(torch.randn(16, 1), "back").requires_grad_()
+    pipe = Pipeline([lambda x: (x @ w1).relu(), lambda h, y: ((h @ w2 - y) ** 2).mean()],
+                    ["front", "back"], micro_batches=4)
+    path = str(tmp_path / "pipe.h5")
+    gtmpi.synchronize()
+    gtmpi.trace.start(path)
+    pipe.step(torch.randn(8, 16), torch.randn(8, 1)).item()
+    gtmpi.trace.stop()
+    trace = fileformat.read(path)
+    rows = analysis.bubble_rows(trace)
+    assert [r["ranks"] for r in rows] == [[WORKERS[0]], [WORKERS[1]]]
+    assert all(r["ideal"] == pytest.approx(1 / 5) and 0 <= r["bubble"] < 1 for r in rows)
+    code, out, _ = cli(capsys, "idle", path)
+    assert code == 0 and "2 stages, 4 micro-batches, 1f1b" in out
+    assert re.search(r"^\s*0\s+%d\s+0\.\d{3}\s+0\.200$" % WORKERS[0], out, re.M), out

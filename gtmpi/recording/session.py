@@ -42,6 +42,7 @@ class TraceRun:
         self.snapshot_s = float(os.environ.get("GTMPI_TRACE_SNAPSHOT_S", "30"))
         self._previous_hook: Callable | None = None
         self.memory: dict[int, dict] = {}  # worker_stats at the end, for each worker's memory
+        self.pipeline: dict | None = None  # stages, micro-batches and schedule, if one ran
 
     def start(self) -> None:
         # Now, not when writing: h5py first imported inside an atexit handler crashes the
@@ -167,6 +168,7 @@ class TraceRun:
             "versions": versions,
             "gpu_every": self.gpu_every,
             "missing_ranks": {str(r): why for r, why in missing.items()},
+            "pipeline": self.pipeline or {},
         }
 
     def _rank_info(self, clock_end: dict) -> dict[int, dict[str, Any]]:

@@ -61,6 +61,12 @@ def busy_rows(trace: Trace) -> list[dict[str, Any]]:
     return rows
 
 
+def op_names(trace: Trace) -> set[str]:
+    """The ops that workers executed."""
+    return {trace.name(int(i)) for r, t in trace.events.items() if r
+            for i in np.unique(select(t, (Kind.EXEC,), Lane.WORKER)["name"])}
+
+
 def op_rows(trace: Trace, ranks: list[int] | None = None) -> list[dict[str, Any]]:
     """Per op executed on workers: count and host time statistics (and sampled GPU time)."""
     times: dict[str, list[np.ndarray]] = defaultdict(list)
@@ -172,17 +178,20 @@ def gap_rows(trace: Trace, min_gap_ns: int, top: int = 5) -> list[dict[str, Any]
 
 
 def bubble_rows(trace: Trace) -> list[dict[str, Any]]:
-    """Per pipeline stage: the share of the busy window (first op of any stage to the last)
-    that the stage spent idle. Stages come from the trace's metadata when a pipeline placed
-    them; otherwise each worker is a stage of its own."""
-    stages = trace.meta.get("stages") or [[r] for r in trace.events if r != 0]
+    """Per pipeline stage (from the trace's metadata, written by gtmpi.pipeline): the share of
+    the busy window (first op of any stage to the last) that the stage spent idle, beside the
+    schedule's ideal (p-1)/(m+p-1). No rows for a run without a pipeline."""
+    pipeline = trace.meta.get("pipeline") or {}
+    stages = pipeline.get("stages") or []
     spans = {r: select(t, BUSY[Lane.WORKER], Lane.WORKER) for r, t in trace.events.items() if r}
     execs = [s for s in spans.values() if len(s)]
-    if not execs:
+    if not stages or not execs:
         return []
     start = min(int(s["t0"].min()) for s in execs)
     end = max(int(s["t1"].max()) for s in execs)
     window = max(end - start, 1)
+    p, m = len(stages), int(pipeline.get("micro_batches", 0))
+    ideal = (p - 1) / (m + p - 1) if m else float("nan")
     rows = []
     for i, ranks in enumerate(stages):
         parts = [spans[r] for r in ranks if r in spans]
@@ -190,7 +199,7 @@ def bubble_rows(trace: Trace) -> list[dict[str, Any]]:
         t1 = np.concatenate([p["t1"] for p in parts]) if parts else np.zeros(0, np.int64)
         busy = union_ns(np.clip(t0, start, end), np.clip(t1, start, end))
         rows.append({"stage": i, "ranks": list(ranks), "busy_ns": busy,
-                     "bubble": 1 - busy / window})
+                     "bubble": 1 - busy / window, "ideal": ideal})
     return rows
 
 

@@ -3,6 +3,7 @@ ops coloured by their kind, messages drawn as lines between lanes."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -12,11 +13,14 @@ from ..recording.fileformat import Trace, TraceError
 
 FORMATS = (".png", ".svg", ".pdf")
 _MAX_LINES = 2000  # messages drawn; beyond this the picture is all lines
+_MAX_LABELS = 300  # names written on bars, the widest bars first
+_LABEL_FRACTION = 60  # a bar gets its name where it spans at least this share of the picture
 
 # Colour per category: an executed op by its kind in the op table, anything else by event kind.
 _COLOURS = {
     "elementwise": "#4e79a7", "matmul": "#e15759", "reduce": "#59a14f", "shape": "#9c755f",
-    "index": "#b07aa1", "create": "#76b7b2", "inplace": "#edc948",
+    "index": "#b07aa1", "create": "#76b7b2", "inplace": "#edc948", "fused": "#ff7f0e",
+    "general": "#17becf", "comm": "#d37295",
     "issue": "#bab0ac", "dispatch": "#8cd17d", "send": "#499894", "recv": "#86bcb6",
     "transfer": "#f28e2b", "collective": "#d37295", "wait": "#ff9d9a", "free": "#d4a6c8",
     "scope": "#fabfd2", "replay": "#b6992d", "control": "#79706e",
@@ -75,6 +79,7 @@ def draw(trace: Trace, out: str, start_ms: float | None = None, end_ms: float | 
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=_COLOURS.get(cat, "grey"),
                            linewidth=0)
             used.add(str(cat))
+    _label(ax, trace, shown, lo, hi, keep_names)
     for (x0, r0, l0), (x1, r1, l1) in messages(trace)[:_MAX_LINES]:
         if (r0, l0) in y_of and (r1, l1) in y_of and lo <= x0 <= hi:
             ax.plot([x0 / 1e6, x1 / 1e6], [y_of[(r0, l0)], y_of[(r1, l1)]], color="black",
@@ -91,6 +96,30 @@ def draw(trace: Trace, out: str, start_ms: float | None = None, end_ms: float | 
     fig.savefig(out)
     plt.close(fig)
     return [label for _, _, label in shown]
+
+
+def _label(ax: Any, trace: Trace, shown: list, lo: float, hi: float,
+           keep_names: set[int] | None) -> None:
+    """Names on the ops, control words and scopes wide enough to hold them (the widest _MAX_LABELS)."""
+    first = min((int(t["t0"].min()) for t in trace.events.values() if len(t)), default=0)
+    last = max((int(t["t1"].max()) for t in trace.events.values() if len(t)), default=1)
+    span = min(hi, last) - max(lo, first)
+    wide = max(span, 1) / _LABEL_FRACTION
+    found = []
+    for y, (rank, lane, _) in enumerate(shown):
+        table = trace.events[rank]
+        table = table[(table["lane"] == lane) & np.isin(table["kind"], [Kind.EXEC, Kind.SCOPE, Kind.CONTROL]) &
+                      (table["t1"] - table["t0"] >= wide) & (table["t1"] >= lo) &
+                      (table["t0"] <= hi)]
+        if keep_names is not None:
+            table = table[(table["kind"] == Kind.SCOPE) |
+                          np.isin(table["name"], list(keep_names))]
+        found += [(int(e["t1"] - e["t0"]), int(e["t0"]), int(e["t1"]), y, int(e["name"]))
+                  for e in table]
+    for _, t0, t1, y, name in sorted(found, reverse=True)[:_MAX_LABELS]:
+        middle = (max(t0, lo) + min(t1, hi)) / 2e6
+        ax.text(middle, y, trace.name(name), ha="center", va="center", fontsize=6,
+                clip_on=True)
 
 
 def messages(trace: Trace) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
