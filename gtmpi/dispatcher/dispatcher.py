@@ -174,7 +174,7 @@ class Dispatcher:
             self._batch[rank].append((word, None, args, 0, None))
             self.flush(rank)
 
-    def measure_clocks(self, ranks: list[int], rounds: int = 16) -> dict[int, tuple[int, int, int]]:
+    def measure_clocks(self, ranks: list[int], rounds: int = 64) -> dict[int, tuple[int, int, int]]:
         """Per worker: (its clock minus ours, the round trip it was measured with, our time
         at the measurement), each from the fastest of ``rounds`` ping-pongs."""
         self.post("clock", (rounds,), ranks)
