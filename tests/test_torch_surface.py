@@ -163,7 +163,28 @@ def test_torch_functions_on_gtmpi_tensors_run_gtmpi_ops():
     with pytest.raises(TypeError, match="torch.*stft.*no gtmpi equivalent"):
         torch.stft(g, 4)
     assert repr(g.sum().grad_fn).startswith("<SumBackward0 object at 0x")
-    assert g.sum().grad_fn.name() == "SumBackward0"
+    assert repr(gtmpi.tensor(x, requires_grad=True) * 2).endswith("grad_fn=<MulBackward0>)")
+    xt = x.float().requires_grad_()
+    gf = gtmpi.tensor(xt.detach(), requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    gw = gtmpi.tensor(w.detach(), requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+    gb = gtmpi.tensor(b.detach(), requires_grad=True)
+    y = torch.tensor([1, 0, 4])
+    for fn in (lambda t, w, b: t * 2, lambda t, w, b: t + t, lambda t, w, b: t / 3,
+               lambda t, w, b: t.relu(), lambda t, w, b: t.exp(), lambda t, w, b: t.mean(),
+               lambda t, w, b: t @ w.T if isinstance(t, torch.Tensor) else t @ w.t(),
+               lambda t, w, b: (TF if isinstance(t, torch.Tensor) else GF).linear(t, w, b),
+               lambda t, w, b: (TF if isinstance(t, torch.Tensor) else GF).linear(t, w),
+               lambda t, w, b: (TF if isinstance(t, torch.Tensor) else GF).cross_entropy(
+                   (TF if isinstance(t, torch.Tensor) else GF).linear(t, w, b),
+                   y if isinstance(t, torch.Tensor) else gtmpi.tensor(y)),
+               lambda t, w, b: (TF if isinstance(t, torch.Tensor) else GF).layer_norm(t, (4,)),
+               lambda t, w, b: t.to(torch.float64), lambda t, w, b: t.softmax(-1),
+               lambda t, w, b: t.view(12), lambda t, w, b: t.transpose(0, 1),
+               lambda t, w, b: t.masked_fill(t > 0, 0.0)):
+        want = fn(xt, w, b).grad_fn.name()
+        assert fn(gf, gw, gb).grad_fn.name() == want, want
 
 
 # devices ------------------------------------------------------------------------------------
@@ -338,3 +359,9 @@ def test_gt_documented_forms():
     assert len(parts) == 2 and parts[1].shape == (1, 3)
     assert x.detach().split(split_size=2, axis=1)[1].shape == (2, 1)
     assert_same(x.detach().transpose(), t.T)
+    rows = gtmpi.from_numpy(np.arange(10, dtype=np.float32).reshape(5, 2))
+    assert [c.data.numpy().shape for c in rows.split(split_size=2, dim=0)] == [(2, 2), (2, 2), (1, 2)]
+    assert [c.shape[0] for c in rows.chunk(chunks=2, dim=0)] == [3, 2]
+    h = gtmpi.from_numpy(a)
+    assert_same(gnn.relu(h - 2), torch.relu(t - 2))
+    assert_same(gnn.sigmoid(h), torch.sigmoid(t))

@@ -110,6 +110,14 @@ class Ghost:
         return len(self._sig[0])
 
 
+# backward names of torch's where they are not the op's own name in CamelCase
+_TORCH_NAMES = {"cross_entropy": "NllLossBackward0", "layer_norm": "NativeLayerNormBackward0",
+                "to": "ToCopyBackward0", "reshape": "ViewBackward0", "flatten": "ViewBackward0",
+                "contiguous": "CloneBackward0", "alias": "AliasBackward0",
+                "clamp": "ClampBackward1", "max_dim": "MaxBackward0", "min_dim": "MinBackward0",
+                "vector_norm": "LinalgVectorNormBackward0", "getitem": "IndexBackward0"}
+
+
 class Node:
     """One recorded op: its name, operands (tensors, Ghosts of those its rule does not read,
     and constants), keyword constants and what its rule saved; ``outputs`` is the number of
@@ -125,8 +133,17 @@ class Node:
         self.backward: str | None = None  # the signal its gradient ops run under
 
     def name(self) -> str:
-        """torch's name for the backward of this op (``AddBackward0``)."""
-        return self.op.replace("true", "").title().replace("_", "") + "Backward0"
+        """torch's name for the backward of this op (``AddBackward0``), as torch's own kernels
+        for the same call would be named."""
+        dims = [len(a.shape) for a in self.operands if hasattr(a, "shape")]
+        if self.op == "matmul":
+            return "MmBackward0" if dims == [2, 2] else "UnsafeViewBackward0"
+        if self.op == "linear":
+            two_d, bias = dims[0] == 2, len(dims) == 3
+            return ("AddmmBackward0" if bias else "MmBackward0") if two_d else \
+                ("ViewBackward0" if bias else "UnsafeViewBackward0")
+        return _TORCH_NAMES.get(self.op) or \
+            self.op.replace("true", "").title().replace("_", "") + "Backward0"
 
     def __repr__(self) -> str:
         return f"<{self.name()} object at {id(self):#x}>"

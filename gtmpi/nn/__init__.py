@@ -1,7 +1,9 @@
-"""Neural-network modules. GT's spellings keep working: ``from gtmpi.nn import Module, Linear, SGD``
-and ``nn.mse_loss(pred, target)``."""
+"""Neural-network modules. GT's spellings keep working: ``from gtmpi.nn import Module, Linear, SGD``,
+and its functions on the nn module (``nn.relu(x)``, ``nn.sigmoid(x)``, ``nn.mse_loss(pred,
+target)``), which torch keeps in torch.nn.functional."""
 from . import functional, init, utils
-from .functional import cross_entropy, mse_loss
+from .functional import (cross_entropy, gelu, log_softmax, mse_loss, relu, sigmoid, silu, softmax,
+                         tanh)
 from .layers import (GELU, CrossEntropyLoss, Dropout, Embedding, Flatten, Identity, LayerNorm,
                      LeakyReLU, Linear, MSELoss, MultiheadAttention, MultiheadSelfAttention,
                      NLLLoss, ReLU, RMSNorm, Sigmoid, SiLU, Softmax, Tanh)
@@ -9,7 +11,8 @@ from .module import Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
 
-__all__ = ["functional", "init", "utils", "cross_entropy", "mse_loss", "GELU",
+__all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax", "mse_loss",
+           "relu", "sigmoid", "silu", "softmax", "tanh", "GELU",
            "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "Identity", "LayerNorm",
            "LeakyReLU", "Linear", "MSELoss", "MultiheadAttention", "MultiheadSelfAttention",
            "NLLLoss", "ReLU", "RMSNorm", "Sigmoid", "SiLU", "Softmax", "Tanh", "Module",
