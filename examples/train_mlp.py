@@ -28,9 +28,11 @@ def spirals(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([points, torch.tanh(points @ lift)], 1)[:, :FEATURES], labels
 
 
-def progress(step: int, loss: float, width: int = 30) -> None:
+def progress(step: int, loss: float, seconds: float, width: int = 30) -> None:
     done = int(width * step / STEPS)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step:4d}/{STEPS}  loss {loss:.4f}")
+    rate = step * BATCH / seconds
+    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step:4d}/{STEPS}  "
+                     f"loss {loss:.4f}  {rate:,.0f} samples/s")
     sys.stdout.flush()
 
 
@@ -60,7 +62,8 @@ for step in range(1, STEPS + 1):
     opt.step()
     sched.step()
     if step % 20 == 0 or step == STEPS:
-        progress(step, loss.item())   # the only reads: one scalar every 20 steps
+        progress(step, loss.item(), time.perf_counter() - start)   # the only reads: a scalar
+                                                                   # every 20 steps
 print(f"\ntrained in {time.perf_counter() - start:.1f} s on {len(gtmpi.info()['workers'])} worker(s)")
 
 model.eval()
