@@ -8,6 +8,7 @@ messages still come from torch. tests/test_shapes.py checks every rule against m
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -257,3 +258,193 @@ def _stack(args, tmask, kw):
         return None
     dim %= len(shape) + 1
     return ((Size((*shape[:dim], len(args), *shape[dim:])), dtype),)
+
+
+@rule("flip", "roll")
+def _same(args, tmask, kw):
+    """flip(x, dims), roll(x, shifts, dims): the operand's Sig, for dims torch takes."""
+    dims = args[1] if len(args) == 2 else args[2]
+    if tmask != 1 or not args[0][0]:
+        return None
+    if dims is None and len(args) == 3 and type(args[1]) is int:
+        return (args[0],)
+    dims = (dims,) if type(dims) is int else dims
+    if not isinstance(dims, tuple) or _dims(dims, len(args[0][0])) is None or \
+            len(args) == 3 and not (type(args[1]) is int and len(dims) == 1 or
+                                    isinstance(args[1], tuple) and len(args[1]) == len(dims)):
+        return None
+    return (args[0],)
+
+
+@rule("tril", "triu")
+def _triangle(args, tmask, kw):
+    return (args[0],) if tmask == 1 and len(args[0][0]) >= 2 and type(args[1]) is int else None
+
+
+@rule("normalize")
+def _normalize(args, tmask, kw):
+    (shape, dtype), dim = args[:2]
+    if tmask != 1 or dtype not in _FLOAT or type(dim) is not int or _dims(dim, len(shape)) is None:
+        return None
+    return (args[0],)
+
+
+@rule("cumsum")
+def _cumsum(args, tmask, kw):
+    (shape, dtype), dim = args
+    if tmask != 1 or type(dim) is not int or _dims(dim, len(shape)) is None:
+        return None
+    return ((shape, dtype if dtype in _FLOAT else torch.int64),)
+
+
+@rule("logsumexp", "vector_norm")
+def _float_reduction(args, tmask, kw):
+    (shape, dtype), dim, keepdim = args[:3]
+    if tmask != 1 or dtype not in _FLOAT or type(keepdim) is not bool or \
+            dim is None and len(args) == 3:  # logsumexp wants its dims named
+        return None
+    dims = _dims(dim, len(shape))
+    return None if dims is None else ((_reduced(shape, dims, keepdim), dtype),)
+
+
+@rule("any", "all")
+def _predicate(args, tmask, kw):
+    (shape, dtype), dim, keepdim = args
+    if tmask != 1 or type(keepdim) is not bool or dtype == torch.uint8:
+        return None
+    if dim is None:  # the kernel's x.any(): every element, keepdim aside
+        return ((Size([]), torch.bool),)
+    dims = _dims(dim, len(shape))
+    return None if dims is None else ((_reduced(shape, dims, keepdim), torch.bool),)
+
+
+@rule("topk")
+def _topk(args, tmask, kw):
+    (shape, dtype), dim, k = args[:3]
+    dims = _dims(dim, len(shape)) if type(dim) is int else None
+    if tmask != 1 or dims is None or type(k) is not int or not 0 <= k <= shape[dims[0]]:
+        return None
+    out = Size(k if i == dims[0] else n for i, n in enumerate(shape))
+    return ((out, dtype), (out, torch.int64))
+
+
+@rule("sort")
+def _sort(args, tmask, kw):
+    (shape, dtype), dim = args[:2]
+    if tmask != 1 or type(dim) is not int or _dims(dim, len(shape)) is None:
+        return None
+    return ((shape, dtype), (shape, torch.int64))
+
+
+@rule("gather")
+def _gather(args, tmask, kw):
+    x, dim, index = args
+    if tmask != 5 or index[1] != torch.int64 or len(index[0]) != len(x[0]) or \
+            type(dim) is not int or _dims(dim, len(x[0])) is None:
+        return None
+    d = dim % len(x[0])
+    if any(i > n for j, (i, n) in enumerate(zip(index[0], x[0])) if j != d):
+        return None
+    return ((index[0], x[1]),)
+
+
+@rule("index_select")
+def _index_select(args, tmask, kw):
+    x, dim, index = args
+    if tmask != 5 or index[1] not in _INDEX or len(index[0]) != 1 or type(dim) is not int or \
+            _dims(dim, len(x[0])) is None:
+        return None
+    d = dim % len(x[0])
+    return ((Size(index[0][0] if i == d else n for i, n in enumerate(x[0])), x[1]),)
+
+
+@rule("repeat")
+def _repeat(args, tmask, kw):
+    (shape, dtype), sizes = args
+    if tmask != 1 or not isinstance(sizes, tuple) or len(sizes) < len(shape) or \
+            not all(type(s) is int and s >= 0 for s in sizes):
+        return None
+    padded = (1,) * (len(sizes) - len(shape)) + tuple(shape)
+    return ((Size(a * b for a, b in zip(padded, sizes)), dtype),)
+
+
+@rule("one_hot")
+def _one_hot(args, tmask, kw):
+    (shape, dtype), n = args
+    if tmask != 1 or dtype != torch.int64 or type(n) is not int or n <= 0:
+        return None
+    return ((Size((*shape, n)), torch.int64),)
+
+
+@rule("pad")
+def _pad(args, tmask, kw):
+    (shape, dtype), pad, mode, _ = args
+    if tmask != 1 or mode != "constant" or not isinstance(pad, tuple) or len(pad) % 2 or \
+            len(pad) // 2 > len(shape) or not all(type(p) is int for p in pad):
+        return None
+    out = list(shape)
+    for i in range(len(pad) // 2):
+        out[-1 - i] += pad[2 * i] + pad[2 * i + 1]
+    return None if min(out, default=0) < 0 else ((Size(out), dtype),)
+
+
+@rule("arange")
+def _arange(args, tmask, kw):
+    start, end, step, dtype = args
+    numbers = (start, end, step)
+    if not all(type(v) in (int, float) for v in numbers) or step == 0 or \
+            (end - start) / step < 0:
+        return None
+    if dtype is None:
+        dtype = torch.int64 if all(type(v) is int for v in numbers) else \
+            torch.get_default_dtype()
+    if dtype not in _FLOAT and dtype != torch.int64 and dtype != torch.int32:
+        return None
+    length = math.ceil((end - start) / step)
+    return ((Size([length]), dtype),)
+
+
+@rule("getitem")
+def _getitem(args, tmask, kw):
+    """x[idx], x[:, idx], x[..., idx] with one integer index tensor among full slices: the
+    indexed dim is replaced by the index's shape (advanced indexing's simplest case)."""
+    key = kw.get("key")
+    if tmask != 3 or not isinstance(key, tuple) or key.count("T") != 1:
+        return None
+    (shape, dtype), (ishape, idtype) = args
+    if idtype not in _INDEX:
+        return None
+    items = list(key)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
+    full = slice(None)
+    if len(items) > len(shape) or any(i != "T" and i != full for i in items):
+        return None
+    d = items.index("T")
+    return ((Size((*shape[:d], *ishape, *shape[d + 1:])), dtype),)
+
+
+@rule("einsum")
+def _einsum(args, tmask, kw):
+    """Explicit equations of single letters ('bij,bkj->bik'), operands of one float dtype."""
+    equation = kw.get("equation")
+    if not isinstance(equation, str) or tmask != (1 << len(args)) - 1 or not _float(*args):
+        return None
+    equation = equation.replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return None
+    inputs, output = equation.split("->")
+    terms = inputs.split(",")
+    if len(terms) != len(args):
+        return None
+    sizes: dict[str, int] = {}
+    for term, (shape, _) in zip(terms, args):
+        if len(term) != len(shape) or not term.isalpha() or len(set(term)) != len(term):
+            return None
+        for letter, n in zip(term, shape):
+            if sizes.setdefault(letter, n) != n:
+                return None
+    if not set(output) <= set(sizes) or len(set(output)) != len(output):
+        return None
+    return ((Size(sizes[c] for c in output), args[0][1]),)

@@ -97,10 +97,13 @@ def _watch(rank: int, pid: int, host: str, job: Job) -> None:
     if sys.stdin.buffer.read() == b"bye":
         return
     seen = time.monotonic_ns()  # one clock for every process of the host
+    # a worker that outlived rank 0 (of this host) was killed because rank 0 died, whatever
+    # order a loaded machine runs the watchers in
+    after_rank0 = rank != 0 and job[0] == host and not alive(job[1])
     mine = f"{_path(job)}.{rank}"
     try:
         with open(mine, "w") as f:
-            f.write(str(seen))
+            f.write(f"{seen} {int(after_rank0)}")
     except OSError:
         pass
     time.sleep(SETTLE_S)
@@ -116,14 +119,16 @@ def _watch(rank: int, pid: int, host: str, job: Job) -> None:
 
 
 def _first(job: Job) -> int | None:
-    """The rank whose death was seen first, from the watchers' notes."""
+    """The rank whose death was seen first, from the watchers' notes; workers that outlived
+    rank 0 come after every other."""
     folder, stem = os.path.split(_path(job))
     notes = {}
     for name in os.listdir(folder):
         if name.startswith(stem + "."):
             try:
                 with open(os.path.join(folder, name)) as f:
-                    notes[int(name.rsplit(".", 1)[1])] = int(f.read() or 0)
+                    seen, after_rank0 = (f.read().split() + ["0"])[:2]
+                notes[int(name.rsplit(".", 1)[1])] = (int(after_rank0), int(seen))
             except (OSError, ValueError):
                 continue
     return min(notes, key=lambda r: (notes[r], r)) if notes else None
