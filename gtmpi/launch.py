@@ -106,7 +106,8 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
                 "(GTMPI_CONFIG=file.yaml or gtmpi.load_config)")
 
     job = (socket.gethostname(), os.getpid())
-    notice = ending.DeathNotice(0, job)
+    notice = ending.DeathNotice(0, job, tuple(w["pid"] for w in workers.values()
+                                              if w["host"] == job[0]))
 
     def abort(message: str) -> None:
         ending.claim(job, message)

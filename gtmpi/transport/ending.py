@@ -58,10 +58,13 @@ class DeathNotice:
     """Started by every rank: its watcher speaks if the rank dies first without saying
     goodbye."""
 
-    def __init__(self, rank: int, job: Job):
+    def __init__(self, rank: int, job: Job, peers: tuple[int, ...] = ()):
+        """``peers`` (rank 0's: the workers of its host): all of them still alive when the
+        watcher sees its rank gone proves that its rank went first (a worker cannot know that
+        of the other workers, so its notes are ordered by time alone)."""
         self._proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(rank), str(os.getpid()),
-             socket.gethostname(), job[0], str(job[1])],
+             socket.gethostname(), job[0], str(job[1]), ",".join(map(str, peers))],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
             start_new_session=True)
 
@@ -89,7 +92,7 @@ def alive(pid: int) -> bool:
 SETTLE_S = 0.3  # how long a watcher waits for the notes of deaths that follow its rank's
 
 
-def _watch(rank: int, pid: int, host: str, job: Job) -> None:
+def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> None:
     try:  # first in line when its rank dies, ahead of the launcher killing the others
         os.setpriority(os.PRIO_PROCESS, 0, -15)
     except OSError:
@@ -97,13 +100,13 @@ def _watch(rank: int, pid: int, host: str, job: Job) -> None:
     if sys.stdin.buffer.read() == b"bye":
         return
     seen = time.monotonic_ns()  # one clock for every process of the host
-    # a worker that outlived rank 0 (of this host) was killed because rank 0 died, whatever
-    # order a loaded machine runs the watchers in
-    after_rank0 = rank != 0 and job[0] == host and not alive(job[1])
+    # the time a watcher wakes is the scheduler's to choose: on a loaded host a later death
+    # may be seen first. Peers all alive now are proof that this rank went first.
+    certain = bool(peers) and all(alive(p) for p in peers)
     mine = f"{_path(job)}.{rank}"
     try:
         with open(mine, "w") as f:
-            f.write(f"{seen} {int(after_rank0)}")
+            f.write(f"{seen} {int(certain)}")
     except OSError:
         pass
     time.sleep(SETTLE_S)
@@ -119,20 +122,21 @@ def _watch(rank: int, pid: int, host: str, job: Job) -> None:
 
 
 def _first(job: Job) -> int | None:
-    """The rank whose death was seen first, from the watchers' notes; workers that outlived
-    rank 0 come after every other."""
+    """The rank whose death was seen first, from the watchers' notes; one proven first by
+    its peers ahead of all."""
     folder, stem = os.path.split(_path(job))
     notes = {}
     for name in os.listdir(folder):
         if name.startswith(stem + "."):
             try:
                 with open(os.path.join(folder, name)) as f:
-                    seen, after_rank0 = (f.read().split() + ["0"])[:2]
-                notes[int(name.rsplit(".", 1)[1])] = (int(after_rank0), int(seen))
+                    seen, certain = (f.read().split() + ["0"])[:2]
+                notes[int(name.rsplit(".", 1)[1])] = (-int(certain), int(seen))
             except (OSError, ValueError):
                 continue
     return min(notes, key=lambda r: (notes[r], r)) if notes else None
 
 
 if __name__ == "__main__":
-    _watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], (sys.argv[4], int(sys.argv[5])))
+    _watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], (sys.argv[4], int(sys.argv[5])),
+           tuple(int(p) for p in sys.argv[6].split(",") if p))
