@@ -20,7 +20,8 @@ from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, 
                               randn, randn_like, tensor, zeros, zeros_like)
 from .client.dtypes import (bfloat16, bool_, double, float16, float32, float64, half, int8,
                             int16, int32, int64, long, uint8)
-from .client.functions import (abs, all, allclose, any, argmax, argmin, bmm, cat, ceil, chunk,
+from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, baddbmm, bmm,
+                               cat, ceil, chunk,
                                clamp, clip, concatenate, cos, cumsum, einsum, equal, erf, exp,
                                expm1, flatten, flip, floor, gather, gelu, index_select,
                                is_tensor, isfinite, isinf, isnan, log, log1p, log_softmax,
@@ -28,7 +29,8 @@ from .client.functions import (abs, all, allclose, any, argmax, argmin, bmm, cat
                                matmul, max, maximum, mean, min, minimum, mm, neg, norm, permute,
                                prod, reciprocal, relu, reshape, roll, round, rsqrt, sigmoid,
                                sign, silu, sin, softmax, sort, split, sqrt, square, squeeze,
-                               stack, std, sum, tanh, topk, transpose, tril, triu, trunc, unbind,
+                               scatter, scatter_add, stack, std, sum, tanh, topk, transpose,
+                               tril, triu, trunc, unbind,
                                unsqueeze, var, where)
 from .client.runtime import runtime as _runtime
 from .client.tensor import Tensor

@@ -216,6 +216,9 @@ def _rule_cases(rng):
         index = S(rng.randrange(1, 4) if i != d % n else rng.randrange(1, 6) for i in range(n))
         yield "gather", ((shape, dt), d, (index, I64)), 5, None
         yield "index_select", ((shape, dt), d, (S([rng.randrange(0, 5)]), I64)), 5, None
+        yield "scatter", ((shape, dt), d, (index, I64), (index, dt)), 13, None
+        yield "scatter", ((shape, dt), d, (index, I64), 1.5), 5, None
+        yield "scatter_add", ((shape, dt), d, (index, I64), (index, dt)), 13, None
         yield "repeat", ((shape, dt), tuple(rng.randrange(0, 3) for _ in range(n + rng.randrange(2)))), 1, None
         yield "one_hot", ((shape, I64), rng.randrange(1, 6)), 1, None
         yield "pad", ((shape, dt), tuple(rng.randrange(-1, 3) for _ in range(2 * rng.randrange(1, n + 1))),

@@ -55,6 +55,13 @@ DIFFERENTIABLE = [
     ("roll", lambda x: x.roll(1, 0), (r(3, 2),)),
     ("unbind", lambda x: x.unbind(1), (r(3, 2),)),
     ("t and mT", lambda x: x.t() + x.mT, (r(3, 3),)),
+    ("scatter", lambda x, s: x.scatter(1, idx(3, 2, high=4), s), (r(3, 4), r(3, 2))),
+    ("scatter of a value", lambda x: x.scatter(0, idx(2, 4, high=3), 2.5), (r(3, 4),)),
+    ("scatter_add", lambda x, s: x.scatter_add(1, idx(3, 2, high=4), s), (r(3, 4), r(3, 2))),
+    ("addmm", lambda c, a, b: (torch if isinstance(a, torch.Tensor) else gtmpi).addmm(
+        c, a, b, beta=0.5, alpha=2.0), (r(2, 5), r(2, 3), r(3, 5))),
+    ("baddbmm", lambda c, a, b: (torch if isinstance(a, torch.Tensor) else gtmpi).baddbmm(
+        c, a, b), (r(2, 3, 5), r(2, 3, 4), r(2, 4, 5))),
     ("bmm", lambda a, b: torch.bmm(a, b) if isinstance(a, torch.Tensor) else gtmpi.bmm(a, b),
      (r(2, 3, 4), r(2, 4, 5))),
     ("einsum", lambda a, b: (torch if isinstance(a, torch.Tensor) else gtmpi).einsum(
@@ -100,6 +107,27 @@ def test_in_place_forms_match_torch():
     g.masked_fill_(gtmpi.tensor(x) > 0, 7.0)
     t.masked_fill_(x > 0, 7.0)
     assert_same(g, t)
+
+
+def test_in_place_unary_forms_and_schedulers_match_torch():
+    x = r(3, 4, low=0.5)
+    g = gtmpi.tensor(x)
+    t = x.clone()
+    g.exp_().log_().sqrt_().neg_().abs_().tanh_().sigmoid_().pow_(2).relu_()
+    t.exp_().log_().sqrt_().neg_().abs_().tanh_().sigmoid_().pow_(2).relu_()
+    assert_same(g, t)
+    for make in (lambda o, lib: lib.optim.lr_scheduler.StepLR(o, 3, gamma=0.5),
+                 lambda o, lib: lib.optim.lr_scheduler.ExponentialLR(o, 0.9),
+                 lambda o, lib: lib.optim.lr_scheduler.LinearLR(o, 0.25, 1.0, total_iters=4),
+                 lambda o, lib: lib.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=1e-4)):
+        topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        gopt = gtmpi.optim.SGD([gnn.Parameter(gtmpi.zeros(2))], lr=0.1)
+        ts, gs = make(topt, torch), make(gopt, gtmpi)
+        for _ in range(12):
+            assert gs.get_last_lr() == pytest.approx(ts.get_last_lr(), rel=1e-9, abs=1e-12)
+            topt.step()
+            ts.step()
+            gs.step()
 
 
 def test_random_ops_are_seeded_and_distributed_as_asked():

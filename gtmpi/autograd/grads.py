@@ -429,7 +429,7 @@ def _getitem(node, g):
 # again (ops/table.py's "vjp"): rare in training loops, exact, and one instruction each
 @rule("floor", "ceil", "round", "trunc", "erf", "erfinv", "log1p", "expm1", "reciprocal", "square",
       "leaky_relu", "masked_fill", "cumsum", "prod", "logsumexp", "vector_norm", "normalize",
-      "topk", "sort", "gather", "index_select", "tril", "triu", "repeat", "flip", "roll", "pad",
+      "topk", "sort", "gather", "scatter", "scatter_add", "index_select", "tril", "triu", "repeat", "flip", "roll", "pad",
       "einsum")
 def _by_torch(node, g):
     gs = g if node.outputs > 1 else (g,)

@@ -243,3 +243,25 @@ def _host(x) -> torch.Tensor:
 
 def is_tensor(x) -> bool:
     return isinstance(x, Tensor)
+
+
+def addmm(input, mat1: Tensor, mat2: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
+    """beta * input + alpha * (mat1 @ mat2), composed: each part keeps its own gradient."""
+    return _scaled_sum(input, mm(mat1, mat2), beta, alpha)
+
+
+def baddbmm(input, batch1: Tensor, batch2: Tensor, *, beta: float = 1,
+            alpha: float = 1) -> Tensor:
+    return _scaled_sum(input, bmm(batch1, batch2), beta, alpha)
+
+
+def _scaled_sum(input, product: Tensor, beta: float, alpha: float) -> Tensor:
+    return (input if beta == 1 else input * beta) + (product if alpha == 1 else product * alpha)
+
+
+def scatter(x: Tensor, dim: int, index: Tensor, src) -> Tensor:
+    return x.scatter(dim, index, src)
+
+
+def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    return x.scatter_add(dim, index, src)

@@ -298,6 +298,8 @@ class Tensor:
         return Sort(*apply("sort", self, dim, descending, stable))
 
     def gather(self, dim: int, index: Tensor) -> Tensor: return apply("gather", self, dim, index)
+    def scatter(self, dim: int, index: Tensor, src: Operand) -> Tensor: return apply("scatter", self, dim, index, src)
+    def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor: return apply("scatter_add", self, dim, index, src)
     def index_select(self, dim: int, index: Tensor) -> Tensor: return apply("index_select", self, dim, index)
     def tril(self, diagonal: int = 0) -> Tensor: return apply("tril", self, diagonal)
     def triu(self, diagonal: int = 0) -> Tensor: return apply("triu", self, diagonal)
@@ -327,6 +329,16 @@ class Tensor:
 
     def masked_fill_(self, mask: Operand, value: Operand) -> Tensor:
         return apply("masked_fill_", self, mask, value)
+
+    def exp_(self) -> Tensor: return self.copy_(self.exp())
+    def log_(self) -> Tensor: return self.copy_(self.log())
+    def sqrt_(self) -> Tensor: return self.copy_(self.sqrt())
+    def abs_(self) -> Tensor: return self.copy_(self.abs())
+    def neg_(self) -> Tensor: return self.copy_(self.neg())
+    def relu_(self) -> Tensor: return self.copy_(self.relu())
+    def tanh_(self) -> Tensor: return self.copy_(self.tanh())
+    def sigmoid_(self) -> Tensor: return self.copy_(self.sigmoid())
+    def pow_(self, o: Operand) -> Tensor: return self.copy_(self.pow(o))
 
     def normal_(self, mean: float = 0.0, std: float = 1.0) -> Tensor:
         return apply("normal_", self, float(mean), float(std), runtime().next_seed())

@@ -348,6 +348,30 @@ def _gather(args, tmask, kw):
     return ((index[0], x[1]),)
 
 
+@rule("scatter_add")
+def _scatter_add(args, tmask, kw):
+    return _scatter(args, tmask, kw) if tmask & 8 else None
+
+
+@rule("scatter")
+def _scatter(args, tmask, kw):
+    """x.scatter(dim, index, src): x's Sig, for an int64 index no larger than x or src."""
+    x, dim, index, src = args
+    if not tmask & 5 == 5 or index[1] != torch.int64 or type(dim) is not int or \
+            len(index[0]) != len(x[0]) or _dims(dim, len(x[0])) is None:
+        return None
+    d = dim % len(x[0])
+    if any(i > n for j, (i, n) in enumerate(zip(index[0], x[0])) if j != d):
+        return None
+    if tmask & 8:
+        if src[1] != x[1] or len(src[0]) != len(x[0]) or \
+                any(i > n for i, n in zip(index[0], src[0])):
+            return None
+    elif type(src) not in (int, float, bool):
+        return None
+    return (x,)
+
+
 @rule("index_select")
 def _index_select(args, tmask, kw):
     x, dim, index = args

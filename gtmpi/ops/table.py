@@ -500,6 +500,8 @@ _ops = [
     Op("sort", Kind.GENERAL, lambda x, dim, descending, stable:
        tuple(torch.sort(x, dim=dim, descending=descending, stable=stable))),
     Op("gather", Kind.GENERAL, torch.gather),
+    Op("scatter", Kind.GENERAL, torch.scatter),
+    Op("scatter_add", Kind.GENERAL, torch.scatter_add),
     Op("index_select", Kind.GENERAL, torch.index_select),
     Op("tril", Kind.GENERAL, torch.tril),
     Op("triu", Kind.GENERAL, torch.triu),
