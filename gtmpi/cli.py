@@ -56,7 +56,7 @@ def summary(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> N
            ("device", "device", ""), ("events", "events", ""), ("busy_pct", "busy %", ".1f"),
            ("wait_pct", "wait %", ".1f"), ("idle_pct", "idle %", ".1f"),
            ("peak_mb", "peak MB", "")], out)
-    print(f"\ntop ops by total time (workers)", file=out)
+    print("\ntop ops by total time (workers)", file=out)
     _table(analysis.op_rows(trace)[:args.top], [("op", "op", ""), ("count", "count", ""),
            ("total_us", "total us", ".1f"), ("mean_us", "mean us", ".2f")], out)
     kinds, pairs = analysis.transfer_rows(trace)
