@@ -231,6 +231,12 @@ def _rule_cases(rng):
         yield "getitem", ((shape, dt), (S([t]), I64)), 3, {"key": (Ellipsis, "T")}
         yield "einsum", ((S((b, t, c)), dt), (S((b, o, c)), dt)), 3, {"equation": "btc,boc->bto"}
         yield "einsum", ((S((t, c)), dt),), 1, {"equation": "ij->ji"}
+        length = rng.randrange(3, 12)
+        groups = rng.choice([1, 2])
+        yield "conv1d", ((S((b, 2 * groups, length)), dt), (S((4, 2, 3)), dt), (S([4]), dt),
+                         rng.choice([1, 2]), rng.choice([0, 1, 2]), rng.choice([1, 2]), groups), 7, None
+        yield "conv2d", ((S((b, 3, length, 5)), dt), (S((2, 3, 3, 2)), dt), None, (1, 2), (1, 0),
+                         1, 1), 3, None
     # left to meta: mismatches, integer means, out-of-range dims, mixed dtypes
     yield "linear", ((S([2, 3]), F32), (S([4, 5]), F32), None), 3, None
     yield "matmul", ((S([2, 3]), F32), (S([4, 5]), F32)), 3, None

@@ -283,6 +283,29 @@ def test_multihead_attention_matches_torch(batch_first, need_weights):
         assert got_w is None
 
 
+@pytest.mark.parametrize("dims,kw", [(1, {}), (1, {"stride": 2, "padding": 1, "dilation": 2}),
+                                     (2, {"padding": (1, 0), "groups": 2}), (2, {"stride": [2, 1]})])
+def test_convolutions_match_torch(dims, kw):
+    torch.manual_seed(0)
+    t = (torch.nn.Conv1d if dims == 1 else torch.nn.Conv2d)(4, 6, 3, **kw)
+    g = (gnn.Conv1d if dims == 1 else gnn.Conv2d)(4, 6, 3, **kw)
+    assert [(n, p.shape) for n, p in g.named_parameters()] == \
+        [(n, p.shape) for n, p in t.named_parameters()]
+    bound = 1 / math.sqrt(4 // kw.get("groups", 1) * 3 ** dims)  # torch's default init
+    assert 0.8 * bound < float(g.weight.detach().abs().max()) <= bound
+    g.load_state_dict(t.state_dict())
+    x = torch.randn(2, 4, *(9,) * dims)
+    gx = gtmpi.tensor(x, requires_grad=True)
+    tx = x.clone().requires_grad_()
+    got, want = g(gx), t(tx)
+    assert_same(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    assert_same(gx.grad, tx.grad, rtol=1e-4, atol=1e-5)
+    assert_same(g.weight.grad, t.weight.grad, rtol=1e-4, atol=1e-4)
+    assert_same(g.bias.grad, t.bias.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_multihead_attention_key_padding_mask_matches_torch():
     torch.manual_seed(1)
     t = torch.nn.MultiheadAttention(8, 4, batch_first=True)

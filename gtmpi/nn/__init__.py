@@ -4,15 +4,15 @@ target)``), which torch keeps in torch.nn.functional."""
 from . import functional, init, utils
 from .functional import (cross_entropy, gelu, log_softmax, mse_loss, relu, sigmoid, silu, softmax,
                          tanh)
-from .layers import (GELU, CrossEntropyLoss, Dropout, Embedding, Flatten, Identity, LayerNorm,
-                     LeakyReLU, Linear, MSELoss, MultiheadAttention, MultiheadSelfAttention,
+from .layers import (GELU, Conv1d, Conv2d, CrossEntropyLoss, Dropout, Embedding, Flatten,
+                     Identity, LayerNorm, LeakyReLU, Linear, MSELoss, MultiheadAttention, MultiheadSelfAttention,
                      NLLLoss, ReLU, RMSNorm, Sigmoid, SiLU, Softmax, Tanh)
 from .module import Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
 
 __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax", "mse_loss",
-           "relu", "sigmoid", "silu", "softmax", "tanh", "GELU",
+           "relu", "sigmoid", "silu", "softmax", "tanh", "Conv1d", "Conv2d", "GELU",
            "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "Identity", "LayerNorm",
            "LeakyReLU", "Linear", "MSELoss", "MultiheadAttention", "MultiheadSelfAttention",
            "NLLLoss", "ReLU", "RMSNorm", "Sigmoid", "SiLU", "Softmax", "Tanh", "Module",

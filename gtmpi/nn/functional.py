@@ -10,7 +10,8 @@ from ..client.tensor import Tensor, apply
 
 __all__ = ["linear", "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "softmax",
            "log_softmax", "dropout", "layer_norm", "rms_norm", "embedding",
-           "scaled_dot_product_attention", "one_hot", "pad", "normalize", "mse_loss", "nll_loss",
+           "scaled_dot_product_attention", "one_hot", "pad", "normalize", "conv1d", "conv2d",
+           "mse_loss", "nll_loss",
            "cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
 
 
@@ -20,6 +21,23 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         # row parallel: the products are partial sums; the bias is added once, after them
         return apply("linear", x, weight, None) + bias
     return apply("linear", x, weight, bias)
+
+
+def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
+           dilation=1, groups: int = 1) -> Tensor:
+    return apply("conv1d", x, weight, bias, _per_dim(stride), _per_dim(padding),
+                 _per_dim(dilation), groups)
+
+
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
+           dilation=1, groups: int = 1) -> Tensor:
+    return apply("conv2d", x, weight, bias, _per_dim(stride), _per_dim(padding),
+                 _per_dim(dilation), groups)
+
+
+def _per_dim(v):
+    """torch takes an int, a tuple or a list (or 'same'/'valid' for padding)."""
+    return tuple(v) if isinstance(v, list) else v
 
 
 def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:

@@ -273,3 +273,42 @@ def _additive(attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_caus
         pad = pad.reshape(N, 1, 1, S)
         mask = pad if mask is None else mask + pad
     return mask
+
+
+class _ConvNd(Module):
+    """torch's Conv1d/Conv2d: weight (out, in/groups, *kernel) and bias ~ U(-1/√fan_in,
+    1/√fan_in) (kaiming_uniform with a=√5), padding by zeros."""
+
+    dims = 0
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
+        super().__init__()
+        if padding_mode != "zeros":
+            raise NotImplementedError("gtmpi's convolutions pad with zeros only")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError("in_channels and out_channels must be divisible by groups")
+        kernel = (kernel_size,) * self.dims if isinstance(kernel_size, int) else tuple(kernel_size)
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, kernel
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+        fan_in = in_channels // groups * math.prod(kernel)
+        bound = 1.0 / math.sqrt(fan_in) if fan_in else 0.0
+        self.weight = Parameter(_uniform((out_channels, in_channels // groups, *kernel), bound))
+        self.bias = Parameter(_uniform((out_channels,), bound)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        conv = F.conv1d if self.dims == 1 else F.conv2d
+        return conv(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                    self.groups)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}")
+
+
+class Conv1d(_ConvNd):
+    dims = 1
+
+
+class Conv2d(_ConvNd):
+    dims = 2

@@ -472,3 +472,30 @@ def _einsum(args, tmask, kw):
     if not set(output) <= set(sizes) or len(set(output)) != len(output):
         return None
     return ((Size(sizes[c] for c in output), args[0][1]),)
+
+
+@rule("conv1d", "conv2d")
+def _conv(args, tmask, kw):
+    """(N, C, *spatial) by a (O, C/groups, *kernel) weight, with int or per-dim stride,
+    padding and dilation: torch's output size per spatial dim."""
+    x, w, b, stride, padding, dilation, groups = args
+    (xs, dt), (ws, _) = x, w
+    k = len(ws) - 2
+    if tmask & 3 != 3 or not _float(x, w) or len(xs) != k + 2 or type(groups) is not int or \
+            groups < 1 or xs[1] != ws[1] * groups or ws[0] % groups:
+        return None
+    if b is not None and not (tmask & 4 and b == (Size([ws[0]]), dt)):
+        return None
+    per_dim = []
+    for v in (stride, padding, dilation):
+        v = (v,) * k if type(v) is int else v
+        if not isinstance(v, tuple) or len(v) != k or not all(type(i) is int for i in v):
+            return None
+        per_dim.append(v)
+    out = []
+    for n, kernel, s, p, d in zip(xs[2:], ws[2:], *per_dim):
+        size = (n + 2 * p - d * (kernel - 1) - 1) // s + 1
+        if s < 1 or d < 1 or p < 0 or size < 1:
+            return None
+        out.append(size)
+    return ((Size((xs[0], ws[0], *out)), dt),)

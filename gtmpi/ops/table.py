@@ -511,6 +511,8 @@ _ops = [
     Op("pad", Kind.GENERAL, lambda x, pad, mode, value: F.pad(x, pad, mode, value)),
     Op("one_hot", Kind.GENERAL, F.one_hot),
     Op("einsum", Kind.GENERAL, lambda *xs, equation: torch.einsum(equation, *xs)),
+    Op("conv1d", Kind.GENERAL, F.conv1d),
+    Op("conv2d", Kind.GENERAL, F.conv2d),
     Op("multinomial", Kind.GENERAL, _multinomial, meta=_multinomial_meta),
     Op("vjp", Kind.GENERAL, _vjp, meta=_vjp_meta),
     # shape
