@@ -231,6 +231,9 @@ def _rule_cases(rng):
         yield "getitem", ((shape, dt), (S([t]), I64)), 3, {"key": (Ellipsis, "T")}
         yield "einsum", ((S((b, t, c)), dt), (S((b, o, c)), dt)), 3, {"equation": "btc,boc->bto"}
         yield "einsum", ((S((t, c)), dt),), 1, {"equation": "ij->ji"}
+        chan = (S([3]), dt)
+        yield "batch_norm", ((S((b, 3, t)), dt), chan, chan, chan, chan, False, 1e-5), 31, None
+        yield "batch_norm", ((S((b + 1, 3)), dt), None, None, None, None, True, 1e-5), 1, None
         length = rng.randrange(3, 12)
         groups = rng.choice([1, 2])
         yield "conv1d", ((S((b, 2 * groups, length)), dt), (S((4, 2, 3)), dt), (S([4]), dt),

@@ -306,6 +306,31 @@ def test_convolutions_match_torch(dims, kw):
     assert_same(g.bias.grad, t.bias.grad, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind,shape", [("1d", (8, 3)), ("1d", (4, 3, 5)), ("2d", (4, 3, 5, 2))])
+def test_batch_norm_trains_and_evaluates_as_torch(kind, shape):
+    t = (torch.nn.BatchNorm1d if kind == "1d" else torch.nn.BatchNorm2d)(3, momentum=0.2)
+    g = (gnn.BatchNorm1d if kind == "1d" else gnn.BatchNorm2d)(3, momentum=0.2)
+    assert list(g.state_dict()) == list(t.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(*shape, generator=gen) * 2 + 1
+        gx, tx = gtmpi.tensor(x, requires_grad=True), x.clone().requires_grad_()
+        got, want = g(gx), t(tx)
+        assert_same(got.detach(), want.detach(), rtol=1e-5, atol=1e-5)
+        (got * got.detach().sign()).sum().backward()
+        (want * want.detach().sign()).sum().backward()
+        assert_same(gx.grad, tx.grad, rtol=1e-4, atol=1e-5)
+    for name, value in t.state_dict().items():
+        assert_same(g.state_dict()[name].detach(), value, rtol=1e-5, atol=1e-6)
+    assert_same(g.weight.grad, t.weight.grad, rtol=1e-4, atol=1e-4)
+    g.eval()
+    t.eval()
+    x = torch.randn(*shape, generator=gen)
+    assert_same(g(gtmpi.tensor(x)).detach(), t(x).detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="expected"):
+        g(gtmpi.zeros(3))
+
+
 def test_multihead_attention_key_padding_mask_matches_torch():
     torch.manual_seed(1)
     t = torch.nn.MultiheadAttention(8, 4, batch_first=True)

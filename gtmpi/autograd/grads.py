@@ -430,7 +430,7 @@ def _getitem(node, g):
 @rule("floor", "ceil", "round", "trunc", "erf", "erfinv", "log1p", "expm1", "reciprocal", "square",
       "leaky_relu", "masked_fill", "cumsum", "prod", "logsumexp", "vector_norm", "normalize",
       "topk", "sort", "gather", "scatter", "scatter_add", "index_select", "tril", "triu", "repeat", "flip", "roll", "pad",
-      "einsum", "conv1d", "conv2d")
+      "einsum", "conv1d", "conv2d", "batch_norm")
 def _by_torch(node, g):
     gs = g if node.outputs > 1 else (g,)
     outs = tuple(j for j, x in enumerate(gs) if x is not None)

@@ -4,15 +4,16 @@ target)``), which torch keeps in torch.nn.functional."""
 from . import functional, init, utils
 from .functional import (cross_entropy, gelu, log_softmax, mse_loss, relu, sigmoid, silu, softmax,
                          tanh)
-from .layers import (GELU, Conv1d, Conv2d, CrossEntropyLoss, Dropout, Embedding, Flatten,
-                     Identity, LayerNorm, LeakyReLU, Linear, MSELoss, MultiheadAttention, MultiheadSelfAttention,
-                     NLLLoss, ReLU, RMSNorm, Sigmoid, SiLU, Softmax, Tanh)
+from .layers import (GELU, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, CrossEntropyLoss, Dropout,
+                     Embedding, Flatten, Identity, LayerNorm, LeakyReLU, Linear, MSELoss,
+                     MultiheadAttention, MultiheadSelfAttention, NLLLoss, ReLU, RMSNorm, Sigmoid,
+                     SiLU, Softmax, Tanh)
 from .module import Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
 
 __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax", "mse_loss",
-           "relu", "sigmoid", "silu", "softmax", "tanh", "Conv1d", "Conv2d", "GELU",
+           "relu", "sigmoid", "silu", "softmax", "tanh", "BatchNorm1d", "BatchNorm2d", "Conv1d", "Conv2d", "GELU",
            "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "Identity", "LayerNorm",
            "LeakyReLU", "Linear", "MSELoss", "MultiheadAttention", "MultiheadSelfAttention",
            "NLLLoss", "ReLU", "RMSNorm", "Sigmoid", "SiLU", "Softmax", "Tanh", "Module",

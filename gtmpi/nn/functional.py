@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from ..client.creation import arange, rand
 from ..client.functions import gelu, log_softmax, relu, sigmoid, silu, softmax, tanh, where
+from ..autograd import no_grad
 from ..client.tensor import Tensor, apply
 
 __all__ = ["linear", "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "softmax",
            "log_softmax", "dropout", "layer_norm", "rms_norm", "embedding",
            "scaled_dot_product_attention", "one_hot", "pad", "normalize", "conv1d", "conv2d",
-           "mse_loss", "nll_loss",
+           "batch_norm", "mse_loss", "nll_loss",
            "cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
 
 
@@ -33,6 +34,18 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
            dilation=1, groups: int = 1) -> Tensor:
     return apply("conv2d", x, weight, bias, _per_dim(stride), _per_dim(padding),
                  _per_dim(dilation), groups)
+
+
+def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+               weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
+               momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """torch's: in training, normalised by the batch's statistics, and the running ones (if
+    given) updated in place on the workers."""
+    if training and running_mean is not None:
+        with no_grad():
+            apply("batch_norm_update_", running_mean, running_var, x, float(momentum))
+    return apply("batch_norm", x, running_mean, running_var, weight, bias, bool(training),
+                 float(eps))
 
 
 def _per_dim(v):

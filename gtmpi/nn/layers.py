@@ -312,3 +312,47 @@ class Conv1d(_ConvNd):
 
 class Conv2d(_ConvNd):
     dims = 2
+
+
+class _BatchNorm(Module):
+    """torch's BatchNorm: affine weight and bias, running mean and variance with momentum and
+    a count of batches seen, all in the state dict under torch's names."""
+
+    dims: tuple[int, ...] = ()
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True):
+        super().__init__()
+        if momentum is None:
+            raise NotImplementedError("gtmpi's BatchNorm: momentum=None (a cumulative average) "
+                                      "is not supported")
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.weight = Parameter(ones(num_features)) if affine else None
+        self.bias = Parameter(zeros(num_features)) if affine else None
+        if track_running_stats:
+            self.register_buffer("running_mean", zeros(num_features))
+            self.register_buffer("running_var", ones(num_features))
+            self.register_buffer("num_batches_tracked", zeros((), dtype=torch.int64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim not in self.dims:
+            raise ValueError(f"expected {' or '.join(f'{d}D' for d in self.dims)} input "
+                             f"(got {x.ndim}D input)")
+        batch_stats = self.training or not self.track_running_stats
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked += 1
+        return F.batch_norm(x, self.running_mean if self.track_running_stats else None,
+                            self.running_var if self.track_running_stats else None,
+                            self.weight, self.bias, batch_stats, self.momentum, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+class BatchNorm1d(_BatchNorm):
+    dims = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    dims = (4,)

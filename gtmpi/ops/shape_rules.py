@@ -499,3 +499,15 @@ def _conv(args, tmask, kw):
             return None
         out.append(size)
     return ((Size((xs[0], ws[0], *out)), dt),)
+
+
+@rule("batch_norm")
+def _batch_norm(args, tmask, kw):
+    x, mean, var, weight, bias = args[:5]
+    if not tmask & 1 or x[1] not in _FLOAT or len(x[0]) < 2:
+        return None
+    channels = (Size([x[0][1]]), x[1])
+    for i, p in enumerate((mean, var, weight, bias), 1):
+        if p is not None and not (tmask >> i & 1 and p == channels):
+            return None
+    return (x,)

@@ -166,6 +166,23 @@ def _adam_foreach(*args):
     return tensors[0]
 
 
+def _batch_norm_update_(running_mean, running_var, x, momentum):
+    """torch's BatchNorm running statistics from a training batch, in place: the mean and the
+    unbiased variance over every dim but the channels (dim 1)."""
+    dims = [d for d in range(x.ndim) if d != 1]
+    var, mean = torch.var_mean(x.detach(), dims, correction=1)
+    running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+    running_var.lerp_(var.to(running_var.dtype), momentum)
+    return running_mean
+
+
+def _batch_norm(x, running_mean, running_var, weight, bias, training, eps):
+    """Normalised by the batch's statistics (training: the running ones are updated by
+    batch_norm_update_, a separate in-place instruction) or by the running ones."""
+    return F.batch_norm(x, None if training else running_mean,
+                        None if training else running_var, weight, bias, training, 0.0, eps)
+
+
 def _zero_foreach(*tensors):
     torch._foreach_zero_(list(tensors))
     return tensors[0]
@@ -511,6 +528,7 @@ _ops = [
     Op("pad", Kind.GENERAL, lambda x, pad, mode, value: F.pad(x, pad, mode, value)),
     Op("one_hot", Kind.GENERAL, F.one_hot),
     Op("einsum", Kind.GENERAL, lambda *xs, equation: torch.einsum(equation, *xs)),
+    Op("batch_norm", Kind.GENERAL, _batch_norm),
     Op("conv1d", Kind.GENERAL, F.conv1d),
     Op("conv2d", Kind.GENERAL, F.conv2d),
     Op("multinomial", Kind.GENERAL, _multinomial, meta=_multinomial_meta),
@@ -552,6 +570,8 @@ _ops = [
     Op("clamp_", Kind.INPLACE, torch.Tensor.clamp_, scalar_by_type=True),
     Op("masked_fill_", Kind.INPLACE, torch.Tensor.masked_fill_, scalar_by_type=True),
     Op("normal_", Kind.INPLACE, _normal_, scalar_by_type=True, sigs=_first_operand),
+    Op("batch_norm_update_", Kind.INPLACE, _batch_norm_update_, scalar_by_type=True,
+       sigs=_first_operand),
     Op("uniform_", Kind.INPLACE, _uniform_, scalar_by_type=True, sigs=_first_operand),
     # multi-tensor updates: one instruction for all parameters of a group (torch's foreach);
     # hyper-parameters and the step count change every step, so the shape cache keys them by type

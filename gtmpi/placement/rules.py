@@ -52,6 +52,8 @@ def written(name: str, args: tuple, tmask: int) -> tuple[int, ...]:
         return tuple(range(n))
     if name == "mul_foreach":  # the last operand is the factor
         return tuple(range(n - 1))
+    if name == "batch_norm_update_":  # the running mean and variance
+        return (0, 1)
     return (0,)
 
 # linear in each tensor operand: P in every tensor operand gives P
