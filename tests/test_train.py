@@ -20,6 +20,9 @@ serial = pytest.mark.skipif(len(gtmpi.info()["workers"]) > 1 or mpiexec() is Non
 
 
 def train(tmp_path, *args: str, n: int | None = None, config: str | None = None) -> dict:
+    # float32 everywhere: on GPUs train.py's default bf16 rounds a pipeline's micro-batch sums
+    # differently from one worker's whole batch (by one bf16 step of the loss)
+    args = (*args, "--dtype", "fp32")
     body = f"""
         import runpy, sys
         sys.argv = ["train.py", *{list(args)!r}]
