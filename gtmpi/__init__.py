@@ -7,6 +7,7 @@ worker inside the process, or n spawned ones after ``gtmpi.workers(n)``.
 from __future__ import annotations
 
 import builtins as _builtins
+import sys as _sys
 
 import torch as _torch
 
@@ -46,9 +47,7 @@ device, dtype, Size = _torch.device, _torch.dtype, _torch.Size
 get_default_dtype, set_default_dtype = _torch.get_default_dtype, _torch.set_default_dtype
 gpu_workers = workers
 
-import sys as _sys  # noqa: E402
-
-Tensor.__torch_function__ = _torch_function((_sys.modules[__name__], nn.functional))
+Tensor.__torch_function__ = _torch_function(_sys.modules[__name__], nn.functional)
 
 
 def synchronize() -> None:

@@ -10,15 +10,15 @@ from typing import Any, Callable
 from .client.tensor import Tensor
 
 
-def torch_function(namespaces: tuple[ModuleType, ...]) -> Callable[..., Any]:
-    """Tensor.__torch_function__ over ``namespaces``: gtmpi modules searched in order for the
-    torch function's name (torch.nn.functional's names first in gtmpi.nn.functional)."""
-    functional = next(m for m in namespaces if m.__name__.endswith("functional"))
-
+def torch_function(package: ModuleType, functional: ModuleType) -> Callable[..., Any]:
+    """Tensor.__torch_function__: a torch function's name looked up in gtmpi's ``package``,
+    then in its nn ``functional`` (the other way round for torch.nn.functional's names), then
+    among Tensor's methods."""
     def dispatch(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", None)
         module = getattr(func, "__module__", None) or ""
-        order = (functional, *namespaces) if module.startswith("torch.nn.functional") else namespaces
+        order = (functional, package) if module.startswith("torch.nn.functional") else \
+            (package, functional)
         for space in order:
             fn = getattr(space, name, None) if name else None
             if callable(fn):

@@ -69,9 +69,8 @@ def ones(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
 
 
 def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    with_device(kw)
     """Zero-filled: a worker never hands out uninitialised memory."""
-    return zeros(*size, dtype=dtype, requires_grad=requires_grad)
+    return zeros(*size, dtype=dtype, requires_grad=requires_grad, **kw)
 
 
 def full(size, fill_value, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:

@@ -383,26 +383,22 @@ class Tensor:
 
     def new_zeros(self, *size, dtype=None, **kw) -> Tensor:
         from .creation import zeros
-        with_device(kw)
-        return zeros(*size, dtype=dtype or self.dtype)
+        return zeros(*size, dtype=dtype or self.dtype, **kw)
 
     def new_ones(self, *size, dtype=None, **kw) -> Tensor:
         from .creation import ones
-        with_device(kw)
-        return ones(*size, dtype=dtype or self.dtype)
+        return ones(*size, dtype=dtype or self.dtype, **kw)
 
     def new_full(self, size, fill_value, dtype=None, **kw) -> Tensor:
         from .creation import full
-        with_device(kw)
-        return full(size, fill_value, dtype=dtype or self.dtype)
+        return full(size, fill_value, dtype=dtype or self.dtype, **kw)
 
     def new_empty(self, *size, dtype=None, **kw) -> Tensor:
         return self.new_zeros(*size, dtype=dtype, **kw)
 
     def new_tensor(self, data: Any, dtype=None, **kw) -> Tensor:
         from .creation import tensor
-        with_device(kw)
-        return tensor(data, dtype=dtype or self.dtype)
+        return tensor(data, dtype=dtype or self.dtype, **kw)
 
     def type(self, dtype: Any) -> Tensor:
         return self.to(dtype)

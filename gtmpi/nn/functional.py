@@ -26,14 +26,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
            dilation=1, groups: int = 1) -> Tensor:
-    return apply("conv1d", x, weight, bias, _per_dim(stride), _per_dim(padding),
-                 _per_dim(dilation), groups)
+    return _conv("conv1d", x, weight, bias, stride, padding, dilation, groups)
 
 
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
            dilation=1, groups: int = 1) -> Tensor:
-    return apply("conv2d", x, weight, bias, _per_dim(stride), _per_dim(padding),
-                 _per_dim(dilation), groups)
+    return _conv("conv2d", x, weight, bias, stride, padding, dilation, groups)
+
+
+def _conv(name: str, x, weight, bias, stride, padding, dilation, groups: int) -> Tensor:
+    return apply(name, x, weight, bias, *map(_per_dim, (stride, padding, dilation)), groups)
 
 
 def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,

@@ -4,7 +4,7 @@ imports torch's decompositions with dynamo and sympy behind them (0.3-1.3 s, onc
 
 A rule returns the result Sigs for the common, valid case and None for anything else (an
 error, a dtype torch would promote, an unusual form); meta tensors then decide, so torch's own
-messages still come from torch. tests/test_shapes.py checks every rule against meta.
+messages still come from torch. tests/test_shapes.py checks every rule against torch.
 """
 from __future__ import annotations
 
@@ -51,13 +51,30 @@ def _dims(dim, ndim: int) -> tuple[int, ...] | None:
     return dims if len(set(dims)) == len(dims) else None
 
 
+def broadcast_shape(shapes: list) -> torch.Size:
+    """The broadcast of several shapes, or torch's eager message where they do not fit."""
+    out: list[int] = []
+    for shape in shapes:
+        width = max(len(out), len(shape))
+        merged = []
+        for i in range(width, 0, -1):
+            a = out[-i] if i <= len(out) else 1
+            b = shape[-i] if i <= len(shape) else 1
+            if a != b and a != 1 and b != 1:
+                raise RuntimeError(f"The size of tensor a ({a}) must match the size of tensor b "
+                                   f"({b}) at non-singleton dimension {width - i}")
+            merged.append(b if a == 1 else a)
+        out = merged
+    return torch.Size(out)
+
+
 def _broadcast(a: tuple, b: tuple) -> tuple | None:
-    """Batch dims broadcast (torch.broadcast_shapes imports what this module avoids)."""
-    n = max(len(a), len(b))
-    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
-    if any(x != y and 1 not in (x, y) for x, y in zip(a, b)):
+    """Batch dims broadcast, or None where they do not (torch.broadcast_shapes imports what
+    this module avoids)."""
+    try:
+        return tuple(broadcast_shape([a, b]))
+    except RuntimeError:
         return None
-    return tuple(y if x == 1 else x for x, y in zip(a, b))
 
 
 def _reduced(shape: Size, dims: tuple[int, ...], keepdim: bool) -> Size:
@@ -166,8 +183,8 @@ def _cross_entropy(args, tmask, kw):
     return ((Size([x[0][0]]), x[1]), _GRAPH) if reduction == "none" else None
 
 
-@rule("sum", "mean", "amax", "amin", "argmax", "argmin")
-def _reduction(args, tmask, kw, name=None):
+def _reduction(args, tmask, kw):
+    """(shape, dtype, dims, keepdim) of a reduction's operands, or None."""
     (shape, dtype), dim, keepdim = args
     if tmask != 1 or type(keepdim) is not bool:
         return None
@@ -336,16 +353,19 @@ def _sort(args, tmask, kw):
     return ((shape, dtype), (shape, torch.int64))
 
 
+def _indexes(x: tuple, dim, index: tuple) -> bool:
+    """gather's and scatter's index: int64, of x's rank, no longer than x off ``dim``."""
+    if index[1] != torch.int64 or len(index[0]) != len(x[0]) or type(dim) is not int or \
+            _dims(dim, len(x[0])) is None:
+        return False
+    d = dim % len(x[0])
+    return all(i <= n for j, (i, n) in enumerate(zip(index[0], x[0])) if j != d)
+
+
 @rule("gather")
 def _gather(args, tmask, kw):
     x, dim, index = args
-    if tmask != 5 or index[1] != torch.int64 or len(index[0]) != len(x[0]) or \
-            type(dim) is not int or _dims(dim, len(x[0])) is None:
-        return None
-    d = dim % len(x[0])
-    if any(i > n for j, (i, n) in enumerate(zip(index[0], x[0])) if j != d):
-        return None
-    return ((index[0], x[1]),)
+    return ((index[0], x[1]),) if tmask == 5 and _indexes(x, dim, index) else None
 
 
 @rule("scatter_add")
@@ -357,11 +377,7 @@ def _scatter_add(args, tmask, kw):
 def _scatter(args, tmask, kw):
     """x.scatter(dim, index, src): x's Sig, for an int64 index no larger than x or src."""
     x, dim, index, src = args
-    if not tmask & 5 == 5 or index[1] != torch.int64 or type(dim) is not int or \
-            len(index[0]) != len(x[0]) or _dims(dim, len(x[0])) is None:
-        return None
-    d = dim % len(x[0])
-    if any(i > n for j, (i, n) in enumerate(zip(index[0], x[0])) if j != d):
+    if tmask & 5 != 5 or not _indexes(x, dim, index):
         return None
     if tmask & 8:
         if src[1] != x[1] or len(src[0]) != len(x[0]) or \

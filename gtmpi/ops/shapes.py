@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .shape_rules import RULES
+from .shape_rules import RULES, broadcast_shape
 from .table import OPS, Kind
 
 # ops whose kernel returns a tuple even of one tensor (their rule's single Sig is still a tuple)
@@ -51,23 +51,6 @@ def signature_key(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple:
     if kw:
         parts.append(tuple((k, _freeze(v)) for k, v in kw.items()))
     return (name, *parts)
-
-
-def broadcast_shape(shapes: list) -> torch.Size:
-    """The broadcast of several shapes, or torch's eager message where they do not fit."""
-    out: list[int] = []
-    for shape in shapes:
-        width = max(len(out), len(shape))
-        merged = []
-        for i in range(width, 0, -1):
-            a = out[-i] if i <= len(out) else 1
-            b = shape[-i] if i <= len(shape) else 1
-            if a != b and a != 1 and b != 1:
-                raise RuntimeError(f"The size of tensor a ({a}) must match the size of tensor b "
-                                   f"({b}) at non-singleton dimension {width - i}")
-            merged.append(b if a == 1 else a)
-        out = merged
-    return torch.Size(out)
 
 
 def _probe(op, args: tuple, tmask: int, kw: dict | None) -> tuple[Sig, ...] | None:

@@ -217,13 +217,20 @@ def _float_scalar(sigs: tuple) -> tuple:
     return ((torch.Size([]), _accumulating(sigs[0][1])),)
 
 
-def _torch_grad(fn, x, g):
-    """g pulled back through fn at x by torch's own autograd on the worker: one instruction
-    for gradients torch computes better than a chain of ours."""
+def _pullback(fn, operands, wanted: tuple, outs: tuple, gs: tuple) -> tuple:
+    """Gradients ``gs`` of fn's results at positions ``outs`` pulled back to its operands at
+    positions ``wanted``, by torch's own autograd on the worker: one instruction for gradients
+    torch computes better than a chain of ours (zeros where an operand is unused)."""
+    operands = list(operands)
     with torch.enable_grad():
-        leaf = x.detach().requires_grad_()
-        (grad,) = torch.autograd.grad(fn(leaf), leaf, g)
-    return grad
+        for i in wanted:
+            operands[i] = operands[i].detach().requires_grad_()
+        result = fn(*operands)
+        results = result if isinstance(result, tuple) else (result,)
+        got = torch.autograd.grad([results[j] for j in outs], [operands[i] for i in wanted], gs,
+                                  allow_unused=True)
+    return tuple(torch.zeros_like(operands[i]) if g is None else g.detach()
+                 for g, i in zip(got, wanted))
 
 
 class Graph:
@@ -417,20 +424,12 @@ def _linear_grad(g, x, w, b, grads):
 
 
 def _vjp(*args, op, grads, outs, kw):
-    """The gradient of any row ``op`` by torch's autograd on the worker: its kernel run again
-    on the operands (args after the len(outs) incoming gradients, which belong to the results
-    at positions ``outs``), pulled back to the operands at positions ``grads``. One
-    instruction and torch's numbers, for ops whose rule is not worth writing in our ops."""
-    gs, operands = args[:len(outs)], list(args[len(outs):])
-    with torch.enable_grad():
-        for i in grads:
-            operands[i] = operands[i].detach().requires_grad_()
-        result = OPS[op].kernel(*operands, **dict(kw))
-        results = result if isinstance(result, tuple) else (result,)
-        got = torch.autograd.grad([results[j] for j in outs], [operands[i] for i in grads], gs,
-                                  allow_unused=True)
-    return tuple(torch.zeros_like(operands[i]) if g is None else g.detach()
-                 for g, i in zip(got, grads))
+    """The gradient of any row ``op``: its kernel run again on the operands (args after the
+    len(outs) incoming gradients, which belong to its results at positions ``outs``) and pulled
+    back to the operands at positions ``grads``. One instruction and torch's numbers, for ops
+    whose rule is not worth writing in our ops."""
+    n = len(outs)
+    return _pullback(lambda *xs: OPS[op].kernel(*xs, **dict(kw)), args[n:], grads, outs, args[:n])
 
 
 def _vjp_meta(*args, op, grads, outs, kw):
@@ -439,8 +438,8 @@ def _vjp_meta(*args, op, grads, outs, kw):
 
 def _getitem_grad(g, *tensors, key, shape):
     """The gradient of x[key] for x of ``shape``: g scattered back, repeated indices summed."""
-    return _torch_grad(lambda base: base[index_key(key, tensors)],
-                       torch.zeros(shape, dtype=g.dtype, device=g.device), g)
+    base = torch.zeros(shape, dtype=g.dtype, device=g.device)
+    return _pullback(lambda x: x[index_key(key, tensors)], (base,), (0,), (0,), (g,))[0]
 
 
 _ops = [

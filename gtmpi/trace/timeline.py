@@ -3,7 +3,6 @@ ops coloured by their kind, messages drawn as lines between lanes."""
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 
@@ -15,6 +14,7 @@ FORMATS = (".png", ".svg", ".pdf")
 _MAX_LINES = 2000  # messages drawn; beyond this the picture is all lines
 _MAX_LABELS = 300  # names written on bars, the widest bars first
 _LABEL_FRACTION = 60  # a bar gets its name where it spans at least this share of the picture
+_LABELLED = [Kind.EXEC, Kind.SCOPE, Kind.CONTROL]  # events whose bars carry their names
 
 # Colour per category: an executed op by its kind in the op table, anything else by event kind.
 _COLOURS = {
@@ -65,6 +65,8 @@ def draw(trace: Trace, out: str, start_ms: float | None = None, end_ms: float | 
     fig, ax = plt.subplots(figsize=(14, 1.2 + 0.55 * len(shown)))
     used: set[str] = set()
     y_of = {}
+    wide = _label_width(trace, lo, hi)
+    labels: list[tuple[int, int, int, int, int]] = []  # (width, t0, t1, lane, name)
     for y, (rank, lane, _) in enumerate(shown):
         y_of[(rank, lane)] = y
         table = trace.events[rank]
@@ -79,7 +81,12 @@ def draw(trace: Trace, out: str, start_ms: float | None = None, end_ms: float | 
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=_COLOURS.get(cat, "grey"),
                            linewidth=0)
             used.add(str(cat))
-    _label(ax, trace, shown, lo, hi, keep_names)
+        long = table[np.isin(table["kind"], _LABELLED) & (table["t1"] - table["t0"] >= wide)]
+        labels += [(int(e["t1"] - e["t0"]), int(e["t0"]), int(e["t1"]), y, int(e["name"]))
+                  for e in long]
+    for _, t0, t1, y, name in sorted(labels, reverse=True)[:_MAX_LABELS]:
+        ax.text((max(t0, lo) + min(t1, hi)) / 2e6, y, trace.name(name), ha="center",
+                va="center", fontsize=6, clip_on=True)
     for (x0, r0, l0), (x1, r1, l1) in messages(trace)[:_MAX_LINES]:
         if (r0, l0) in y_of and (r1, l1) in y_of and lo <= x0 <= hi:
             ax.plot([x0 / 1e6, x1 / 1e6], [y_of[(r0, l0)], y_of[(r1, l1)]], color="black",
@@ -98,28 +105,11 @@ def draw(trace: Trace, out: str, start_ms: float | None = None, end_ms: float | 
     return [label for _, _, label in shown]
 
 
-def _label(ax: Any, trace: Trace, shown: list, lo: float, hi: float,
-           keep_names: set[int] | None) -> None:
-    """Names on the ops, control words and scopes wide enough to hold them (the widest _MAX_LABELS)."""
+def _label_width(trace: Trace, lo: float, hi: float) -> float:
+    """The least duration (ns) of a bar that gets its name: a share of the span drawn."""
     first = min((int(t["t0"].min()) for t in trace.events.values() if len(t)), default=0)
     last = max((int(t["t1"].max()) for t in trace.events.values() if len(t)), default=1)
-    span = min(hi, last) - max(lo, first)
-    wide = max(span, 1) / _LABEL_FRACTION
-    found = []
-    for y, (rank, lane, _) in enumerate(shown):
-        table = trace.events[rank]
-        table = table[(table["lane"] == lane) & np.isin(table["kind"], [Kind.EXEC, Kind.SCOPE, Kind.CONTROL]) &
-                      (table["t1"] - table["t0"] >= wide) & (table["t1"] >= lo) &
-                      (table["t0"] <= hi)]
-        if keep_names is not None:
-            table = table[(table["kind"] == Kind.SCOPE) |
-                          np.isin(table["name"], list(keep_names))]
-        found += [(int(e["t1"] - e["t0"]), int(e["t0"]), int(e["t1"]), y, int(e["name"]))
-                  for e in table]
-    for _, t0, t1, y, name in sorted(found, reverse=True)[:_MAX_LABELS]:
-        middle = (max(t0, lo) + min(t1, hi)) / 2e6
-        ax.text(middle, y, trace.name(name), ha="center", va="center", fontsize=6,
-                clip_on=True)
+    return max(min(hi, last) - max(lo, first), 1) / _LABEL_FRACTION
 
 
 def messages(trace: Trace) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
