@@ -43,8 +43,17 @@ def batches(c, batch: int, count: int, seed: int = 0) -> list[tuple[torch.Tensor
     return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
 
 
-def train(model, opt, data, steps: int, warmup: int, sync) -> tuple[list[float], float]:
-    """Losses of every step, and seconds per step over the timed ones."""
+def forward_backward(model):
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        return loss
+    return step
+
+
+def train(step, opt, data, steps: int, warmup: int, sync) -> tuple[list[float], float]:
+    """Losses of every step (``step`` runs forward and backward), and seconds per step over the
+    timed ones."""
     losses = []
     for i in range(warmup + steps):
         if i == warmup:  # the warm-up ends on the device before the clock starts
@@ -52,8 +61,7 @@ def train(model, opt, data, steps: int, warmup: int, sync) -> tuple[list[float],
             start = time.perf_counter()
         x, y = data[i % len(data)]
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
+        loss = step(x, y)
         opt.step()
         losses.append(loss)
     losses[-1].item()
@@ -90,6 +98,9 @@ def main() -> None:
                    help="weights and activations (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile (a reference)")
     p.add_argument("--no-torch", action="store_true", help="time gtmpi alone (profiling)")
+    p.add_argument("--no-replay", action="store_true",
+                   help="gtmpi issues every step's ops (by default the second step's are "
+                        "recorded and later steps replay them: gtmpi.replayable)")
     p.add_argument("--data-parallel", action="store_true",
                    help="gtmpi splits each batch over all its workers (weights replicated, "
                         "gradients all-reduced); torch runs the same batch on one GPU")
@@ -135,7 +146,8 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        losses, seconds = train(step_model, opt, on_device, steps, warmup, sync)
+        losses, seconds = train(forward_backward(step_model), opt, on_device, steps, warmup,
+                                sync)
         res[label] = {"losses": losses, "s": seconds,
                       "peak": torch.cuda.max_memory_allocated(device) if gpu else None,
                       "reserved": torch.cuda.max_memory_reserved(device) if gpu else None}
@@ -171,7 +183,10 @@ def main() -> None:
     on_workers = [(gtmpi.signal.tensor(x, batch_signal), gtmpi.signal.tensor(y, batch_signal))
                   if batch_signal else (gtmpi.tensor(x), gtmpi.tensor(y)) for x, y in data]
     before = gtmpi.debug.worker_stats(reset_peak=True)[home]
-    losses, seconds = train(model, opt, on_workers, steps, warmup, gtmpi.synchronize)
+    step = forward_backward(model)
+    if not args.no_replay:
+        step = gtmpi.replayable(step)
+    losses, seconds = train(step, opt, on_workers, steps, warmup, gtmpi.synchronize)
     after = gtmpi.debug.worker_stats()[home]
     res["gtmpi"] = {"losses": losses, "s": seconds, "peak": after.get("peak_bytes"),
                     "weights": weights,
@@ -195,12 +210,14 @@ def main() -> None:
         mem = f"{r['peak'] / 1e9:9.2f} {r['reserved'] / 1e9:12.2f}" if r["peak"] else f"{'-':>9} {'-':>12}"
         print(f"{label:<10} {r['s'] * 1e3:9.2f} {r['tokens_per_s']:11.0f} {mfu} {mem} "
               f"{r['losses'][0]:11.4f} {r['losses'][-1]:10.4f}")
-    print(f"gtmpi: {res['gtmpi']['instructions']:.0f} worker instructions per step")
+    print(f"gtmpi: {res['gtmpi']['instructions']:.0f} worker instructions per step, "
+          f"{'replayed from the second step on' if not args.no_replay else 'each issued by rank 0'}")
     inserted = {kind: (round(n, 2), round(b / 1e6, 2))
                 for kind, (n, b) in res["gtmpi"]["collectives"].items()}
     print(f"gtmpi: collectives and transfers per step on the first worker, (count, MB): "
           f"{inserted or 'none'}")
     out = {"benchmark": "gpt", "size": args.size, "batch": args.batch, "dtype": str(dtype)[6:],
+           "replay": not args.no_replay,
            "data_parallel": parallel, "tensor_parallel": args.tensor_parallel,
            "device": name, "host": platform.node(), "workers": len(world["workers"]),
            "embedded": world["embedded"], "steps": steps, "warmup": warmup,

@@ -33,9 +33,10 @@ from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, b
                                scatter, scatter_add, stack, std, sum, tanh, topk, transpose,
                                tril, triu, trunc, unbind,
                                unsqueeze, var, where)
+from .client.replay import replayable
 from .client.runtime import runtime as _runtime
 from .client.tensor import Tensor
-from .errors import WorkerError
+from .errors import ReplayError, WorkerError
 from .interop import torch_function as _torch_function
 from .signals import ConfigError, load_config
 from .launch import spawn_workers as workers

@@ -25,3 +25,7 @@ class WorkerError(RuntimeError):
             message += (f" (so the in-place '{fault.skipped}' that depended on it was skipped: "
                         "its target keeps its last good values)")
         super().__init__(message)
+
+
+class ReplayError(RuntimeError):
+    """A replayable function did what a replay could not repeat (client/replay.py)."""

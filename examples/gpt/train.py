@@ -155,13 +155,22 @@ def main() -> None:
           f"{len(world['workers'])} worker(s), {mode}; data: {len(train):,} bytes, unigram "
           f"entropy {entropy:.3f} nats/byte", flush=True)
 
-    def put(t: torch.Tensor):
-        return gtmpi.signal.tensor(t, batch_signal) if batch_signal else gtmpi.tensor(t)
+    def put(t: torch.Tensor, signal: str | None = batch_signal):
+        return gtmpi.signal.tensor(t, signal) if signal else gtmpi.tensor(t)
 
-    def step_loss(x: torch.Tensor, y: torch.Tensor):
+    def put_batch(x: torch.Tensor, y: torch.Tensor):
+        """Inputs where the model's first ops run, targets where its loss is computed."""
+        if pipe is not None:
+            return put(x, "stage0"), put(y, f"stage{n_stages - 1}")
+        return put(x), put(y)
+
+    # rank 0 issues the step's ops (hundreds, many more with micro-batches) on its first
+    # calls; later calls replay them on the workers, one instruction each (client/replay.py)
+    @gtmpi.replayable
+    def step_loss(x, y):
         if pipe is not None:
             return pipe.step(x, y)  # forward and backward, micro-batch by micro-batch
-        loss = model(put(x), put(y))
+        loss = model(x, y)
         loss.backward()
         return loss
 
@@ -181,7 +190,7 @@ def main() -> None:
         if step == start + 1:  # the first step pays for the warm-up (caches, allocator)
             gtmpi.synchronize()
             timed_from, clock = step, time.perf_counter()
-        x, y = batch(train, args.batch, seq, args.seed, step)
+        x, y = put_batch(*batch(train, args.batch, seq, args.seed, step))
         opt.zero_grad(set_to_none=True)
         loss = step_loss(x, y)
         if args.clip:

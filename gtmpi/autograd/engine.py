@@ -263,8 +263,12 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
 
 
 def _accumulate(leaf: Any, g: Any) -> None:
+    from ..client.runtime import current
     if g.dtype != leaf.dtype:
         g = g.to(leaf.dtype)
+    leaves = current().leaves
+    if leaves is not None and id(leaf) not in leaves:  # a replayable call is recorded
+        leaves[id(leaf)] = (leaf, leaf.grad)
     leaf.grad = g if leaf.grad is None else leaf.grad + g
 
 

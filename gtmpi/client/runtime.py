@@ -25,7 +25,7 @@ import torch
 from ..dispatcher import Dispatcher
 from ..signals.config import load
 from .signalbook import SignalBook
-from ..errors import Fault, WorkerError
+from ..errors import Fault, ReplayError, WorkerError
 from ..transport.ending import alive
 from ..transport.tags import Tag
 
@@ -54,6 +54,9 @@ class Runtime:
         self.thread: threading.Thread | None = None  # the program thread it serves
         self.thread_id: int | None = None
         self.tracing = None  # a recording.session.TraceRun while a trace records
+        # while a replayable call is recorded (client/replay.py): id(leaf) -> (leaf, the
+        # gradient it had before backward gave it one)
+        self.leaves: dict[int, tuple] | None = None
         self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
         self.dispatcher.placer.site = self.current_site
         self.dispatcher.placer.strict = os.environ.get("GTMPI_PLACEMENT", "") == "strict"
@@ -108,6 +111,10 @@ class Runtime:
 
     def next_seed(self) -> int:
         """Each random op gets its own seed, derived from the session seed and its position."""
+        if self.leaves is not None:
+            raise ReplayError("a replayable function made random numbers (dropout, randn, "
+                              "normal_, multinomial, ...): its replays would repeat the same "
+                              "ones. Make them outside the call and pass them in")
         self._random_ops += 1
         return (self._seed * 0x9E3779B97F4A7C15 + self._random_ops) % (1 << 63)
 

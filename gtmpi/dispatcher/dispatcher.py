@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from ..transport.buffers import as_bytes
-from ..errors import Fault
+from ..errors import Fault, ReplayError
 from ..recording.events import Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import Tag
+from .programs import Program, Recording
 
 _clock = time.perf_counter_ns
 
@@ -67,6 +68,10 @@ class Dispatcher:
         self.log = None  # a trace.InstructionLog: GT's text log of the instruction stream
         self.trace_tick: Callable[[], None] | None = None  # called after each traced send
         self.devices: dict[int, str] = {}  # rank -> its device, as the worker said
+        self.recording: Recording | None = None  # while a replayable call is recorded
+        self.watched: dict[int, list[Program]] = {}  # id -> programs that read it
+        self._before: dict | None = None  # the placer's table when the recording started
+        self._programs = 0
         from .placer import Placer
         self.placer = Placer(self)
 
@@ -111,6 +116,10 @@ class Dispatcher:
         """Into ``rank``'s next batch, which is sent early while the worker is idle."""
         batch = self._batch[rank]
         batch.append(ins)
+        if self.recording is not None:
+            self.recording.add(rank, ins)
+        if self.watched and ins[0] == "free":
+            self._freeing(ins[2])
         # a lone cheap op waits for the next (often the read of it); frees riding along with
         # it do not count
         alone = len(batch) - self._frees_in[rank] <= 1
@@ -129,6 +138,10 @@ class Dispatcher:
 
     def send_bytes(self, rank: int, tid: int, host: torch.Tensor) -> None:
         """Host bytes for the next 'upload' instruction ``rank`` executes."""
+        if self.recording is not None:
+            raise ReplayError("a replayable function uploaded host data (a tensor made from "
+                              "numpy, torch or Python values): its replays would use these "
+                              "values again. Make the tensor before the call and pass it in")
         data = as_bytes(host.contiguous())
         self.links[rank].upload(data)
         if self.trace is not None:
@@ -139,6 +152,10 @@ class Dispatcher:
     def read(self, tensor_id: int, buf: np.ndarray, sig: tuple | None = None) -> Fault | None:
         """Fill ``buf`` with the raw bytes of a tensor (of ``sig``: shape, dtype), or return
         why it could not be made."""
+        if self.recording is not None:
+            raise ReplayError("a replayable function read a tensor's value (item(), numpy(), "
+                              "print, bool, ...): its replays would not. Read its results "
+                              "after the call instead")
         start = _clock()
         rank, rid = self.placer.read_source(tensor_id, sig) if self.placer.active else \
             (self.home, tensor_id)
@@ -212,15 +229,118 @@ class Dispatcher:
         """The ids the client dropped, into the batches of the workers that hold them, behind
         every instruction that could still use them."""
         frees, self.frees = self.frees, []
+        if self.watched:
+            self._freeing(frees)
         by_rank = self.placer.free(frees) if self.placer.active else {self.home: frees}
         for r, ids in by_rank.items():
             self._batch[r].append(("free", None, tuple(ids), 0, None))
+            if self.recording is not None:
+                self.recording.add(r, self._batch[r][-1])
             self._frees_in[r] += 1
             if self.trace is not None:
                 t = _clock()
                 self.trace.event(Kind.FREE, Lane.DISPATCHER, t, t, "free", peer=r, count=len(ids))
             if self.log is not None:
                 self.log.received(self._batch[r][-1], r)
+
+    # recorded programs ---------------------------------------------------------------------
+
+    def start_recording(self, first_id: int) -> None:
+        """From now on, what is sent is also recorded (client ids from ``first_id`` on are made
+        inside); frees the client owes are sent first, so that none of them is."""
+        if self.frees:
+            self._route_frees()
+        self.recording = Recording(first_id, next(self.placer._temp))
+        self._before = dict(self.placer.table)
+
+    def abandon_recording(self) -> None:
+        self.recording = self._before = None
+
+    def install(self, outputs: list[int], inputs: list[int]) -> tuple[Program, list[int]]:
+        """End the recording: the program goes to its workers, keyed there by a number of its
+        own. ``outputs`` are the ids made inside that outlive the call, ``inputs`` those from
+        outside that each call binds. Returns the program and the client ids it made that
+        outlive it without being outputs (kept somewhere: it cannot be replayed)."""
+        if self.frees:
+            self._route_frees()
+        rec, self.recording = self.recording, None
+        made, freed, read = rec.made_and_read()
+        kept = sorted(made - freed - set(outputs))
+        placer = self.placer
+        reads = frozenset(read - set(inputs))
+        before = tuple((tid, self._before.get(tid)) for tid in sorted(reads))
+        changed = tuple((tid, placer.table.get(tid)) for tid, entry in before
+                        if placer.table.get(tid) is not entry)
+        outs = tuple((tid, placer.table.get(tid), tid in placer.viewed) for tid in outputs)
+        self._programs += 1
+        program = Program(self._programs, tuple(sorted(rec.per_rank)), reads, before, changed,
+                          outs, sum(map(len, rec.per_rank.values())))
+        self._before = None
+        for rank, instructions in rec.per_rank.items():
+            self.post("program", (program.key, instructions), [rank])
+        for tid in reads:
+            self.watched.setdefault(tid, []).append(program)
+        return program, kept
+
+    def drop(self, program: Program) -> None:
+        """A program no longer wanted: its workers forget it."""
+        program.stale = True
+        for tid in program.reads:
+            watchers = self.watched.get(tid)
+            if watchers and program in watchers:
+                watchers.remove(program)
+                if not watchers:
+                    del self.watched[tid]
+        self.post("program", (program.key, None), list(program.ranks))
+
+    def fits(self, program: Program) -> bool:
+        """Whether every tensor from outside is still there, placed as when it was recorded."""
+        if self.frees and self.watched:  # dropped, not yet sent
+            self._freeing(self.frees)
+        table = self.placer.table
+        for tid, entry in program.before:
+            now = table.get(tid)
+            if now is not entry and now != entry:
+                return False
+        return not program.stale
+
+    def replay(self, program: Program, binds: tuple, fresh: list[int], issued: int = 0) -> None:
+        """Run ``program`` again: ``binds`` are (current id, recorded id) of its inputs, and its
+        outputs take the ids ``fresh``."""
+        received = _clock()
+        if self.frees:
+            self._route_frees()
+        renames = tuple((out[0], new) for out, new in zip(program.outputs, fresh))
+        word = ("replay", None, (program.key, binds, renames), 0, None)
+        for rank in program.ranks:  # every member of its collectives gets it at once
+            self._batch[rank].append(word)
+            if self.log is not None:
+                self.log.received(word, rank)
+            self.flush(rank)
+        placer = self.placer
+        for tid, entry in program.changed:
+            placer.table[tid] = entry
+        for (_, entry, viewed), new in zip(program.outputs, fresh):
+            if entry is not None:
+                placer.table[new] = entry
+            if viewed:
+                placer.viewed.add(new)
+        rec = self.trace
+        if rec is not None:
+            rec.issues.append((issued or received, received, _clock(), "replay", program.key,
+                               program.ranks[0]))
+
+    def rename(self, pairs: list[tuple[int, int]]) -> None:
+        """Tensors move to new ids, on every worker and in the placer's books."""
+        for old, new in pairs:
+            self.placer.rename(old, new)
+        self.post("rename", tuple(pairs), sorted(self.links))
+
+    def _freeing(self, ids) -> None:
+        """Programs that read a tensor being freed are stale."""
+        for tid in ids:
+            for program in self.watched.pop(tid, ()):
+                program.stale = True
 
     def flush_all(self) -> None:
         for rank in self.links:

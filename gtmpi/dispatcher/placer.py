@@ -315,6 +315,15 @@ class Placer:
                 by_rank.setdefault(rank, []).append(gone)
         return by_rank
 
+    def rename(self, old: int, new: int) -> None:
+        """A tensor's books move to a new id (its worker tensors move by a rename word)."""
+        for book in (self.table, self.copies, self.recipes, self.forward):
+            if old in book:
+                book[new] = book.pop(old)
+        if old in self.viewed:
+            self.viewed.discard(old)
+            self.viewed.add(new)
+
     def replace(self, tid: int, sig: tuple, target: Placement) -> None:
         """Give ``tid`` itself a new placement (its value stays): for in-place ops, uploads and
         signal.tensor."""

@@ -1,7 +1,8 @@
 """Runs placed instructions with torch on one device.
 
 An instruction is a 5-tuple ``(name, out, args, tmask, kw)``:
-  name   an op of ops.table.OPS, or a control word (upload, read, free, sync, stats)
+  name   an op of ops.table.OPS, or a control word (upload, read, free, sync, stats, program,
+         replay, rename, ...)
   out    the result id, or a tuple of ids for ops that return several tensors
   args   positional operands; bit i of ``tmask`` set means args[i] is a tensor id
   kw     keyword constants or None
@@ -31,6 +32,7 @@ from ..recording.recorder import Recorder
 from ..transport.tags import Tag
 
 _clock = time.perf_counter_ns
+_ABSENT = object()
 
 
 def _cuda_event() -> torch.cuda.Event:
@@ -66,7 +68,9 @@ class Executor:
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
-                         "new_group": self._new_group, "agree": self._agree}
+                         "new_group": self._new_group, "agree": self._agree,
+                         "program": self._program, "replay": self._replay,
+                         "rename": self._rename}
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         self._inject = {Kind.CREATE: {"device": device}}  # keyword arguments by kind of op
         self.trace: Recorder | None = None  # while a trace runs
@@ -75,8 +79,18 @@ class Executor:
         # ids whose values an unfinished collective is still making: id -> (its work, all the
         # ids it makes); whatever reads one waits for it first (on a GPU: the stream waits)
         self.waits: dict[int, tuple[Any, tuple[int, ...]]] = {}
+        # recorded instruction sequences (dispatcher/programs.py), run again on one word each
+        self.programs: dict[int, list[tuple]] = {}
 
     def run(self, batch: list[tuple]) -> None:
+        self._execute(batch)
+        rec = self.trace
+        if rec is not None:
+            rec.marks.append((_clock(), None, None))
+            rec.compact()
+        self.stats["batches"] += 1
+
+    def _execute(self, batch: list[tuple]) -> None:
         env, poison, rec = self.env, self.poison, self.trace
         marks = rec.marks if rec is not None else None
         gpu_every = self._gpu_every if rec is not None else 0
@@ -133,10 +147,7 @@ class Executor:
                 if rec is not None:
                     self._note_comm(name, args, kw, res)
         if marks is not None:
-            marks.append((_clock(), None, None))
-            rec.compact()
             self._gpu_countdown = countdown
-        stats["batches"] += 1
 
     def _stand_in(self, op, kw: dict) -> None:
         """An operand of a collective failed here: take part with zeros all the same (the
@@ -248,6 +259,46 @@ class Executor:
             self.waits.pop(i, None)  # what the collective writes is kept alive by its work
         if self.trace is not None:
             self.trace.annotate(count=len(ids))
+
+    def _program(self, out, args: tuple) -> None:
+        """(key, instructions): keep a recorded sequence; (key, None): drop it."""
+        key, instructions = args
+        if instructions is None:
+            self.programs.pop(key, None)
+        else:
+            self.programs[key] = instructions
+
+    def _replay(self, out, args: tuple) -> None:
+        """(key, binds, renames): run a kept sequence again. Its inputs are bound to the ids it
+        was recorded with, (current, recorded) in ``binds``, for the run only; every tensor it
+        makes keeps its recorded id, and those that outlive it move to fresh ids (``renames``),
+        so that the next run cannot overwrite what the program still holds."""
+        key, binds, renames = args
+        tables = (self.env, self.poison, self.waits)
+        # a recorded input may still be alive (a batch used again): it is itself again after
+        saved = [(recorded, [t.get(recorded, _ABSENT) for t in tables]) for _, recorded in binds]
+        self._move(binds, keep=True)
+        self._execute(self.programs[key])
+        for recorded, values in saved:
+            for table, value in zip(tables, values):
+                if value is _ABSENT:
+                    table.pop(recorded, None)
+                else:
+                    table[recorded] = value
+        self._move(renames, keep=False)
+
+    def _rename(self, out, pairs: tuple) -> None:
+        self._move(pairs, keep=False)
+
+    def _move(self, pairs: tuple, keep: bool) -> None:
+        """Each (a, b) of ``pairs``: b becomes what a is (its value, its fault, the collective
+        still making it); a keeps it too if ``keep``. Ids not held here are skipped: one list
+        serves every worker."""
+        env, poison, waits = self.env, self.poison, self.waits
+        for a, b in pairs:
+            for table in (env, poison, waits):
+                if a in table:
+                    table[b] = table[a] if keep else table.pop(a)
 
     def _sync(self, out, args) -> None:
         self._settle_all()

@@ -1,0 +1,216 @@
+"""Replayable functions: a step's instructions recorded once, then run again by the workers
+on one word each per call.
+
+    @gtmpi.replayable
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        return loss
+
+    loss = step(x, y)      # gradients land in .grad as usual; loss is read later, as usual
+
+Rank 0 spends tens of microseconds on every op (shape inference, autograd, placement,
+batching); a GPT step issues hundreds, a pipeline's micro-batches many more, and that cost, not
+the GPUs, set the pace of parallel runs. A replayable function's first call runs as written
+(warm-up: lazily made state, communicator groups, placement caches); the second is recorded:
+everything its workers are sent for it, inserted collectives and transfers included, is kept
+on each worker (dispatcher/programs.py); later calls of the same signature bind their inputs
+and run it, one instruction per worker.
+
+What a replay repeats is the instructions. Like a CUDA graph, the function's Python does not
+run again: a Python number it reads from outside (a learning rate, a step count) stays as
+recorded, so keep the optimizer step outside (AdamW's bias correction and a schedule's rate
+change every step). Its tensor arguments are bound by position; the tensors it returns and the
+gradients it accumulates into leaves made before it are new tensors on every call. A call is
+recorded afresh when its arguments differ in shape, dtype, placement or constants, when its
+leaves' gradients are present where they were absent (or the reverse), or when a tensor it
+reads was freed or placed anew. A read, an upload or a random op inside raises ReplayError
+(a replay could not repeat it), as does a tensor made inside that outlives the call unreturned.
+GTMPI_REPLAY=0 runs every call as written.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import weakref
+from typing import Any, Callable
+
+from .. import autograd
+from ..errors import ReplayError
+from .runtime import Runtime, runtime
+from .tensor import Tensor
+
+RECORDINGS_MAX = 4  # per signature: beyond, calls run as written (something differs each call)
+
+
+class Replayable:
+    def __init__(self, fn: Callable, warmup: int = 1) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.warmup = warmup
+        self._calls: dict[Any, int] = {}  # signature -> calls run as written or recorded
+        self._kept: dict[Any, list[_Recorded]] = {}
+        self.replays = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if os.environ.get("GTMPI_REPLAY", "1") == "0":
+            return self.fn(*args, **kwargs)
+        rt = runtime()
+        inputs: list[Tensor] = []
+        key = _signature(rt, (args, kwargs), inputs)
+        kept = self._kept.setdefault(key, [])
+        for rec in list(kept):
+            if rec.program.stale or not rt.dispatcher.fits(rec.program):
+                rt.dispatcher.drop(rec.program)
+                kept.remove(rec)
+            elif rec.fits():
+                self.replays += 1
+                return rec.replay(rt, inputs)
+        calls = self._calls[key] = self._calls.get(key, 0) + 1
+        if calls <= self.warmup or calls > self.warmup + RECORDINGS_MAX:
+            return self.fn(*args, **kwargs)
+        result, rec = _record(rt, self.fn, args, kwargs, inputs)
+        kept.append(rec)
+        return result
+
+
+def replayable(fn: Callable | None = None, *, warmup: int = 1) -> Any:
+    """``fn`` (a decorator too, with or without ``warmup=``) as a Replayable: calls after the
+    first ``warmup`` replay what the workers were sent for the first one after them."""
+    if fn is None:
+        return lambda f: Replayable(f, warmup)
+    return Replayable(fn, warmup)
+
+
+class _Recorded:
+    def __init__(self, program: Any, structure: Any, sigs: list[tuple], inputs: list[int],
+                 grads: list[tuple[Tensor, int, int | None]]) -> None:
+        self.program = program
+        self.structure = structure  # the result's shape, its tensors as indices into sigs
+        self.sigs = sigs  # of the tensors that outlive a call: results, then gradients
+        self.inputs = inputs  # the recorded ids of the arguments' tensors
+        # the leaves given gradients: (leaf, index of its gradient, the recorded id of the
+        # gradient it had before, which a replay binds, or None)
+        self.grads = [(weakref.ref(leaf), out, before) for leaf, out, before in grads]
+
+    def fits(self) -> bool:
+        for ref, _, before in self.grads:
+            leaf = ref()
+            if leaf is None or (leaf.grad is None) != (before is None):
+                return False
+        return True
+
+    def replay(self, rt: Runtime, inputs: list[Tensor]) -> Any:
+        binds = [(t.id, rec) for t, rec in zip(inputs, self.inputs)]
+        leaves = [ref() for ref, _, _ in self.grads]
+        binds += [(leaf.grad.id, before) for leaf, (_, _, before) in zip(leaves, self.grads)
+                  if before is not None]
+        fresh = [rt.new_id() for _ in self.sigs]
+        rt.dispatcher.replay(self.program, tuple(binds), fresh)
+        made = [Tensor(tid, sig) for tid, sig in zip(fresh, self.sigs)]
+        for leaf, (_, out, _) in zip(leaves, self.grads):
+            leaf.grad = made[out]
+        return _build(self.structure, made)
+
+
+def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict,
+            inputs: list[Tensor]) -> tuple[Any, _Recorded]:
+    """Run ``fn`` once as written while its instructions are recorded, and install them."""
+    d = rt.dispatcher
+    first = rt.new_id()
+    d.start_recording(first)
+    rt.leaves = {}
+    try:
+        result = fn(*args, **kwargs)
+        leaves, rt.leaves = rt.leaves, None
+        outs: list[Tensor] = []
+        structure = _template(result, outs, first)
+        grads = []
+        for leaf, before in leaves.values():
+            if leaf.id < first and leaf.grad is not None and leaf.grad.id >= first:
+                grads.append((leaf, _index(leaf.grad, outs), before.id if before is not None
+                              else None))
+        leaves = leaf = before = None  # leaves made inside (a pipeline stage's inputs) go now
+        gc.collect()  # what the call dropped in cycles is freed within it
+    except BaseException:
+        rt.leaves = None
+        d.abandon_recording()
+        raise
+    program, kept = d.install([t.id for t in outs], [t.id for t in inputs] +
+                              [before for _, _, before in grads if before is not None])
+    if kept:
+        d.drop(program)
+        sites = ", ".join(sorted({rt.site(tid) or f"tensor {tid}" for tid in kept[:8]}))
+        raise ReplayError(f"a replayable function made {len(kept)} tensor(s) that outlive it "
+                          f"without being returned (made at {sites}): a replay would not make "
+                          "them again. Return them, or keep them out of the function")
+    # the tensors handed out now move off the ids the program makes, which replays reuse
+    pairs = [(t.id, rt.new_id()) for t in outs]
+    d.rename(pairs)
+    for t, (_, new) in zip(outs, pairs):
+        t.id = new
+    rec = _Recorded(program, structure, [t._sig for t in outs], [t.id for t in inputs], grads)
+    return result, rec
+
+
+def _signature(rt: Runtime, value: Any, inputs: list[Tensor]) -> Any:
+    """A call's signature: its tensors' shapes, dtypes, grad flags and placements, its other
+    arguments by value, the grad mode and the signal scopes open (tensors collected in
+    ``inputs``, in order)."""
+    placer = rt.dispatcher.placer
+    return (autograd.is_grad_enabled(), tuple(p for p, _ in placer.signals),
+            _shape_of(value, inputs, placer))
+
+
+def _shape_of(value: Any, inputs: list[Tensor], placer: Any) -> Any:
+    if isinstance(value, Tensor):
+        if value._node is not None and value.requires_grad:
+            raise ReplayError("a replayable function was given a tensor with an autograd graph "
+                              "behind it: its backward could not reach that graph on a replay. "
+                              "Pass a leaf (detach() it, or compute it inside)")
+        inputs.append(value)
+        return ("tensor", value._sig, value.requires_grad, placer.placement(value.id))
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_shape_of(v, inputs, placer) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _shape_of(v, inputs, placer)) for k, v in sorted(value.items())))
+    try:
+        hash(value)
+    except TypeError:
+        raise ReplayError(f"a replayable function was given a {type(value).__name__}, which "
+                          "cannot be compared between calls: pass tensors, numbers, strings or "
+                          "tuples of them") from None
+    return (type(value), value)
+
+
+def _template(result: Any, outs: list[Tensor], first: int) -> Any:
+    """``result`` with each tensor replaced by its index in ``outs``."""
+    if result is None:
+        return None
+    if isinstance(result, Tensor):
+        if result.id < first:
+            raise ReplayError("a replayable function returned a tensor it did not make (one of "
+                              "its arguments, or a tensor from before the call)")
+        return ("tensor", _index(result, outs))
+    if isinstance(result, (tuple, list)):
+        return (type(result), [_template(r, outs, first) for r in result])
+    raise ReplayError(f"a replayable function returned a {type(result).__name__}: a replay "
+                      "can hand back only tensors (in tuples or lists) or None")
+
+
+def _index(t: Tensor, outs: list[Tensor]) -> int:
+    for i, o in enumerate(outs):
+        if o is t:
+            return i
+    outs.append(t)
+    return len(outs) - 1
+
+
+def _build(structure: Any, made: list[Tensor]) -> Any:
+    if structure is None:
+        return None
+    kind, inner = structure
+    if kind == "tensor":
+        return made[inner]
+    return kind(_build(s, made) for s in inner)

@@ -1,0 +1,267 @@
+"""Replayable functions (gtmpi.replayable): a step recorded once and replayed by the workers
+gives the numbers of running it as written, on one worker, data parallel, tensor parallel and
+in a pipeline; it runs the same collectives; it records afresh when what it depends on changes;
+and what a replay could not repeat is refused with a clear error."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gtmpi
+from gtmpi.pipeline import Pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples.gpt.model import SIZES, build, stages, tensor_parallel  # noqa: E402
+
+WORKERS = sorted(gtmpi.info()["workers"])
+spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+
+
+def _batches(c, n: int, batch: int = 4, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, c.vocab, (n, batch, c.seq + 1), generator=gen)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def _train(replay: bool, place=None, put=gtmpi.tensor, steps: int = 5, pipeline=None):
+    """Losses and final gradients of a tiny GPT trained ``steps`` steps, its step replayable
+    or not; also the worker collectives of the last step and the replays made."""
+    c = SIZES["tiny"]
+    torch.manual_seed(0)
+    ref = build(torch)(c)
+    model = build(gtmpi)(c)
+    model.load_state_dict(ref.state_dict())
+    pipe = None
+    if place is not None:
+        pipe = place(model)
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        if pipe is not None:
+            return pipe.step(x, y)
+        loss = model(x, y)
+        loss.backward()
+        return loss
+
+    run = gtmpi.replayable(step) if replay else step
+    losses, moved = [], {}
+    for i, (x, y) in enumerate(_batches(c, steps)):
+        x, y = put(x, y)
+        before = {r: dict(s["collectives"]) for r, s in gtmpi.debug.worker_stats().items()}
+        opt.zero_grad()
+        losses.append(run(x, y))
+        gtmpi.synchronize()
+        after = gtmpi.debug.worker_stats()
+        moved = {r: {k: v[0] - before[r].get(k, (0, 0))[0] for k, v in s["collectives"].items()
+                     if v[0] != before[r].get(k, (0, 0))[0]} for r, s in after.items()}
+        if i < steps - 1:
+            opt.step()
+    grads = {k: p.grad.cpu_torch() for k, p in model.named_parameters()}
+    return [loss.item() for loss in losses], grads, moved, getattr(run, "replays", 0)
+
+
+def _same(a, b) -> None:
+    assert a[0] == pytest.approx(b[0], rel=1e-6, abs=1e-6)
+    for key in b[1]:
+        torch.testing.assert_close(a[1][key], b[1][key], rtol=1e-5, atol=1e-7, msg=key)
+    assert a[2] == b[2]  # the same collectives and transfers in the last step
+
+
+def _whole(x, y):
+    return gtmpi.tensor(x), gtmpi.tensor(y)
+
+
+def test_replayed_steps_give_the_losses_and_gradients_of_steps_run_as_written():
+    replayed, eager = _train(True, put=_whole), _train(False, put=_whole)
+    _same(replayed, eager)
+    assert replayed[3] == 3  # one call as written, one recorded, three replayed
+
+
+def test_a_replay_leaves_no_tensor_behind_and_hands_out_new_tensors():
+    model = gtmpi.nn.Linear(8, 4)
+    x = gtmpi.randn(3, 8)
+
+    @gtmpi.replayable
+    def step(x):
+        out = model(x).relu().sum()
+        out.backward()
+        return out, out * 2
+
+    home = WORKERS[0]
+    results, counts = [], []
+    for _ in range(6):
+        model.zero_grad()
+        results.append(step(x))
+        counts.append(gtmpi.debug.worker_stats()[home]["tensors"])
+    assert step.replays == 4
+    # each replay leaves exactly its two results (kept here) on the worker, nothing else
+    assert [b - a for a, b in zip(counts[2:], counts[3:])] == [2, 2, 2], counts
+    ids = {t.id for pair in results for t in pair}
+    assert len(ids) == 12  # results kept from every call are distinct tensors
+    want = torch.relu(x.cpu_torch() @ model.weight.cpu_torch().T + model.bias.cpu_torch()).sum()
+    for a, b in results:
+        assert a.item() == pytest.approx(want.item(), rel=1e-6)
+        assert b.item() == pytest.approx(2 * want.item(), rel=1e-6)
+    assert all(not a.requires_grad for a, _ in results[2:])  # a replay's backward ran inside
+
+
+def test_a_new_shape_or_a_gradient_already_there_is_recorded_apart():
+    w = gtmpi.ones(4, requires_grad=True)
+
+    @gtmpi.replayable
+    def step(x):
+        loss = (x * w).sum()
+        loss.backward()
+        return loss
+
+    total = torch.zeros(4)
+    for n in (2, 2, 2, 3, 3, 3, 2):
+        x = torch.arange(4 * n, dtype=torch.float32).reshape(n, 4)
+        w.grad = None
+        step(gtmpi.tensor(x))
+        step(gtmpi.tensor(x))  # accumulates into the gradient the first call left
+        total = 2 * x.sum(0)
+        torch.testing.assert_close(w.grad.cpu_torch(), total)
+    assert step.replays >= 6
+
+
+def test_a_tensor_it_reads_freed_records_it_again():
+    scale = gtmpi.tensor(2.0)
+
+    @gtmpi.replayable
+    def times(x):
+        return x * scale
+
+    x = gtmpi.tensor([1.0, 2.0])
+    assert [times(x).tolist() for _ in range(3)] == [[2.0, 4.0]] * 3
+    scale = gtmpi.tensor(3.0)  # the old one is freed: the program reading it is stale
+    assert [times(x).tolist() for _ in range(3)] == [[3.0, 6.0]] * 3
+    assert times.replays == 1 + 2
+
+
+def test_replay_off_runs_every_call_as_written(monkeypatch):
+    monkeypatch.setenv("GTMPI_REPLAY", "0")
+    f = gtmpi.replayable(lambda x: x + 1)
+    x = gtmpi.tensor([1.0])
+    assert [f(x).item() for _ in range(4)] == [2.0] * 4
+    assert f.replays == 0
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda x: x * x.sum().item(), "read a tensor's value"),
+    (lambda x: x + gtmpi.randn(2), "made random numbers"),
+    (lambda x: x + gtmpi.tensor(np.ones(2, np.float32)), "uploaded host data"),
+    (lambda x: x, "returned a tensor it did not make"),
+    (lambda x: 3, "returned a int"),
+])
+def test_what_a_replay_could_not_repeat_is_refused(body, message):
+    f = gtmpi.replayable(body)
+    x = gtmpi.tensor([1.0, 2.0])
+    f(x)  # as written
+    with pytest.raises(gtmpi.ReplayError, match=message):
+        f(x)
+    assert (x + 1).tolist() == [2.0, 3.0]  # the session goes on
+
+
+def test_a_tensor_kept_beyond_the_call_is_refused_with_its_line():
+    kept = []
+
+    def body(x):
+        kept.append(x * 2)
+        return x + 1
+
+    f = gtmpi.replayable(body)
+    x = gtmpi.tensor([1.0])
+    f(x)
+    with pytest.raises(gtmpi.ReplayError, match=r"1 tensor\(s\) that outlive it .*test_replay"):
+        f(x)
+
+
+def test_an_argument_with_a_graph_behind_it_is_refused():
+    w = gtmpi.ones(2, requires_grad=True)
+    f = gtmpi.replayable(lambda x: x.sum())
+    with pytest.raises(gtmpi.ReplayError, match="autograd graph behind it"):
+        f(w * 2)
+
+
+@spread
+def test_data_parallel_replay_reduces_gradients_as_written():
+    everyone = list(range(len(WORKERS)))
+    gtmpi.load_config({"rp_data": {"shard": {"axis": 0, "workers": everyone}},
+                       "rp_weights": {"shard": {"workers": everyone, "replicated": True}}})
+
+    def place(model):
+        for t in [*model.parameters(), *model.buffers()]:
+            gtmpi.signal.place(t, "rp_weights")
+
+    def put(x, y):
+        return gtmpi.signal.tensor(x, "rp_data"), gtmpi.signal.tensor(y, "rp_data")
+
+    gtmpi.debug.strict_placement()
+    try:
+        replayed, eager = _train(True, place, put), _train(False, place, put)
+    finally:
+        gtmpi.debug.strict_placement(False)
+    _same(replayed, eager)
+    moved = replayed[2][WORKERS[0]]
+    assert moved.get("all_reduce", 0) > 0 and "all_gather" not in moved, moved
+
+
+@spread
+def test_tensor_parallel_replay_runs_megatrons_all_reduces_as_written():
+    everyone = list(range(len(WORKERS)))
+    whole = {"shard": {"workers": everyone, "replicated": True}}
+    gtmpi.load_config({"rt_act": whole, "rt_rep": whole,
+                       "rt_col": {"shard": {"axis": 0, "workers": everyone}},
+                       "rt_vocab": {"shard": {"axis": 0, "workers": everyone}},
+                       "rt_row": {"shard": {"axis": 1, "workers": everyone}}})
+
+    def place(model):
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        for key, signal in tensor_parallel(model).items():
+            gtmpi.signal.place(tensors[key], "rt_" + signal)
+
+    def put(x, y):
+        return gtmpi.signal.tensor(x, "rt_act"), gtmpi.signal.tensor(y, "rt_act")
+
+    gtmpi.debug.strict_placement()
+    try:
+        replayed, eager = _train(True, place, put), _train(False, place, put)
+    finally:
+        gtmpi.debug.strict_placement(False)
+    _same(replayed, eager)
+    assert replayed[3] == 3
+    assert set(replayed[2][WORKERS[0]]) <= {"all_reduce", "all_reduce_", "agree"}, replayed[2]
+
+
+@spread
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_replayed_pipeline_step_gives_the_full_batch_gradients(schedule):
+    gtmpi.load_config({"rs_stage0": {"shard": {"workers": [0]}},
+                       "rs_stage1": {"shard": {"workers": [1]}}})
+
+    def place(model):
+        parts = stages(model, 2)
+        for s, (owned, _) in enumerate(parts):
+            for module in owned:
+                gtmpi.signal.place(module, f"rs_stage{s}")
+        return Pipeline([run for _, run in parts], ["rs_stage0", "rs_stage1"], micro_batches=4,
+                        schedule=schedule)
+
+    def put(x, y):
+        return gtmpi.signal.tensor(x, "rs_stage0"), gtmpi.signal.tensor(y, "rs_stage1")
+
+    gtmpi.debug.strict_placement()
+    try:
+        replayed, eager = _train(True, place, put), _train(False, place, put)
+    finally:
+        gtmpi.debug.strict_placement(False)
+    _same(replayed, eager)
+    assert replayed[3] == 3
+    first, second = WORKERS[:2]
+    assert replayed[2][first] == {"send": 4, "recv": 4}, replayed[2]
+    assert replayed[2][second] == {"send": 4, "recv": 4}, replayed[2]
