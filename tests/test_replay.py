@@ -71,6 +71,17 @@ def _same(a, b) -> None:
     assert a[2] == b[2]  # the same collectives and transfers in the last step
 
 
+def _both(place, put):
+    """The replayed run, checked against the run as written, both in strict placement."""
+    gtmpi.debug.strict_placement()
+    try:
+        replayed, eager = _train(True, place, put), _train(False, place, put)
+    finally:
+        gtmpi.debug.strict_placement(False)
+    _same(replayed, eager)
+    return replayed
+
+
 def _whole(x, y):
     return gtmpi.tensor(x), gtmpi.tensor(y)
 
@@ -201,12 +212,7 @@ def test_data_parallel_replay_reduces_gradients_as_written():
     def put(x, y):
         return gtmpi.signal.tensor(x, "rp_data"), gtmpi.signal.tensor(y, "rp_data")
 
-    gtmpi.debug.strict_placement()
-    try:
-        replayed, eager = _train(True, place, put), _train(False, place, put)
-    finally:
-        gtmpi.debug.strict_placement(False)
-    _same(replayed, eager)
+    replayed = _both(place, put)
     moved = replayed[2][WORKERS[0]]
     assert moved.get("all_reduce", 0) > 0 and "all_gather" not in moved, moved
 
@@ -228,12 +234,7 @@ def test_tensor_parallel_replay_runs_megatrons_all_reduces_as_written():
     def put(x, y):
         return gtmpi.signal.tensor(x, "rt_act"), gtmpi.signal.tensor(y, "rt_act")
 
-    gtmpi.debug.strict_placement()
-    try:
-        replayed, eager = _train(True, place, put), _train(False, place, put)
-    finally:
-        gtmpi.debug.strict_placement(False)
-    _same(replayed, eager)
+    replayed = _both(place, put)
     assert replayed[3] == 3
     assert set(replayed[2][WORKERS[0]]) <= {"all_reduce", "all_reduce_", "agree"}, replayed[2]
 
@@ -255,13 +256,46 @@ def test_a_replayed_pipeline_step_gives_the_full_batch_gradients(schedule):
     def put(x, y):
         return gtmpi.signal.tensor(x, "rs_stage0"), gtmpi.signal.tensor(y, "rs_stage1")
 
-    gtmpi.debug.strict_placement()
-    try:
-        replayed, eager = _train(True, place, put), _train(False, place, put)
-    finally:
-        gtmpi.debug.strict_placement(False)
-    _same(replayed, eager)
+    replayed = _both(place, put)
     assert replayed[3] == 3
     first, second = WORKERS[:2]
     assert replayed[2][first] == {"send": 4, "recv": 4}, replayed[2]
     assert replayed[2][second] == {"send": 4, "recv": 4}, replayed[2]
+
+
+def test_a_traced_replay_shows_the_program_and_its_ops(tmp_path):
+    from gtmpi.recording import fileformat
+    from gtmpi.recording.events import Kind, Lane
+    from gtmpi.trace import analysis
+    w = gtmpi.ones(4, requires_grad=True)
+
+    @gtmpi.replayable
+    def step(x):
+        loss = (x * w).relu().sum()
+        loss.backward()
+        return loss
+
+    x = gtmpi.tensor([1.0, -2.0, 3.0, 4.0])
+    for _ in range(2):
+        w.grad = None
+        step(x)
+    path = str(tmp_path / "replay.h5")
+    gtmpi.synchronize()
+    gtmpi.trace.start(path)
+    for _ in range(3):
+        w.grad = None
+        step(x)
+    gtmpi.trace.stop()
+    trace = fileformat.read(path)
+    issued = analysis.select(trace.events[0], (Kind.ISSUE,), Lane.CLIENT)
+    assert [trace.name(int(n)) for n in issued["name"]].count("replay") == 3
+    home = trace.events[WORKERS[0]]
+    replays = analysis.select(home, (Kind.REPLAY,), Lane.WORKER)
+    assert len(replays) == 3 and len(set(replays["count"])) == 1
+    size = int(replays["count"][0])
+    ops = analysis.select(home, (Kind.EXEC,), Lane.WORKER)
+    for r in replays:  # the program's ops, recorded inside each replay as usual
+        inside = ops[(ops["t0"] >= r["t0"]) & (ops["t1"] <= r["t1"])]
+        names = {trace.name(int(n)) for n in inside["name"]}
+        assert {"mul", "relu", "sum"} <= names and 0 < len(inside) <= size
+    torch.testing.assert_close(w.grad.cpu_torch(), torch.tensor([1.0, 0.0, 3.0, 4.0]))

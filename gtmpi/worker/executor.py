@@ -274,6 +274,7 @@ class Executor:
         makes keeps its recorded id, and those that outlive it move to fresh ids (``renames``),
         so that the next run cannot overwrite what the program still holds."""
         key, binds, renames = args
+        start = _clock()
         tables = (self.env, self.poison, self.waits)
         # a recorded input may still be alive (a batch used again): it is itself again after
         saved = [(recorded, [t.get(recorded, _ABSENT) for t in tables]) for _, recorded in binds]
@@ -286,6 +287,9 @@ class Executor:
                 else:
                     table[recorded] = value
         self._move(renames, keep=False)
+        if self.trace is not None:
+            self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, _clock(), "replay",
+                             key, count=len(self.programs[key]))
 
     def _rename(self, out, pairs: tuple) -> None:
         self._move(pairs, keep=False)
