@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gtmpi
-from conftest import HOME_DEVICE, assert_same
+from conftest import assert_same
 
 
 def lib(t):
@@ -254,3 +254,38 @@ def test_print_tape_lists_the_current_graph_in_order():
     out = io.StringIO()
     gtmpi.debug.print_tape(x, file=out)
     assert "has no autograd graph" in out.getvalue()
+
+
+def test_accumulated_gradients_are_added_in_one_instruction(tmp_path):
+    """A later backward adds the new gradients of leaves used once to their old ones with one
+    foreach add (a pipeline does this for every micro-batch after the first), in torch's
+    numbers; a weight used twice in the pass is still summed in order."""
+    from gtmpi.recording import fileformat
+    from gtmpi.recording.events import Kind, Lane
+    from gtmpi.trace import analysis
+    torch.manual_seed(3)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 6))
+    model = gtmpi.nn.Sequential(gtmpi.nn.Linear(6, 5), gtmpi.nn.Tanh(), gtmpi.nn.Linear(5, 6))
+    model.load_state_dict(ref.state_dict())
+    xs = [torch.randn(4, 6) for _ in range(3)]
+
+    def loss_of(lib, m, x):
+        first = m[0](x)
+        return (m(x)[:, :5] * first).sum()  # the first layer used twice in one pass
+
+    for x in xs[:2]:
+        loss_of(torch, ref, x).backward()
+        loss_of(gtmpi, model, gtmpi.tensor(x)).backward()
+    path = str(tmp_path / "accumulate.h5")
+    gtmpi.synchronize()
+    gtmpi.trace.start(path)
+    loss_of(gtmpi, model, gtmpi.tensor(xs[2])).backward()
+    gtmpi.trace.stop()
+    loss_of(torch, ref, xs[2]).backward()
+    for (key, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu_torch(), q.grad, rtol=1e-5, atol=1e-6, msg=key)
+    trace = fileformat.read(path)
+    home = min(gtmpi.info()["workers"])
+    ops = analysis.select(trace.events[home], (Kind.EXEC,), Lane.WORKER)
+    names = [trace.name(int(n)) for n in ops["name"]]
+    assert names.count("add_foreach") == 1, names

@@ -225,6 +225,9 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
             for a in node.operands:
                 if isinstance(a, Tensor) and a._node is None and a.requires_grad:
                     waiting[id(a)] = waiting.get(id(a), 0) + 1
+        # gradients for leaves that already have one (the micro-batches after a pipeline's
+        # first): added at the end, one instruction per placement instead of one add each
+        deferred: dict[int, tuple] = {}
         pending: dict[int, list] = {id(root._node): [None] * root._node.outputs}
         pending[id(root._node)][root._slot] = gradient
         for node in order:
@@ -243,9 +246,15 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                     continue
                 if operand._node is None:
                     if g is not None:
-                        _accumulate(operand, g)
+                        if operand.grad is not None and id(operand) not in deferred:
+                            deferred[id(operand)] = (operand, _as_grad(operand, g))
+                        else:  # a second gradient this pass (a weight used twice): in order
+                            if id(operand) in deferred:
+                                _accumulate(*deferred.pop(id(operand)))
+                            _accumulate(operand, g)
                     waiting[id(operand)] -= 1
-                    if not waiting[id(operand)] and operand.grad is not None:
+                    if not waiting[id(operand)] and operand.grad is not None and \
+                            id(operand) not in deferred:
                         rt.dispatcher.gradient_ready(operand.grad.id, operand.grad._sig)
                 elif g is None:
                     continue
@@ -259,17 +268,47 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                 node.saved = None
                 node.operands = tuple(Ghost(a) if isinstance(a, Tensor) else a
                                       for a in node.operands)
+        _accumulate_all(rt, list(deferred.values()))
+        for leaf, _ in deferred.values():
+            rt.dispatcher.gradient_ready(leaf.grad.id, leaf.grad._sig)
         rt.dispatcher.backward_done()
 
 
+def _as_grad(leaf: Any, g: Any) -> Any:
+    return g.to(leaf.dtype) if g.dtype != leaf.dtype else g
+
+
 def _accumulate(leaf: Any, g: Any) -> None:
+    g = _as_grad(leaf, g)
+    _set_grad(leaf, g if leaf.grad is None else leaf.grad + g)
+
+
+def _accumulate_all(rt: Any, pairs: list[tuple[Any, Any]]) -> None:
+    """Each (leaf, g): g added to the leaf's gradient, with one instruction (torch's foreach
+    add) for all whose gradients and g's are placed alike. Where they are not, one add each:
+    the add's own rule converts them."""
+    from ..client.tensor import apply
+    placer = rt.dispatcher.placer
+    olds = [leaf.grad for leaf, _ in pairs]
+    where = [(placer.placement(old.id), placer.placement(g.id)) if placer.active else None
+             for old, (_, g) in zip(olds, pairs)]
+    keys = [(w, g.dtype) for w, (_, g) in zip(where, pairs)]
+    for group in rt.alike([old.id for old in olds], keys):
+        if len(group) == 1 or (where[group[0]] is not None and len(set(where[group[0]])) > 1):
+            for i in group:
+                _accumulate(*pairs[i])
+            continue
+        sums = apply("add_foreach", *(olds[i] for i in group), *(pairs[i][1] for i in group))
+        for i, total in zip(group, sums):
+            _set_grad(pairs[i][0], total)
+
+
+def _set_grad(leaf: Any, g: Any) -> None:
     from ..client.runtime import current
-    if g.dtype != leaf.dtype:
-        g = g.to(leaf.dtype)
     leaves = current().leaves
     if leaves is not None and id(leaf) not in leaves:  # a replayable call is recorded
         leaves[id(leaf)] = (leaf, leaf.grad)
-    leaf.grad = g if leaf.grad is None else leaf.grad + g
+    leaf.grad = g
 
 
 def tape(root: Node | None = None) -> list[Node]:

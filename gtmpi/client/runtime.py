@@ -90,7 +90,9 @@ class Runtime:
             code = frame.f_code
             inside = internal.get(code)
             if inside is None:
-                inside = internal[code] = code.co_filename.startswith(_PKG_DIR)
+                # normalised: a program that put "<dir>/../.." on sys.path runs gtmpi's files
+                # under such names
+                inside = internal[code] = os.path.abspath(code.co_filename).startswith(_PKG_DIR)
             if not inside:
                 return frame
             frame = frame.f_back

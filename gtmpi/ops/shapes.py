@@ -16,7 +16,7 @@ from .shape_rules import RULES, broadcast_shape
 from .table import OPS, Kind
 
 # ops whose kernel returns a tuple even of one tensor (their rule's single Sig is still a tuple)
-_TUPLED = frozenset({"linear_grad"})
+_TUPLED = frozenset({"linear_grad", "add_foreach"})
 
 Sig = tuple  # (torch.Size, torch.dtype) of one tensor
 META = torch.device("meta")
@@ -138,7 +138,7 @@ def _check_matmul(a: torch.Size, b: torch.Size) -> None:
 def _evaluate(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple[tuple[Sig, ...], bool]:
     op = OPS[name]
     if op.sigs is not None:
-        return op.sigs(args), False
+        return op.sigs(args), name in _TUPLED
     _check(name, op, args, tmask, kw)
     if op.kind is Kind.ELEMENTWISE or op.scalar_by_type:
         fast = _probe(op, args, tmask, kw)

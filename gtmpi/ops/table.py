@@ -208,6 +208,17 @@ def _first_operand(sigs: tuple) -> tuple:
     return (sigs[0],)
 
 
+def _add_foreach(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor of the first half plus its partner in the second (torch's foreach add):
+    backward adds a micro-batch's gradients to those the leaves have in one instruction."""
+    n = len(tensors) // 2
+    return tuple(torch._foreach_add(list(tensors[:n]), list(tensors[n:])))
+
+
+def _first_half(sigs: tuple) -> tuple:
+    return sigs[:len(sigs) // 2]
+
+
 def _accumulating(dtype: torch.dtype) -> torch.dtype:
     """float32 for sums of lower precision, float64 kept (torch keeps it too)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -578,6 +589,7 @@ _ops = [
     Op("adam_foreach", Kind.INPLACE, _adam_foreach, scalar_by_type=True, sigs=_first_operand),
     Op("zero_foreach", Kind.INPLACE, _zero_foreach, sigs=_first_operand),
     Op("mul_foreach", Kind.INPLACE, _mul_foreach, sigs=_first_operand),
+    Op("add_foreach", Kind.ELEMENTWISE, _add_foreach, sigs=_first_half),
 ]
 
 # between workers: inserted by the dispatcher where placements need them, never by the client

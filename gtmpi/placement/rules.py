@@ -475,6 +475,14 @@ def _power_sum(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return Plan(tuple(kinds), Placement(mesh, "P"))
 
 
+def _sum_alike(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Sums of tensors all placed alike: pieces and partial sums add where they lie."""
+    p = kinds[0]
+    if any(k != p for k in kinds):
+        return None
+    return Plan(tuple(kinds), p)
+
+
 def _scale_foreach(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """Tensors times one whole factor, in place: pieces and partial sums scale as they lie."""
     p = kinds[0]
@@ -489,7 +497,7 @@ RULES.update({"matmul": _matmul, "linear": _linear, "cross_entropy": _cross_entr
               "layer_norm": _norm, "rms_norm": _norm, "embedding": _embedding,
               "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
               "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach,
-              "norm_foreach": _power_sum})
+              "norm_foreach": _power_sum, "add_foreach": _sum_alike})
 # gradient ops placed by dual() from their forward op's plan, in the dispatcher's placer
 DUAL = {"linear_grad", *(f"{name}_grad" for name in FUSED_FNS)}
 # mix or index dims: right only on whole tensors, or on partial sums where linear
