@@ -250,7 +250,7 @@ class Dispatcher:
         inside); frees the client owes are sent first, so that none of them is."""
         if self.frees:
             self._route_frees()
-        self.recording = Recording(first_id, next(self.placer._temp))
+        self.recording = Recording(first_id, self.placer.new_temp())
         self._before = dict(self.placer.table)
 
     def abandon_recording(self) -> None:
@@ -304,7 +304,7 @@ class Dispatcher:
                 return False
         return not program.stale
 
-    def replay(self, program: Program, binds: tuple, fresh: list[int], issued: int = 0) -> None:
+    def replay(self, program: Program, binds: tuple, fresh: list[int]) -> None:
         """Run ``program`` again: ``binds`` are (current id, recorded id) of its inputs, and its
         outputs take the ids ``fresh``."""
         received = _clock()
@@ -327,7 +327,7 @@ class Dispatcher:
                 placer.viewed.add(new)
         rec = self.trace
         if rec is not None:
-            rec.issues.append((issued or received, received, _clock(), "replay", program.key,
+            rec.issues.append((received, received, _clock(), "replay", program.key,
                                program.ranks[0]))
 
     def rename(self, pairs: list[tuple[int, int]]) -> None:

@@ -315,6 +315,10 @@ class Placer:
                 by_rank.setdefault(rank, []).append(gone)
         return by_rank
 
+    def new_temp(self) -> int:
+        """An id for a tensor of the dispatcher's own (negative: never a client's)."""
+        return next(self._temp)
+
     def rename(self, old: int, new: int) -> None:
         """A tensor's books move to a new id (its worker tensors move by a rename word)."""
         for book in (self.table, self.copies, self.recipes, self.forward):
@@ -398,7 +402,7 @@ class Placer:
         if have.mesh != want.mesh:
             whole = tid if have.kind == "R" else self._as(tid, sig, have.whole)
             self._start_plane()
-            moved = next(self._temp)
+            moved = self.new_temp()
             sender = have.mesh[0]
             for rank in want.mesh:
                 if rank in have.mesh:
@@ -471,7 +475,7 @@ class Placer:
             if id(r) not in made:
                 made[id(r)] = self._make(r, mesh, made)
             wire[i] = made[id(r)]
-        out = next(self._temp)
+        out = self.new_temp()
         for rank in mesh:
             self._emit(rank, (name, out, tuple(wire), tmask, kw))
         return out
@@ -480,7 +484,7 @@ class Placer:
         """Sum (P) or gather (S) the pieces along one axis of the mesh, within each line."""
         shape, dtype = sig
         kind, dim = p.per_axis()[axis]
-        out = next(self._temp)
+        out = self.new_temp()
         groups = self._groups_along(p, axis)
         for m, rank in enumerate(p.mesh):
             like = {"group": groups[m], "shape": p.local_shape(tuple(shape), m), "dtype": dtype}
@@ -493,7 +497,7 @@ class Placer:
                        axis: int) -> int:
         shape, dtype = sig
         (kind, dim), (_, to) = have.per_axis()[axis], want.per_axis()[axis]
-        out = next(self._temp)
+        out = self.new_temp()
         groups = self._groups_along(have, axis)
         for m, rank in enumerate(have.mesh):
             like = {"group": groups[m], "index": have.coords(m)[axis],
@@ -513,7 +517,7 @@ class Placer:
         first member of each line keeps the value and the others zeros (P). No communication."""
         shape, dtype = sig
         kind, dim = p.per_axis()[axis]
-        out = next(self._temp)
+        out = self.new_temp()
         for m, rank in enumerate(p.mesh):
             position = p.coords(m)[axis]
             if kind == "S":
