@@ -61,7 +61,7 @@ class Replayable:
         key = _signature(rt, (args, kwargs), inputs)
         kept = self._kept.setdefault(key, [])
         for rec in list(kept):
-            if rec.program.stale or not rt.dispatcher.fits(rec.program):
+            if not rt.dispatcher.fits(rec.program):
                 rt.dispatcher.drop(rec.program)
                 kept.remove(rec)
             elif rec.fits():

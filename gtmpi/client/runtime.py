@@ -113,7 +113,7 @@ class Runtime:
 
     def next_seed(self) -> int:
         """Each random op gets its own seed, derived from the session seed and its position."""
-        if self.leaves is not None:
+        if self.dispatcher.recording is not None:
             raise ReplayError("a replayable function made random numbers (dropout, randn, "
                               "normal_, multinomial, ...): its replays would repeat the same "
                               "ones. Make them outside the call and pass them in")

@@ -269,12 +269,12 @@ class Dispatcher:
         placer = self.placer
         reads = frozenset(read - set(inputs))
         before = tuple((tid, self._before.get(tid)) for tid in sorted(reads))
-        changed = tuple((tid, placer.table.get(tid)) for tid, entry in before
-                        if placer.table.get(tid) is not entry)
+        changed = tuple((tid, now) for tid, entry in before
+                        if (now := placer.table.get(tid)) is not entry)
         outs = tuple((tid, placer.table.get(tid), tid in placer.viewed) for tid in outputs)
         self._programs += 1
         program = Program(self._programs, tuple(sorted(rec.per_rank)), reads, before, changed,
-                          outs, sum(map(len, rec.per_rank.values())))
+                          outs)
         self._before = None
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions), [rank])
@@ -297,12 +297,14 @@ class Dispatcher:
         """Whether every tensor from outside is still there, placed as when it was recorded."""
         if self.frees and self.watched:  # dropped, not yet sent
             self._freeing(self.frees)
+        if program.stale:
+            return False
         table = self.placer.table
         for tid, entry in program.before:
             now = table.get(tid)
             if now is not entry and now != entry:
                 return False
-        return not program.stale
+        return True
 
     def replay(self, program: Program, binds: tuple, fresh: list[int]) -> None:
         """Run ``program`` again: ``binds`` are (current id, recorded id) of its inputs, and its

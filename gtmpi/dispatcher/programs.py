@@ -58,12 +58,11 @@ class Program:
 
     def __init__(self, key: int, ranks: tuple[int, ...], reads: frozenset[int],
                  before: tuple[tuple[int, Any], ...], changed: tuple[tuple[int, Any], ...],
-                 outputs: tuple[tuple[int, Any, bool], ...], size: int) -> None:
+                 outputs: tuple[tuple[int, Any, bool], ...]) -> None:
         self.key = key
         self.ranks = ranks
         self.reads = reads  # ids from outside it reads (besides its inputs): freed, it is stale
         self.before = before  # (id, the placer's entry for it) at the start of the recording
         self.changed = changed  # (id, entry) of tensors from outside that it placed anew
         self.outputs = outputs  # (recorded id, the placer's entry for it, whether viewed)
-        self.size = size  # instructions, over all workers
         self.stale = False
