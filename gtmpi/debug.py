@@ -85,7 +85,8 @@ def explain(file: TextIO | None = None) -> dict[tuple[str, str, bool], tuple[int
     """Every collective and transfer the dispatcher inserted so far, by the program's line that
     caused it: kind, count (per worker taking part; a transfer once) and bytes, and whether a
     signal or a read asked for it or the placement rules fell back to it. Printed as a table
-    (largest bytes first) and returned as {(site, kind, asked): (count, bytes)}."""
+    (largest bytes first) and returned as {(site, kind, asked): (count, bytes)}. Then how each
+    replayed function runs: as a CUDA graph, or op by op and why (``graph_notes()``)."""
     from .client.runtime import runtime
     inserted = {k: tuple(v) for k, v in runtime().dispatcher.placer.inserted.items()}
     out = file or sys.stdout
@@ -94,4 +95,13 @@ def explain(file: TextIO | None = None) -> dict[tuple[str, str, bool], tuple[int
                                                        key=lambda kv: -kv[1][1]):
         print(f"{nbytes:>12,} {count:>7} {kind:<15} {'asked' if asked else 'inserted':<9} {site}",
               file=out)
+    for name, note in graph_notes().items():
+        print(f"replayed {name}: {note}", file=out)
     return inserted
+
+
+def graph_notes() -> dict[str, str]:
+    """Per replayed function (its name and where it was recorded) whose capture was tried: 'a
+    CUDA graph on worker(s) ...', or 'replayed op by op, no CUDA graph: ' and why."""
+    from .client.runtime import runtime
+    return dict(runtime().dispatcher.graph_notes)

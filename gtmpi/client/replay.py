@@ -107,7 +107,8 @@ class _Recorded:
         binds += [(leaf.grad.id, before) for leaf, (_, _, before) in zip(leaves, self.grads)
                   if before is not None]
         fresh = [rt.new_id() for _ in self.sigs]
-        rt.dispatcher.replay(self.program, tuple(binds), fresh)
+        rt.dispatcher.replay(self.program, tuple(binds), fresh,
+                             rt.seeds_for(self.program.random_ops))
         made = [Tensor(tid, sig) for tid, sig in zip(fresh, self.sigs)]
         for leaf, (_, out, _) in zip(leaves, self.grads):
             leaf.grad = made[out]
@@ -138,7 +139,8 @@ def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict,
         d.abandon_recording()
         raise
     program, kept = d.install([t.id for t in outs], [t.id for t in inputs] +
-                              [before for _, _, before in grads if before is not None])
+                              [before for _, _, before in grads if before is not None],
+                              f"{fn.__qualname__} (recorded at {rt.current_site()})")
     if kept:
         d.drop(program)
         sites = ", ".join(sorted({rt.site(tid) or f"tensor {tid}" for tid in kept[:8]}))

@@ -25,7 +25,8 @@ import torch
 from ..dispatcher import Dispatcher
 from ..signals.config import load
 from .signalbook import SignalBook
-from ..errors import Fault, ReplayError, WorkerError
+from ..errors import Fault, WorkerError
+from ..ops.table import Seed, derive_seed
 from ..transport.ending import alive
 from ..transport.tags import Tag
 
@@ -112,13 +113,26 @@ class Runtime:
         self._random_ops = 0
 
     def next_seed(self) -> int:
-        """Each random op gets its own seed, derived from the session seed and its position."""
-        if self.dispatcher.recording is not None:
-            raise ReplayError("a replayable function made random numbers (dropout, randn, "
-                              "normal_, multinomial, ...): its replays would repeat the same "
-                              "ones. Make them outside the call and pass them in")
+        """Each random op gets its own seed, derived from the session seed and its position;
+        inside a recorded call, a Seed that replays derive afresh (so a replayed step draws
+        what it would draw as written)."""
         self._random_ops += 1
-        return (self._seed * 0x9E3779B97F4A7C15 + self._random_ops) % (1 << 63)
+        seed = derive_seed(self._seed, self._random_ops)
+        recording = self.dispatcher.recording
+        if recording is None:
+            return seed
+        recording.random_ops += 1
+        return Seed(seed, recording.random_ops)
+
+    def seeds_for(self, random_ops: int) -> tuple[int, int] | None:
+        """For a replay of a call that makes ``random_ops`` random ops: (the session seed, the
+        count before the call), from which the workers derive each op's seed; the count moves
+        on as if the call had run as written."""
+        if not random_ops:
+            return None
+        base = self._random_ops
+        self._random_ops += random_ops
+        return self._seed, base
 
     def alike(self, ids: list[int], keys: list[Any]) -> list[list[int]]:
         """Positions of tensors that one multi-tensor instruction can take together: alike in

@@ -15,6 +15,7 @@ worker, so a client that runs ahead of its workers blocks instead of growing mem
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Protocol
 
@@ -34,6 +35,7 @@ BATCH_MAX = 256
 MAX_INFLIGHT = 64
 FREES_AHEAD = 64  # dropped ids that travel before the next instruction even if it is small
 ACK_POLL_S = 5e-5  # how often a busy worker's acks are polled while ops are issued
+GRAPH_AFTER = 1  # plain replays of a program before its workers capture it (a warm one)
 
 
 class Link(Protocol):
@@ -72,6 +74,7 @@ class Dispatcher:
         self.watched: dict[int, list[Program]] = {}  # id -> programs that read it
         self._before: dict | None = None  # the placer's table when the recording started
         self._programs = 0
+        self.graph_notes: dict[str, str] = {}  # program name -> its graph's fate, for explain()
         from .placer import Placer
         self.placer = Placer(self)
 
@@ -256,11 +259,13 @@ class Dispatcher:
     def abandon_recording(self) -> None:
         self.recording = self._before = None
 
-    def install(self, outputs: list[int], inputs: list[int]) -> tuple[Program, list[int]]:
+    def install(self, outputs: list[int], inputs: list[int],
+                name: str = "replayable") -> tuple[Program, list[int]]:
         """End the recording: the program goes to its workers, keyed there by a number of its
         own. ``outputs`` are the ids made inside that outlive the call, ``inputs`` those from
-        outside that each call binds. Returns the program and the client ids it made that
-        outlive it without being outputs (kept somewhere: it cannot be replayed)."""
+        outside that each call binds; ``name`` says which function it is, in notes. Returns the
+        program and the client ids it made that outlive it without being outputs (kept
+        somewhere: it cannot be replayed)."""
         if self.frees:
             self._route_frees()
         rec, self.recording = self.recording, None
@@ -273,8 +278,8 @@ class Dispatcher:
                         if (now := placer.table.get(tid)) is not entry)
         outs = tuple((tid, placer.table.get(tid), tid in placer.viewed) for tid in outputs)
         self._programs += 1
-        program = Program(self._programs, tuple(sorted(rec.per_rank)), reads, before, changed,
-                          outs)
+        program = Program(self._programs, name, tuple(sorted(rec.per_rank)), reads, before,
+                          changed, outs, rec.random_ops)
         self._before = None
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions), [rank])
@@ -306,19 +311,40 @@ class Dispatcher:
                 return False
         return True
 
-    def replay(self, program: Program, binds: tuple, fresh: list[int]) -> None:
-        """Run ``program`` again: ``binds`` are (current id, recorded id) of its inputs, and its
-        outputs take the ids ``fresh``."""
+    def replay(self, program: Program, binds: tuple, fresh: list[int],
+               seeds: tuple[int, int] | None = None) -> None:
+        """Run ``program`` again: ``binds`` are (current id, recorded id) of its inputs, its
+        outputs take the ids ``fresh``, and its random ops derive their seeds from ``seeds``
+        (the session seed, the count of random ops before the call).
+
+        After GRAPH_AFTER plain replays its workers capture it as a CUDA graph, all of them at
+        the same point of their streams (a collective inside is captured by every member
+        together, and nothing runs while it is captured): each says whether it could, and only
+        if all could do they launch their graphs from then on; otherwise this call, and every
+        later one, replays it instruction by instruction, and explain() says why."""
         received = _clock()
         if self.frees:
             self._route_frees()
         renames = tuple((out[0], new) for out, new in zip(program.outputs, fresh))
-        word = ("replay", None, (program.key, binds, renames), 0, None)
+        mode = "plain"
+        if program.graph is True:
+            mode = "graph"
+        elif program.graph is None and program.replays >= GRAPH_AFTER:
+            # GTMPI_CUDA_GRAPHS=0: never; emulate: the workers' stand-in (tests on CPUs);
+            # otherwise each worker captures if it can
+            graphs = os.environ.get("GTMPI_CUDA_GRAPHS", "1")
+            mode = {"0": "plain", "emulate": "emulate"}.get(graphs, "capture")
+            if mode == "plain":
+                self._graph_note(program, "GTMPI_CUDA_GRAPHS=0")
+        program.replays += 1
+        word = ("replay", None, (program.key, binds, renames, mode, seeds), 0, None)
         for rank in program.ranks:  # every member of its collectives gets it at once
             self._batch[rank].append(word)
             if self.log is not None:
                 self.log.received(word, rank)
             self.flush(rank)
+        if mode in ("capture", "emulate"):
+            self._commit(program)
         placer = self.placer
         for tid, entry in program.changed:
             placer.table[tid] = entry
@@ -331,6 +357,28 @@ class Dispatcher:
         if rec is not None:
             rec.issues.append((received, received, _clock(), "replay", program.key,
                                program.ranks[0]))
+
+    def _commit(self, program: Program) -> None:
+        """Every worker of a program being captured says whether it could; all launch their
+        graphs, or none does (a collective captured by some members only would never run)."""
+        start = _clock()
+        refusals = {rank: self.links[rank].wait_reply(Tag.GRAPH, self.watchdog)
+                    for rank in program.ranks}
+        refused = {rank: why for rank, why in refusals.items() if why is not None}
+        self.post("commit", (program.key, not refused), list(program.ranks))
+        note = "; ".join(f"worker rank {rank}: {why}" for rank, why in sorted(refused.items()))
+        self._graph_note(program, note or None)
+        if self.trace is not None:
+            self.trace.event(Kind.REPLAY, Lane.DISPATCHER, start, _clock(), "capture",
+                             program.key, count=len(program.ranks),
+                             detail=f"{program.name}: " + (f"no CUDA graph ({note})" if note
+                                                           else "captured"))
+
+    def _graph_note(self, program: Program, refused: str | None) -> None:
+        program.graph = True if refused is None else refused
+        self.graph_notes[program.name] = (
+            f"a CUDA graph on worker(s) {', '.join(map(str, program.ranks))}" if refused is None
+            else f"replayed op by op, no CUDA graph: {refused}")
 
     def rename(self, pairs: list[tuple[int, int]]) -> None:
         """Tensors move to new ids, on every worker and in the placer's books."""

@@ -1,5 +1,6 @@
 """Recorded instruction sequences: what the workers ran for one call of a replayable function
-(client/replay.py), kept on each worker and run again on one word per worker per call.
+(client/replay.py), kept on each worker and run again on one word per worker per call; on GPU
+workers, from a warm replay on, launched as one CUDA graph per call (worker/graphs.py).
 
 While a call is recorded, every placed instruction the dispatcher sends (collectives and
 transfers it inserted included) is also appended to its worker's program, and runs as usual.
@@ -20,6 +21,7 @@ class Recording:
         self.first_id = first_id  # client ids from here on are made inside
         self.first_temp = first_temp  # and placer ids from here down
         self.per_rank: dict[int, list[tuple]] = {}
+        self.random_ops = 0  # seeds handed out inside (client/runtime.py: next_seed)
 
     def inside(self, tid: int) -> bool:
         return tid >= self.first_id or tid <= self.first_temp
@@ -56,13 +58,19 @@ class Recording:
 class Program:
     """A recording installed on its workers."""
 
-    def __init__(self, key: int, ranks: tuple[int, ...], reads: frozenset[int],
+    def __init__(self, key: int, name: str, ranks: tuple[int, ...], reads: frozenset[int],
                  before: tuple[tuple[int, Any], ...], changed: tuple[tuple[int, Any], ...],
-                 outputs: tuple[tuple[int, Any, bool], ...]) -> None:
+                 outputs: tuple[tuple[int, Any, bool], ...], random_ops: int) -> None:
         self.key = key
+        self.name = name  # the replayable function and where it was recorded, for notes
         self.ranks = ranks
         self.reads = reads  # ids from outside it reads (besides its inputs): freed, it is stale
         self.before = before  # (id, the placer's entry for it) at the start of the recording
         self.changed = changed  # (id, entry) of tensors from outside that it placed anew
         self.outputs = outputs  # (recorded id, the placer's entry for it, whether viewed)
+        self.random_ops = random_ops
         self.stale = False
+        self.replays = 0
+        # None until a capture is tried; then True (its workers launch it as a CUDA graph) or
+        # why it runs without one
+        self.graph: bool | str | None = None

@@ -55,7 +55,33 @@ class Op:
     sigs: Callable[[tuple], tuple] | None = None
 
 
-def _generator(seed: int, device: torch.device) -> torch.Generator:
+SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def derive_seed(session_seed: int, count: int) -> int:
+    """The seed of the session's ``count``-th random op (counting from 1)."""
+    return (session_seed * SEED_MIX + count) % (1 << 63)
+
+
+class Seed(int):
+    """A random op's seed made inside a replayable call: its value there, and ``offset``, its
+    place among the call's random ops, so that each replay can give the op the seed it would get
+    if the call ran as written (worker: Executor._replay)."""
+
+    def __new__(cls, value: int, offset: int) -> "Seed":
+        seed = super().__new__(cls, value)
+        seed.offset = offset
+        return seed
+
+    def __reduce__(self):
+        return Seed, (int(self), self.offset)
+
+
+def _generator(seed: int | torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator seeded for one op; inside a CUDA graph, the graph's own (seeded again
+    before each launch), which the caller passes instead of a seed."""
+    if isinstance(seed, torch.Generator):
+        return seed
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
@@ -316,10 +342,24 @@ def _graph_backward_meta(graph, g, grads: tuple, like: tuple) -> tuple:
 
 
 def _attention(q, k, v, mask, dropout_p, is_causal, scale, seed=None):
-    if seed is not None:  # dropout: the same mask from the same gtmpi seed, on any worker
+    if seed is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale)
+    # dropout: the same mask from the same gtmpi seed, on any worker. torch's kernel draws from
+    # the device's default generator, so that generator is lent this op's state for the call
+    # (graph-safe on a GPU, where a captured graph passes its own generator)
+    if q.device.type != "cuda":
         torch.manual_seed(seed)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale)
+    default = torch.cuda.default_generators[q.device.index or 0]
+    kept = default.graphsafe_get_state()
+    default.graphsafe_set_state(_generator(seed, q.device))
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale)
+    finally:
+        default.graphsafe_set_state(kept)
 
 
 def _cross_entropy(x, target, ignore_index, reduction, label_smoothing):

@@ -19,6 +19,7 @@ class Tag(IntEnum):
     BYE = 15
     CLOCK = 16    # the worker's clock, answering a CLOCK_PING (the first one: "ready")
     TRACE = 17    # the worker's recorded events
+    GRAPH = 18    # whether a program's CUDA graph was captured (None) or why not
     # data communicator: raw tensor bytes, never pickled
     UPLOAD = 20      # rank 0 -> worker
     READ_OK = 21     # worker -> rank 0

@@ -38,6 +38,7 @@ class DataPlane:
         self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()  # (isend's work, its snapshot)
         self._work = None  # see take_work
+        self._captured_sends: list | None = None  # while a CUDA graph is captured
 
     @property
     def started(self) -> bool:
@@ -160,6 +161,10 @@ class DataPlane:
         """Without waiting: the receiver takes it when its stream gets there. No results. A
         snapshot travels: later ops of this stream may change x in place before it has left."""
         x = x.clone(memory_format=torch.contiguous_format)
+        if self._captured_sends is not None:  # no event may be queried while capturing
+            self._captured_sends.append((dist.isend(x, dst - 1), x))
+            self._count("send", x)
+            return ()
         sends = self._sends
         sends.append((dist.isend(x, dst - 1), x))
         self._count("send", x)
@@ -186,6 +191,18 @@ class DataPlane:
         reaches after the receives matching this worker's sends, so none waits on this one."""
         while self._sends:
             self._sends.popleft()[0].wait()
+
+    def begin_capture(self) -> None:
+        """Sends from here on are part of a CUDA graph being captured."""
+        self.settle_sends()
+        self._captured_sends = []
+
+    def end_capture(self) -> None:
+        """Join the captured sends back into the capturing stream (a capture must end with
+        every stream it forked joined); their snapshots live in the graph's memory."""
+        sends, self._captured_sends = self._captured_sends or [], None
+        for work, _ in sends:
+            work.wait()
 
     def finish(self) -> None:
         self.settle_sends()

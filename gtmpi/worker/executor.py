@@ -26,10 +26,11 @@ import torch
 
 from ..errors import Fault
 from ..transport.buffers import as_bytes
-from ..ops.table import OPS, Graph, Kind
+from ..ops.table import OPS, Graph, Kind, derive_seed
 from ..recording import events
 from ..recording.recorder import Recorder
 from ..transport.tags import Tag
+from . import graphs
 
 _clock = time.perf_counter_ns
 _ABSENT = object()
@@ -64,13 +65,14 @@ class Executor:
         # ops: instructions executed; control: those of them that are control words (frees,
         # reads, stats, ...), not ops of the table
         self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
-                      "bytes_received": 0, "bytes_sent": 0}
+                      "bytes_received": 0, "bytes_sent": 0, "graph_launches": 0,
+                      "graphed_ops": 0}
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
                          "new_group": self._new_group, "agree": self._agree,
                          "program": self._program, "replay": self._replay,
-                         "rename": self._rename}
+                         "commit": self._commit, "rename": self._rename}
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         self._inject = {Kind.CREATE: {"device": device}}  # keyword arguments by kind of op
         self.trace: Recorder | None = None  # while a trace runs
@@ -79,8 +81,12 @@ class Executor:
         # ids whose values an unfinished collective is still making: id -> (its work, all the
         # ids it makes); whatever reads one waits for it first (on a GPU: the stream waits)
         self.waits: dict[int, tuple[Any, tuple[int, ...]]] = {}
-        # recorded instruction sequences (dispatcher/programs.py), run again on one word each
+        # recorded instruction sequences (dispatcher/programs.py), run again on one word each,
+        # where their random ops keep their seeds, and their CUDA graphs (worker/graphs.py)
         self.programs: dict[int, list[tuple]] = {}
+        self.seeded: dict[int, list] = {}
+        self.graphs: dict[int, graphs.Captured] = {}
+        self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
 
     def run(self, batch: list[tuple]) -> None:
         self._execute(batch)
@@ -263,33 +269,213 @@ class Executor:
     def _program(self, out, args: tuple) -> None:
         """(key, instructions): keep a recorded sequence; (key, None): drop it."""
         key, instructions = args
+        self.graphs.pop(key, None)
         if instructions is None:
             self.programs.pop(key, None)
+            self.seeded.pop(key, None)
         else:
             self.programs[key] = instructions
+            self.seeded[key] = graphs.seeded(instructions)
 
     def _replay(self, out, args: tuple) -> None:
-        """(key, binds, renames): run a kept sequence again. Its inputs are bound to the ids it
-        was recorded with, (current, recorded) in ``binds``, for the run only; every tensor it
-        makes keeps its recorded id, and those that outlive it move to fresh ids (``renames``),
-        so that the next run cannot overwrite what the program still holds."""
-        key, binds, renames = args
+        """(key, binds, renames, mode, seeds): run a kept sequence again. Its inputs are bound
+        to the ids it was recorded with, (current, recorded) in ``binds``, for the run only;
+        every tensor it makes keeps its recorded id, and those that outlive it move to fresh
+        ids (``renames``), so that the next run cannot overwrite what the program still holds.
+        Its random ops take seeds derived from ``seeds`` (session seed, count before the call).
+        ``mode``: 'plain', op by op; 'capture', capture it as a CUDA graph and say whether that
+        worked (the dispatcher's 'commit' then runs it); 'emulate', the same with the stand-in
+        backend (tests); 'graph', launch the graph."""
+        key, binds, renames, mode, seeds = args
         start = _clock()
+        if mode == "graph":
+            self._launch(self.graphs[key], binds, renames, seeds)
+        elif mode in ("capture", "emulate"):
+            self._try_capture(key, binds, renames, seeds,
+                              graphs.backend_for(self.device, mode == "emulate"))
+        else:
+            self._run_program(self._instructions(key, seeds), binds, renames)
+        if self.trace is not None:
+            self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, _clock(), mode,
+                             key, count=len(self.programs[key]))
+
+    def _instructions(self, key: int, seeds: tuple[int, int] | None) -> list[tuple]:
+        program, where = self.programs[key], self.seeded[key]
+        if not where:
+            return program
+        session, base = seeds
+        return graphs.with_seeds(program, where, lambda s: derive_seed(session, base + s.offset))
+
+    def _run_program(self, program: list[tuple], binds: tuple, renames: tuple) -> None:
         tables = (self.env, self.poison, self.waits)
         # a recorded input may still be alive (a batch used again): it is itself again after
         saved = [(recorded, [t.get(recorded, _ABSENT) for t in tables]) for _, recorded in binds]
         self._move(binds, keep=True)
-        self._execute(self.programs[key])
+        self._execute(program)
+        self._restore(saved)
+        self._move(renames, keep=False)
+
+    def _restore(self, saved: list) -> None:
         for recorded, values in saved:
-            for table, value in zip(tables, values):
+            for table, value in zip((self.env, self.poison, self.waits), values):
                 if value is _ABSENT:
                     table.pop(recorded, None)
                 else:
                     table[recorded] = value
-        self._move(renames, keep=False)
-        if self.trace is not None:
-            self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, _clock(), "replay",
-                             key, count=len(self.programs[key]))
+
+    def _try_capture(self, key: int, binds: tuple, renames: tuple, seeds, backend) -> None:
+        """Capture a program as a graph (nothing runs yet) and tell rank 0 whether it worked
+        (None) or why not; the capture waits for the dispatcher's commit."""
+        captured, why = None, backend if isinstance(backend, str) else None
+        if why is None:
+            try:
+                captured = self._capture_graph(key, binds, renames, backend)
+            except Exception as e:  # what cannot be captured: a host sync, a data-dependent shape
+                why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        self._capture = (key, binds, renames, seeds, captured)
+        self.link.reply(Tag.GRAPH, why)
+
+    def _capture_graph(self, key: int, binds: tuple, renames: tuple,
+                       backend: graphs.CudaBackend | graphs.EmulatedBackend) -> graphs.Captured:
+        program = [ins for ins in self.programs[key] if ins[0] not in graphs.HOST_WORDS]
+        for i, ins in enumerate(program):
+            if ins[0] in ("upload", "read", "sync"):
+                raise RuntimeError(f"instruction {i} ({ins[0]}) waits for the host")
+        env, poison = self.env, self.poison
+        # one list of inputs serves every worker: a pipeline stage holds only its own
+        binds = tuple((cur, recorded) for cur, recorded in binds if cur in env or cur in poison)
+        reads = graphs.outside_reads(program, {recorded for _, recorded in binds})
+        for tid in [cur for cur, _ in binds] + reads:
+            if tid in poison:
+                raise RuntimeError(f"tensor {tid} it reads failed: {poison[tid].error}")
+            if tid not in env:
+                raise RuntimeError(f"tensor {tid} it reads is not here")
+        if self.waits:
+            self._settle_all()
+        if self.plane is not None:
+            self.plane.settle_sends()
+        inputs = {recorded: env[cur].clone() for cur, recorded in binds}
+        tables = (self.env, self.poison, self.waits)
+        saved = [(recorded, [t.get(recorded, _ABSENT) for t in tables]) for recorded in inputs]
+
+        def execute(instructions: list[tuple]) -> None:
+            env.update(inputs)
+            try:
+                if backend.emulated:  # as a graph's end joins them, every collective is waited
+                    self._execute(instructions)
+                    self._settle_all()
+                else:
+                    self._captured(instructions)
+            finally:
+                self._restore(saved)
+
+        held = set(env)
+        counts = self._comm_counts()
+        faults = (self.stats["faults"], self.stats["skipped"])
+        try:
+            handle = backend.capture(program, execute)
+            if (self.stats["faults"], self.stats["skipped"]) != faults:
+                bad = next(iter(self.poison.values()), None) or self.skipped
+                raise RuntimeError(f"op '{bad.op}' failed while captured: {bad.error}"
+                                   if bad else "an op failed while captured")
+        except BaseException:
+            for tid in set(env) - held:  # what the capture made: none of it ran
+                env.pop(tid, None)
+                poison.pop(tid, None)
+                self.waits.pop(tid, None)
+            raise
+        after = self._comm_counts()
+        comm = {} if backend.emulated else {  # an emulated launch runs (and counts) them itself
+            k: (v[0] - counts.get(k, (0, 0))[0], v[1] - counts.get(k, (0, 0))[1])
+            for k, v in after.items() if v != counts.get(k)}
+        return graphs.Captured(handle, inputs, [(tid, env[tid]) for tid in reads], comm,
+                               len(program))
+
+    def _captured(self, program: list[tuple]) -> None:
+        """The program's instructions inside a capture: no GPU timing events, and every
+        collective and send joined back before the capture ends."""
+        gpu_every, self._gpu_every = self._gpu_every, 0
+        self._plane_capture(True)
+        try:
+            self._execute(program)
+            self._settle_all()
+        finally:
+            self._plane_capture(False)
+            self._gpu_every = gpu_every
+
+    def _plane_capture(self, on: bool) -> None:
+        if self.plane is not None and self.plane.started:
+            if on:
+                self.plane.begin_capture()
+            else:
+                self.plane.end_capture()
+
+    def _comm_counts(self) -> dict[str, tuple[int, int]]:
+        return {k: tuple(v) for k, v in self.plane.stats.items()} if self.plane else {}
+
+    def _commit(self, out, args: tuple) -> None:
+        """(key, ok): every worker of the program captured it (launch the graph, and from now
+        on every replay), or one could not (run it op by op; the graph is dropped)."""
+        key, ok = args
+        _, binds, renames, seeds, captured = self._capture
+        self._capture = None
+        if ok:
+            self.graphs[key] = captured
+            self._launch(captured, binds, renames, seeds)
+        else:
+            self._run_program(self._instructions(key, seeds), binds, renames)
+
+    def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple, seeds) -> None:
+        """One call of a captured program: inputs into its static buffers, the graph launched,
+        its outputs handed out under the call's ids. An input or read that failed (or is not
+        what was captured) fails the outputs with it, but the graph still runs: the other
+        members' collectives inside it wait for this one's."""
+        env, poison = self.env, self.poison
+        if self.waits:
+            self._settle_all()
+        fault = None
+        inputs = captured.inputs
+        for cur, recorded in binds:
+            if recorded not in inputs:
+                continue
+            t = env.get(cur)
+            if t is not None:
+                inputs[recorded].copy_(t)
+            elif fault is None:
+                fault = poison.get(cur) or Fault(cur, "replay", self.rank, "an input is not here")
+        for tid, t in captured.reads:
+            if env.get(tid) is not t and fault is None:
+                fault = poison.get(tid) or Fault(tid, "replay", self.rank,
+                                                 f"tensor {tid} is not the one captured")
+        outputs = tuple(recorded for recorded, _ in renames)
+        if captured.outputs:
+            captured.copy_out(env)
+        captured.handle.seed(seeds)
+        captured.handle.replay(env, outputs)
+        if not captured.outputs:  # the first launch: its outputs are the graph's for good
+            captured.set_outputs(env, outputs)
+        for recorded in outputs:
+            env.pop(recorded, None)
+        if fault is None:
+            env.update((new, captured.outputs[recorded]) for recorded, new in renames
+                       if recorded in captured.outputs)
+            captured.handed = [new for _, new in renames]
+        else:
+            self._fail(tuple(new for _, new in renames), fault)
+        self.stats["graph_launches"] += 1
+        self.stats["graphed_ops"] += captured.size
+        if self.plane is not None:
+            for k, (count, nbytes) in captured.comm.items():
+                entry = self.plane.stats[k]
+                entry[0] += count
+                entry[1] += nbytes
+
+    def close(self) -> None:
+        """Graphs go before the process groups their collectives were captured on."""
+        self.graphs.clear()
+        self._capture = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _rename(self, out, pairs: tuple) -> None:
         self._move(pairs, keep=False)

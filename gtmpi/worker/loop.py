@@ -39,6 +39,7 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
         msg = wait_for(lambda: link.next_message(status), watchdog)
         if status.Get_tag() == Tag.SHUTDOWN:
             msg.recv()
+            executor.close()
             executor.plane.finish()
             link.drain()
             link.reply(Tag.BYE, executor.stats)

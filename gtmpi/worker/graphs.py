@@ -1,0 +1,210 @@
+"""CUDA graphs of replayed programs: a program (dispatcher/programs.py) captured once on a warm
+replay, then launched as one graph per call instead of one kernel launch of host work per
+instruction (20-35 us each on the GPU hosts here, against about 1 us per op inside a graph).
+
+A graph reads and writes fixed addresses, so around it:
+  inputs    each call's bound tensors are copied into static buffers made at capture;
+  outputs   live in the graph's own memory pool and are handed out as they are; one still held
+            when the graph runs again (a loss read two steps later, a view of a gradient) is
+            copied out first, so what a client holds never changes under it;
+  reads     tensors from outside (weights, optimizer state) are read where they were at
+            capture; the dispatcher re-records a program whose reads were freed or placed anew,
+            and a read that is not the tensor captured (or an input that failed) makes the
+            call's outputs fail with a Fault instead of using stale memory;
+  random    each random op gets a generator of its own, registered with the graph and seeded
+            before every launch with the seed the op would get as written (torch's graph-safe
+            RNG: the seed and offset are read on the device at launch);
+  host      control words that talk to other workers' hosts (agreements on faults) are left out:
+            a launched graph never fails on the host, and the dispatcher agrees at the reads
+            and in-place updates outside the program.
+Collectives and sends between workers are captured with the rest (NCCL supports it); every
+member captures together (the dispatcher's 'capture' word) and launches together, so they
+meet in the graph as they would op by op.
+
+Two backends share this path: CudaBackend captures with torch.cuda.graph; EmulatedBackend
+(GTMPI_CUDA_GRAPHS=emulate on rank 0, for tests on CPUs) captures nothing and, at each launch, runs the
+program and copies its results into the same static outputs, so the binding, hand-out,
+copy-out and fault logic is tested where no GPU is.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..ops.table import Seed, derive_seed
+
+HOST_WORDS = frozenset({"agree"})  # control words a graph leaves out (see above)
+
+
+def backend_for(device: torch.device, emulate: bool) -> CudaBackend | EmulatedBackend | str:
+    """The capture backend of a worker on ``device`` (the stand-in where the dispatcher asks
+    for it), or why it has none."""
+    if emulate:
+        return EmulatedBackend()
+    if device.type != "cuda":
+        return f"the worker runs on the {device.type}"
+    return CudaBackend(device)
+
+
+class CudaBackend:
+    emulated = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def capture(self, program: list[tuple], execute: Callable[[list[tuple]], None]) -> "_Graph":
+        where = seeded(program)
+        offsets = sorted({seed.offset for seed in seeds_in(program, where)})
+        gens = {offset: torch.Generator(device=self.device) for offset in offsets}
+        graph = torch.cuda.CUDAGraph()
+        for gen in gens.values():
+            graph.register_generator_state(gen)
+        # thread_local: the process group's watchdog thread may query events meanwhile
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(),
+                              capture_error_mode="thread_local"):
+            execute(with_seeds(program, where, lambda s: gens[s.offset]))
+        return _Graph(graph, gens)
+
+
+class _Graph:
+    def __init__(self, graph: Any, gens: dict[int, torch.Generator]) -> None:
+        self.graph = graph
+        self.gens = gens  # offset of a random op among the call's -> its generator
+
+    def seed(self, seeds: tuple[int, int] | None) -> None:
+        if seeds is not None:
+            session, base = seeds
+            for offset, gen in self.gens.items():
+                gen.manual_seed(derive_seed(session, base + offset))
+
+    def replay(self, env: dict[int, Any], outputs: tuple[int, ...]) -> None:
+        self.graph.replay()
+
+
+class EmulatedBackend:
+    emulated = True
+
+    def capture(self, program: list[tuple], execute: Callable[[list[tuple]], None]) -> "_Emulated":
+        return _Emulated(program, execute)
+
+
+class _Emulated:
+    """A stand-in graph: each launch runs the program, then copies what it made into the
+    outputs of the first launch, so outputs keep their storage as a graph's do."""
+
+    def __init__(self, program: list[tuple], execute: Callable[[list[tuple]], None]) -> None:
+        self.program = self.now = program
+        self.where = seeded(program)
+        self.execute = execute
+        self.static: dict[int, torch.Tensor] | None = None
+
+    def seed(self, seeds: tuple[int, int] | None) -> None:
+        if self.where:
+            session, base = seeds
+            self.now = with_seeds(self.program, self.where,
+                                  lambda s: derive_seed(session, base + s.offset))
+
+    def replay(self, env: dict[int, Any], outputs: tuple[int, ...]) -> None:
+        self.execute(self.now)
+        if self.static is None:
+            self.static = {o: env[o] for o in outputs if o in env}
+            return
+        for o, static in self.static.items():
+            static.copy_(env[o])
+            env[o] = static
+
+
+class Captured:
+    """One program's graph and the fixed tensors around it."""
+
+    def __init__(self, handle: Any, inputs: dict[int, torch.Tensor],
+                 reads: list[tuple[int, Any]], comm: dict[str, tuple[int, int]],
+                 size: int) -> None:
+        self.handle = handle  # _Graph or _Emulated
+        self.inputs = inputs  # recorded id -> the static buffer each call is copied into
+        self.reads = reads  # (id, the tensor captured) of what it reads from outside
+        self.comm = comm  # collectives per launch, by kind: (count, bytes)
+        self.size = size  # instructions it stands for
+        self.outputs: dict[int, torch.Tensor] = {}  # recorded id -> static output, once run
+        self.handed: list[int] = []  # ids the last launch's outputs were handed out under
+        self._storages: dict[int, torch.Tensor] = {}  # output storage -> an output on it
+        self._uses: dict[int, int] = {}  # output storage -> references to it after a launch
+
+    def set_outputs(self, env: dict[int, Any], recorded: tuple[int, ...]) -> None:
+        self.outputs = {o: env[o] for o in recorded if o in env}
+        self._storages = {t.untyped_storage().data_ptr(): t for t in self.outputs.values()}
+        self._uses = {ptr: _uses(t) for ptr, t in self._storages.items()}
+
+    def copy_out(self, env: dict[int, Any]) -> None:
+        """Before a launch: what still holds the last launch's outputs (the ids they were handed
+        out under, or views made of them since) gets copies, since the launch rewrites them."""
+        statics = {id(t) for t in self.outputs.values()}
+        for tid in self.handed:
+            t = env.get(tid)
+            if t is not None and id(t) in statics:
+                env[tid] = t.clone()
+        self.handed = []
+        grown = {ptr for ptr, t in self._storages.items() if _uses(t) > self._uses[ptr]}
+        if not grown:
+            return
+        for tid, t in list(env.items()):
+            if isinstance(t, torch.Tensor) and id(t) not in statics and \
+                    t.untyped_storage().data_ptr() in grown:
+                env[tid] = t.clone()
+
+
+def _uses(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (tensors and views on it, counted the same way each time)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def seeded(program: list[tuple]) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
+    """Where a program's random ops hold their seeds: (instruction index, argument positions,
+    keyword names) of each instruction with a Seed."""
+    found = []
+    for i, (_, _, args, _, kw) in enumerate(program):
+        at = tuple(j for j, a in enumerate(args) if type(a) is Seed)
+        keys = tuple(k for k, v in kw.items() if type(v) is Seed) if kw else ()
+        if at or keys:
+            found.append((i, at, keys))
+    return found
+
+
+def seeds_in(program: list[tuple], where: list) -> list[Seed]:
+    found = []
+    for i, at, keys in where:
+        _, _, args, _, kw = program[i]
+        found += [args[j] for j in at] + [kw[k] for k in keys]
+    return found
+
+
+def with_seeds(program: list[tuple], where: list, value: Callable[[Seed], Any]) -> list[tuple]:
+    """``program`` with each Seed replaced by ``value(seed)``."""
+    program = list(program)
+    for i, at, keys in where:
+        name, out, args, tmask, kw = program[i]
+        if at:
+            args = tuple(value(a) if j in at else a for j, a in enumerate(args))
+        if keys:
+            kw = {k: value(v) if k in keys else v for k, v in kw.items()}
+        program[i] = (name, out, args, tmask, kw)
+    return program
+
+
+def outside_reads(program: list[tuple], inputs: set[int]) -> list[int]:
+    """Ids a program reads that it neither makes nor binds as inputs, in first-read order."""
+    made: set[int] = set()
+    reads: dict[int, None] = {}
+    for name, out, args, tmask, _ in program:
+        if name == "free":
+            continue
+        i = 0
+        while tmask >> i:
+            if tmask >> i & 1:
+                a = args[i]
+                if a not in made and a not in inputs:
+                    reads[a] = None
+            i += 1
+        made.update((out,) if type(out) is int else out or ())
+    return list(reads)

@@ -1,0 +1,154 @@
+"""CUDA graphs of replayed steps (worker/graphs.py): from the second replay on, a step's program
+is launched as one graph per call. On GPU workers these tests capture real CUDA graphs; on CPU
+workers the stand-in backend (GTMPI_CUDA_GRAPHS=emulate) runs the same path with the capture
+stubbed (static inputs, outputs handed out from fixed storage, copies of outputs still held,
+random ops seeded per launch, every member capturing together or none). Either way a graphed
+step must give the numbers of the same step replayed op by op, bit for bit."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import gtmpi
+from conftest import HOME_DEVICE
+from test_replay import (WORKERS, _train, data_parallel, pipeline_run, spread,
+                         tensor_parallel_run)
+
+GRAPHS = "1" if HOME_DEVICE.type == "cuda" else "emulate"
+
+
+def _launches() -> dict[int, int]:
+    return {r: s["graph_launches"] for r, s in gtmpi.debug.worker_stats().items()}
+
+
+def _graphed_against_plain(monkeypatch, layout=None, steps: int = 7):
+    """The tiny GPT's losses, last gradients and last step's collectives, replayed op by op and
+    as graphs; and the graph launches per worker."""
+    place, put = layout() if layout is not None else (None, lambda x, y: (gtmpi.tensor(x),
+                                                                           gtmpi.tensor(y)))
+    gtmpi.debug.strict_placement()
+    try:
+        monkeypatch.setenv("GTMPI_CUDA_GRAPHS", "0")
+        plain = _train(True, place, put, steps=steps)
+        monkeypatch.setenv("GTMPI_CUDA_GRAPHS", GRAPHS)
+        before = _launches()
+        graphed = _train(True, place, put, steps=steps)
+        launched = {r: n - before[r] for r, n in _launches().items()}
+    finally:
+        gtmpi.debug.strict_placement(False)
+    assert graphed[0] == plain[0]  # bit for bit
+    for key, grad in plain[1].items():
+        assert torch.equal(graphed[1][key], grad), key
+    assert graphed[2] == plain[2]  # the same collectives and transfers, counted per launch
+    return graphed, launched
+
+
+def test_a_graphed_step_gives_the_numbers_of_plain_replay(monkeypatch):
+    _, launched = _graphed_against_plain(monkeypatch)
+    # calls: as written, recorded, replayed, captured (and launched), then 3 launches
+    assert launched[WORKERS[0]] == 4, launched
+
+
+@spread
+@pytest.mark.parametrize("layout", [data_parallel, tensor_parallel_run,
+                                    lambda: pipeline_run("1f1b")], ids=["dp", "tp", "pp"])
+def test_graphed_parallel_steps_give_the_numbers_of_plain_replay(monkeypatch, layout):
+    _, launched = _graphed_against_plain(monkeypatch, layout)
+    taking_part = [r for r, n in launched.items() if n]
+    assert taking_part and all(launched[r] == 4 for r in taking_part), launched
+    assert len(taking_part) >= 2
+
+
+def test_outputs_held_across_launches_keep_their_values(monkeypatch):
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", GRAPHS)
+    w = gtmpi.ones(3, requires_grad=True)
+
+    @gtmpi.replayable
+    def step(x):
+        loss = (x * w).sum()
+        loss.backward()
+        return loss, x * 2
+
+    kept, views = [], []
+    for i in range(7):
+        w.grad = None
+        loss, doubled = step(gtmpi.full((3,), float(i)))
+        kept.append((loss, doubled))
+        views.append(doubled.view(3, 1))  # made after the launch, of its output's storage
+    assert [loss.item() for loss, _ in kept] == [3.0 * i for i in range(7)]
+    assert [d.tolist() for _, d in kept] == [[2.0 * i] * 3 for i in range(7)]
+    assert [v.tolist() for v in views] == [[[2.0 * i]] * 3 for i in range(7)]
+    assert w.grad.tolist() == [6.0] * 3
+    assert step.replays == 5
+
+
+def test_a_worker_that_cannot_capture_makes_every_one_replay_op_by_op(monkeypatch):
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", GRAPHS)
+    broken = gtmpi.ones(2)[gtmpi.tensor([0, 5])]  # fails on its worker: index out of range
+    if HOME_DEVICE.type == "cuda":
+        pytest.skip("an index out of range is a device-side assert on a GPU")
+
+    @gtmpi.replayable
+    def f(x):
+        return x + broken
+
+    x = gtmpi.ones(2)
+    results = [f(x) for _ in range(5)]
+    for r in results:
+        with pytest.raises(gtmpi.WorkerError, match="index"):
+            r.tolist()
+    notes = gtmpi.debug.graph_notes()
+    note = next(v for k, v in notes.items() if k.startswith("test_a_worker_that_cannot_capture"))
+    assert note.startswith("replayed op by op, no CUDA graph: worker rank") and "failed" in note
+    out = io.StringIO()
+    gtmpi.debug.explain(out)
+    assert "no CUDA graph" in out.getvalue()
+    assert (x + 1).tolist() == [2.0, 2.0]  # the session goes on
+
+
+def test_graphs_on_cpu_workers_say_why_there_are_none(monkeypatch):
+    if HOME_DEVICE.type == "cuda":
+        pytest.skip("GPU workers capture")
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", "1")
+    f = gtmpi.replayable(lambda x: x * 3)
+    x = gtmpi.ones(2)
+    assert [f(x).tolist() for _ in range(5)] == [[3.0, 3.0]] * 5
+    note = next(v for k, v in gtmpi.debug.graph_notes().items() if k.startswith("test_graphs_on_cpu_workers"))
+    assert note.endswith("the worker runs on the cpu"), note
+
+
+@pytest.mark.parametrize("graphs", ["0", GRAPHS])
+def test_random_ops_in_a_replayed_step_draw_what_they_draw_as_written(monkeypatch, graphs):
+    """Dropout (nn.Dropout and attention's), randn and normal_ inside a replayed, captured and
+    launched step: the numbers of the same calls run as written, from the same seed."""
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", graphs)
+    nn, F = gtmpi.nn, gtmpi.nn.functional
+
+    def run(replay: bool) -> list[list[float]]:
+        gtmpi.manual_seed(7)
+        lin = nn.Linear(8, 8)
+        drop = nn.Dropout(0.5)
+
+        def step(x):
+            h = drop(lin(x))
+            q = h.view(1, 2, 4, 4)
+            a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3)
+            noise = gtmpi.randn(4, 8) + gtmpi.zeros(4, 8).normal_(0.0, 2.0)
+            loss = (a.reshape(4, 8) + noise).square().sum()
+            loss.backward()
+            return loss
+
+        f = gtmpi.replayable(step) if replay else step
+        x = gtmpi.tensor(torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32)
+        out = []
+        for _ in range(6):
+            lin.zero_grad()
+            loss = f(x)
+            out.append([loss.item(), *lin.weight.grad.reshape(-1)[:4].tolist()])
+        return out
+
+    written, replayed = run(False), run(True)
+    assert replayed == written
+    assert len({r[0] for r in written}) == 6  # each call drew afresh
