@@ -193,6 +193,8 @@ def main() -> None:
                     "weights": weights,
                     "reserved": after.get("peak_reserved_bytes"),
                     "instructions": (after["ops"] - before["ops"] - 1) / (warmup + steps),
+                    "graphed": (after["graphed_ops"] - before["graphed_ops"]) / (warmup + steps),
+                    "launches": (after["graph_launches"] - before["graph_launches"]) / (warmup + steps),
                     "collectives": per_step(before["collectives"], after["collectives"],
                                             warmup + steps)}
 
@@ -211,8 +213,11 @@ def main() -> None:
         mem = f"{r['peak'] / 1e9:9.2f} {r['reserved'] / 1e9:12.2f}" if r["peak"] else f"{'-':>9} {'-':>12}"
         print(f"{label:<10} {r['s'] * 1e3:9.2f} {r['tokens_per_s']:11.0f} {mfu} {mem} "
               f"{r['losses'][0]:11.4f} {r['losses'][-1]:10.4f}")
-    print(f"gtmpi: {res['gtmpi']['instructions']:.0f} worker instructions per step, "
-          f"{'replayed from the second step on' if not args.no_replay else 'each issued by rank 0'}")
+    g = res["gtmpi"]
+    print(f"gtmpi: {g['instructions'] + g['graphed']:.0f} worker instructions per step, "
+          f"{'replayed from the second step on' if not args.no_replay else 'each issued by rank 0'}"
+          f"; {g['graphed']:.0f} of them in CUDA graphs, {g['launches']:.2f} graph launches per "
+          f"step ({gtmpi.debug.graph_notes() or 'no graph tried'})")
     inserted = {kind: (round(n, 2), round(b / 1e6, 2))
                 for kind, (n, b) in res["gtmpi"]["collectives"].items()}
     print(f"gtmpi: collectives and transfers per step on the first worker, (count, MB): "
@@ -222,7 +227,9 @@ def main() -> None:
            "data_parallel": parallel, "tensor_parallel": args.tensor_parallel,
            "device": name, "host": platform.node(), "workers": len(world["workers"]),
            "embedded": world["embedded"], "steps": steps, "warmup": warmup,
-           "gtmpi_instructions_per_step": round(res["gtmpi"]["instructions"], 1),
+           "gtmpi_instructions_per_step": round(g["instructions"] + g["graphed"], 1),
+           "gtmpi_graphed_per_step": round(g["graphed"], 1),
+           "gtmpi_graph_launches_per_step": round(g["launches"], 2),
            "gtmpi_collectives_per_step": inserted,
            "gtmpi_weights_bytes": res["gtmpi"]["weights"],
            "torch_weights_bytes": whole_weights}

@@ -24,8 +24,10 @@ change every step). Its tensor arguments are bound by position; the tensors it r
 gradients it accumulates into leaves made before it are new tensors on every call. A call is
 recorded afresh when its arguments differ in shape, dtype, placement or constants, when its
 leaves' gradients are present where they were absent (or the reverse), or when a tensor it
-reads was freed or placed anew. A read, an upload or a random op inside raises ReplayError
-(a replay could not repeat it), as does a tensor made inside that outlives the call unreturned.
+reads was freed or placed anew. A read or an upload inside raises ReplayError (a replay
+could not repeat it), as does a tensor made inside that outlives the call unreturned. Random
+ops draw on each call what they would draw as written (their seeds are derived again per call).
+On GPU workers, programs become CUDA graphs from their second replay (worker/graphs.py).
 GTMPI_REPLAY=0 runs every call as written.
 """
 from __future__ import annotations

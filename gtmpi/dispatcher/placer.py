@@ -68,6 +68,10 @@ class Placer:
         # partial sums (gradients) waiting to be summed together, by (mesh, dtype): their
         # bytes so far, and (id, Sig) of each
         self._buckets: dict[tuple, tuple[list[int], list[tuple[int, tuple]]]] = {}
+        # id -> the meshes whose members already agreed on it: whether a tensor failed is
+        # settled once it is made, so one agreement per mesh serves every later in-place op
+        # and read (an optimizer step after clipping agrees on nothing new)
+        self._agreed: dict[int, set[tuple[int, ...]]] = {}
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -301,6 +305,10 @@ class Placer:
 
     def _agree(self, mesh: tuple[int, ...], ids: list[int]) -> None:
         """Every member of ``mesh`` poisons ``ids`` if any member has one of them poisoned."""
+        agreed = self._agreed
+        ids = [i for i in ids if mesh not in agreed.get(i, ())]
+        for i in ids:
+            agreed.setdefault(i, set()).add(mesh)
         if ids:
             word = ("agree", None, (tuple(ids), self._group(mesh)), 0, None)
             for rank in mesh:
@@ -321,7 +329,7 @@ class Placer:
 
     def rename(self, old: int, new: int) -> None:
         """A tensor's books move to a new id (its worker tensors move by a rename word)."""
-        for book in (self.table, self.copies, self.recipes, self.forward):
+        for book in (self.table, self.copies, self.recipes, self.forward, self._agreed):
             if old in book:
                 book[new] = book.pop(old)
         if old in self.viewed:
@@ -579,6 +587,7 @@ class Placer:
         """(rank, id) of ``tid`` and its copies everywhere, dropped from the books."""
         entry = self.table.pop(tid, None)
         self.viewed.discard(tid)
+        self._agreed.pop(tid, None)
         self.recipes.pop(tid, None)
         self.forward.pop(tid, None)
         mesh = entry[1].mesh if entry is not None else self.home.mesh

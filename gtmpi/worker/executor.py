@@ -87,6 +87,7 @@ class Executor:
         self.seeded: dict[int, list] = {}
         self.graphs: dict[int, graphs.Captured] = {}
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
+        self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture
 
     def run(self, batch: list[tuple]) -> None:
         self._execute(batch)
@@ -290,9 +291,12 @@ class Executor:
         start = _clock()
         if mode == "graph":
             self._launch(self.graphs[key], binds, renames, seeds)
-        elif mode in ("capture", "emulate"):
-            self._try_capture(key, binds, renames, seeds,
-                              graphs.backend_for(self.device, mode == "emulate"))
+        elif mode == "emulate":
+            self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
+        elif mode == "capture":
+            if self._cuda_backend is None:
+                self._cuda_backend = graphs.backend_for(self.device, emulate=False)
+            self._try_capture(key, binds, renames, seeds, self._cuda_backend)
         else:
             self._run_program(self._instructions(key, seeds), binds, renames)
         if self.trace is not None:

@@ -52,6 +52,14 @@ class CudaBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.stream = torch.cuda.Stream(device)
+        # cuBLAS makes a handle and workspace per stream on first use, which a capture must
+        # not be the one to do
+        with torch.cuda.stream(self.stream):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                a = torch.ones(16, 16, dtype=dtype, device=device)
+                a @ a
+        self.stream.synchronize()
 
     def capture(self, program: list[tuple], execute: Callable[[list[tuple]], None]) -> "_Graph":
         where = seeded(program)
@@ -61,7 +69,7 @@ class CudaBackend:
         for gen in gens.values():
             graph.register_generator_state(gen)
         # thread_local: the process group's watchdog thread may query events meanwhile
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(),
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=self.stream,
                               capture_error_mode="thread_local"):
             execute(with_seeds(program, where, lambda s: gens[s.offset]))
         return _Graph(graph, gens)
