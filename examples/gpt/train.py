@@ -222,13 +222,17 @@ def main() -> None:
     tokens_per_s = timed * tokens / (end - clock) if timed > 0 else None
     val = evaluate()
     print(f"held-out loss {val:.4f} nats/byte (unigram entropy {entropy:.4f})", flush=True)
+    for name, note in gtmpi.debug.graph_notes().items():
+        print(f"replayed {name}: {note}", flush=True)
     print(json.dumps({
         "size": args.size, "parameters": n_params, "steps": args.steps, "batch": args.batch,
         "seq": seq, "dtype": str(dtype)[6:], "workers": len(world["workers"]), "mode": mode,
         "losses": [round(v, 5) for v in losses], "val_loss": round(val, 5),
         "unigram_entropy": round(entropy, 5),
         "tokens_per_s": round(tokens_per_s) if tokens_per_s else None,
-        "mfu": round(tokens_per_s * flops / peak, 4) if tokens_per_s and peak else None}))
+        "mfu": round(tokens_per_s * flops / peak, 4) if tokens_per_s and peak else None,
+        "cuda_graphs": any(note.startswith("a CUDA graph")
+                           for note in gtmpi.debug.graph_notes().values())}))
 
 
 def _rate(timed_from: int | None, clock: float, step: int, tokens: int) -> float | None:
