@@ -4,7 +4,8 @@
     python benchmarks/gpt.py --size d384                  # gtmpi's embedded worker
     python benchmarks/gpt.py --size tiny --steps 3        # a CPU check
     mpiexec -n 3 python benchmarks/gpt.py --size d384 --batch 16 --data-parallel
-                                                          # each batch split over 2 workers
+                                                          # each batch split over 2 workers;
+                                                          # torch also runs one GPU's share
 
 The model is examples/gpt/model.py, defined once for both libraries. Both start from the same
 seeded weights (torch's, loaded into gtmpi's model) and train on the same random batches with
@@ -137,13 +138,14 @@ def main() -> None:
                         for v in init.values())
     res: dict[str, dict] = {}
 
-    def run_torch(label: str, compiled: bool) -> None:
+    def run_torch(label: str, compiled: bool, rows: int | None = None) -> None:
+        """``rows``: the first rows of each batch only (one GPU's share of a split batch)."""
         model = build(torch)(c).to(device=device)
         model.load_state_dict(init)
         model.to(dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
         step_model = torch.compile(model) if compiled else model
-        on_device = [(x.to(device), y.to(device)) for x, y in data]
+        on_device = [(x[:rows].to(device), y[:rows].to(device)) for x, y in data]
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -156,10 +158,13 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
 
+    share = args.batch // len(world["workers"])
     if not args.no_torch:
         run_torch("torch", False)
         if args.compile:
             run_torch("compile", True)
+        if args.data_parallel:  # data parallelism scales against one GPU at its batch per GPU
+            run_torch("torch/gpu", False, share)
 
     everyone = list(range(len(world["workers"])))
     whole = {"shard": {"workers": everyone, "replicated": True}}
@@ -207,8 +212,8 @@ def main() -> None:
     print(f"{'':<10} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'peak GB':>9} {'reserved GB':>12} "
           f"{'first loss':>11} {'last loss':>10}")
     for label, r in res.items():
-        r["tokens_per_s"] = tokens / r["s"]
-        r["mfu"] = flops / r["s"] / peak if peak else None
+        r["tokens_per_s"] = (share if label == "torch/gpu" else args.batch) * c.seq / r["s"]
+        r["mfu"] = r["tokens_per_s"] * flops / tokens / peak if peak else None
         mfu = f"{r['mfu'] * 100:6.1f}%" if r["mfu"] is not None else f"{'-':>7}"
         mem = f"{r['peak'] / 1e9:9.2f} {r['reserved'] / 1e9:12.2f}" if r["peak"] else f"{'-':>9} {'-':>12}"
         print(f"{label:<10} {r['s'] * 1e3:9.2f} {r['tokens_per_s']:11.0f} {mfu} {mem} "
@@ -247,6 +252,10 @@ def main() -> None:
         out["memory_ratio"] = round(g["peak"] / t["peak"], 4) if t["peak"] else None
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         out["first_losses_agree"] = abs(g["losses"][0] - t["losses"][0]) <= tol * abs(t["losses"][0])
+        if "torch/gpu" in res:
+            out["scaling"] = round(g["tokens_per_s"] / res["torch/gpu"]["tokens_per_s"], 4)
+            print(f"data parallel: {out['scaling']:.3f}x the tokens/s of torch on one GPU at "
+                  f"the batch per GPU ({share})")
         print(f"gtmpi/torch: speed {out['speed_ratio']:.3f}, peak memory "
               f"{out['memory_ratio'] if out['memory_ratio'] else '-'}; first losses "
               f"{'agree' if out['first_losses_agree'] else 'DIFFER'}")
