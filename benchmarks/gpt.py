@@ -52,13 +52,16 @@ def forward_backward(model):
     return step
 
 
-def train(step, opt, data, steps: int, warmup: int, sync) -> tuple[list[float], float]:
+def train(step, opt, data, steps: int, warmup: int, sync,
+          on_start=None) -> tuple[list[float], float]:
     """Losses of every step (``step`` runs forward and backward), and seconds per step over the
-    timed ones."""
+    timed ones; ``on_start`` is called as the timed steps begin."""
     losses = []
     for i in range(warmup + steps):
         if i == warmup:  # the warm-up ends on the device before the clock starts
             sync()
+            if on_start is not None:
+                on_start()
             start = time.perf_counter()
         x, y = data[i % len(data)]
         opt.zero_grad(set_to_none=True)
@@ -100,6 +103,8 @@ def main() -> None:
                    help="weights and activations (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile (a reference)")
     p.add_argument("--no-torch", action="store_true", help="time gtmpi alone (profiling)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="trace gtmpi's timed steps into FILE (gtmpi-trace reads it)")
     p.add_argument("--no-replay", action="store_true",
                    help="gtmpi issues every step's ops (by default the second step's are "
                         "recorded and later steps replay them: gtmpi.replayable)")
@@ -192,7 +197,10 @@ def main() -> None:
     step = forward_backward(model)
     if not args.no_replay:
         step = gtmpi.replayable(step)
-    losses, seconds = train(step, opt, on_workers, steps, warmup, gtmpi.synchronize)
+    losses, seconds = train(step, opt, on_workers, steps, warmup, gtmpi.synchronize,
+                            (lambda: gtmpi.trace.start(args.trace)) if args.trace else None)
+    if args.trace:
+        gtmpi.trace.stop()
     after = gtmpi.debug.worker_stats()[home]
     res["gtmpi"] = {"losses": losses, "s": seconds, "peak": after.get("peak_bytes"),
                     "weights": weights,
