@@ -221,7 +221,8 @@ def main() -> None:
           f"{'first loss':>11} {'last loss':>10}")
     for label, r in res.items():
         r["tokens_per_s"] = (share if label == "torch/gpu" else args.batch) * c.seq / r["s"]
-        r["mfu"] = r["tokens_per_s"] * flops / tokens / peak if peak else None
+        gpus = len(world["workers"]) if label == "gtmpi" and gpu else 1  # MFU per GPU used
+        r["mfu"] = r["tokens_per_s"] * flops / tokens / peak / gpus if peak else None
         mfu = f"{r['mfu'] * 100:6.1f}%" if r["mfu"] is not None else f"{'-':>7}"
         mem = f"{r['peak'] / 1e9:9.2f} {r['reserved'] / 1e9:12.2f}" if r["peak"] else f"{'-':>9} {'-':>12}"
         print(f"{label:<10} {r['s'] * 1e3:9.2f} {r['tokens_per_s']:11.0f} {mfu} {mem} "

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import fused_rows
+
 
 class Kind(Enum):
     CREATE = "create"            # no tensor inputs; needs the worker's device
@@ -393,9 +395,9 @@ class _VocabCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, offset, ignore_index, reduction, group):
-        x = logits.float()
-        width = x.shape[1]
-        lse = torch.logsumexp(x, 1)  # of this member's piece; one pass over it
+        width = logits.shape[1]
+        fused = fused_rows.available(logits)  # one pass on GPUs, not a float copy and four
+        lse = fused_rows.row_lse(logits) if fused else torch.logsumexp(logits.float(), 1)
         top = lse.clone()
         dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
         total = torch.exp(lse - top)
@@ -404,7 +406,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
         local = (target - offset).clamp(0, width - 1)
         valid = target != ignore_index
         hit = (target - offset >= 0) & (target - offset < width) & valid
-        picked = x.gather(1, local[:, None])[:, 0] * hit
+        picked = logits.gather(1, local[:, None])[:, 0].float() * hit
         dist.all_reduce(picked, group=group)
         losses = (lse - picked) * valid
         count = valid.sum()
@@ -417,10 +419,15 @@ class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         logits, lse, local, hit, valid, count = ctx.saved_tensors
+        scale = g.float() / count if ctx.reduction == "mean" else g.float()
+        coef = valid * scale
+        if fused_rows.available(logits):
+            grad = fused_rows.softmax_minus_onehot(logits, lse, torch.where(hit, local, -1),
+                                                   coef.expand(valid.shape))
+            return grad, None, None, None, None, None
         grad = (logits.float() - lse[:, None]).exp_()
         grad.scatter_add_(1, local[:, None], -hit.float()[:, None])
-        scale = g.float() / count if ctx.reduction == "mean" else g.float()
-        grad *= (valid * scale)[:, None] if ctx.reduction == "none" else valid[:, None] * scale
+        grad *= coef[:, None]
         return grad.to(logits.dtype), None, None, None, None, None
 
 
