@@ -70,6 +70,18 @@ def _check_one_of_many(MPI) -> None:
         f"(`srun --mpi=list` shows what this Slurm has); or start the job with mpiexec.")
 
 
+def _threads_per_rank(ranks_here: int) -> int | None:
+    """As torchrun does: where several ranks share a host and the user did not set
+    OMP_NUM_THREADS, torch's intra-op pool (one thread per core by default, in every process)
+    would oversubscribe the cores; each rank gets its share instead, at least one. Returns the
+    number set, or None where nothing was."""
+    if ranks_here <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    threads = max(1, (os.cpu_count() or 1) // ranks_here)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> None:
     """Collective over ``base``: rank 0 becomes the session, the others serve as workers.
 
@@ -86,6 +98,7 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     shm = base.Split_type(MPI.COMM_TYPE_SHARED)
     node_ranks = shm.allgather(rank)
     shm.Free()
+    threads = _threads_per_rank(len(node_ranks))
     workers_comm = base.Split(0 if rank == 0 else 1)  # the data plane's rendezvous
     if rank == 0:
         workers_comm.Free()
@@ -100,6 +113,10 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     workers = {r: links[r].wait_reply(Tag.HELLO) for r in links}
     for w in workers.values():
         verbose(f"worker rank {w['rank']} on {w['host']} (pid {w['pid']}): {w['device']}")
+    if threads is not None:
+        verbose(f"OMP_NUM_THREADS is not set: torch runs {threads} thread(s) per process, "
+                f"{len(node_ranks)} processes sharing this host's cores (set OMP_NUM_THREADS "
+                "to choose)")
     if len(workers) > 1 and not (os.environ.get("GTMPI_CONFIG") or os.environ.get("GT_CONFIG")):
         verbose(f"{len(workers)} workers and no sharding config: all work runs on worker "
                 f"{min(workers)} until a config or signal places tensors on the others "

@@ -18,6 +18,10 @@ STEPS = 6
 serial = pytest.mark.skipif(len(gtmpi.info()["workers"]) > 1 or mpiexec() is None,
                             reason="starts its own jobs; run once, from the serial suite")
 
+# jobs of up to 9 ranks on a 2-core machine: their pace is the machine's, busy or idle, so each
+# test gets more than the suite's 120 s (its jobs stop themselves at 240 s)
+pytestmark = pytest.mark.timeout(300)
+
 
 def train(tmp_path, *args: str, n: int | None = None, config: str | None = None) -> dict:
     # float32 everywhere: on GPUs train.py's default bf16 rounds a pipeline's micro-batch sums

@@ -35,6 +35,8 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import types
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -44,6 +46,7 @@ from .runtime import Runtime, runtime
 from .tensor import Tensor
 
 RECORDINGS_MAX = 4  # per signature: beyond, calls run as written (something differs each call)
+SIGNATURES_MAX = 16  # signatures recorded per function; calls of new ones then run as written
 
 
 class Replayable:
@@ -53,6 +56,8 @@ class Replayable:
         self.warmup = warmup
         self._calls: dict[Any, int] = {}  # signature -> calls run as written or recorded
         self._kept: dict[Any, list[_Recorded]] = {}
+        self._said = False
+        self._named: tuple = ()  # outside(fn, named=True) at the last recording
         self.replays = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -60,7 +65,10 @@ class Replayable:
             return self.fn(*args, **kwargs)
         rt = runtime()
         inputs: list[Tensor] = []
-        key = _signature(rt, (args, kwargs), inputs)
+        key = (_signature(rt, (args, kwargs), inputs), outside(self.fn))
+        if key not in self._kept and len(self._kept) >= SIGNATURES_MAX:
+            self._differ(key)
+            return self.fn(*args, **kwargs)
         kept = self._kept.setdefault(key, [])
         for rec in list(kept):
             if not rt.dispatcher.fits(rec.program):
@@ -72,9 +80,25 @@ class Replayable:
         calls = self._calls[key] = self._calls.get(key, 0) + 1
         if calls <= self.warmup or calls > self.warmup + RECORDINGS_MAX:
             return self.fn(*args, **kwargs)
+        self._named = outside(self.fn, named=True)  # to say what changed, should it
         result, rec = _record(rt, self.fn, args, kwargs, inputs)
         kept.append(rec)
         return result
+
+
+    def _differ(self, key: Any) -> None:
+        """Calls keep differing in what a recording depends on: say once what differs, then
+        run them as written."""
+        if self._said:
+            return
+        self._said = True
+        before = next(reversed(self._kept))
+        what = "its arguments' shapes, placements or constants" if key[0] != before[0] else \
+            "what it reads from outside (" + ", ".join(_changed(self._named, outside(
+                self.fn, named=True))) + ")"
+        warnings.warn(f"gtmpi.replayable({self.fn.__qualname__}): {SIGNATURES_MAX} calls "
+                      f"differed in {what}; from now on such calls run as written, unreplayed",
+                      stacklevel=3)
 
 
 def replayable(fn: Callable | None = None, *, warmup: int = 1) -> Any:
@@ -165,6 +189,87 @@ def _signature(rt: Runtime, value: Any, inputs: list[Tensor]) -> Any:
     placer = rt.dispatcher.placer
     return (autograd.is_grad_enabled(), tuple(p for p, _ in placer.signals),
             _shape_of(value, inputs, placer))
+
+
+def outside(fn: Callable, named: bool = False) -> tuple:
+    """What a replay of ``fn`` silently depends on besides its arguments, as it stands now:
+    the tensors its code reaches by name (globals, closures, the functions and modules those
+    hold, their parameters and buffers) by id, modules' training flags, and the Python numbers
+    and strings found on the way (in lists and dicts only the functions and modules are
+    followed). A replay repeats instructions, not Python: if any of these differs from the
+    recording's, the call is recorded afresh (a rebound tensor, model.eval(), a changed loss
+    scale) rather than replayed stale. ``named``: each as (where it was found, value)."""
+    found: list = []
+    _reach(fn, "" if named else None, found, set(), 0)
+    return tuple(found)
+
+
+_DEPTH = 4  # how far from the function the walk goes (functions, modules, containers)
+_PLAIN = (bool, int, float, str, type(None))
+_LEAVES = (Tensor, *_PLAIN)
+_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def _reach(value: Any, path: str | None, found: list, seen: set, depth: int) -> None:
+    """Append what ``value`` holds that a replay depends on (with ``path`` where it was found,
+    unless path is None: the per-call walk, which names nothing)."""
+    if isinstance(value, _PLAIN):
+        found.append(value if path is None else (path, value))
+        return
+    if id(value) in seen or depth > _DEPTH or isinstance(value, (types.ModuleType, type)):
+        return
+    seen.add(id(value))
+    if isinstance(value, Tensor):
+        found.append(value.id if path is None else (path, ("tensor", value.id)))
+    elif "_modules" in getattr(value, "__dict__", ()):  # an nn.Module
+        found.append(value.training if path is None else (f"{path}.training", value.training))
+        for name, item in value.__dict__.items():
+            if name in _TABLES:
+                for key, sub in item.items():
+                    _reach(sub, path and f"{path}.{key}", found, seen, depth + 1)
+            elif name[0] != "_":
+                _reach(item, path and f"{path}.{name}", found, seen, depth + 1)
+    elif isinstance(value, types.MethodType):
+        _reach(value.__self__, path, found, seen, depth)
+        _reach(value.__func__, path, found, seen, depth)
+    elif isinstance(value, (types.FunctionType, Replayable)):
+        fn = value.fn if isinstance(value, Replayable) else value
+        names = fn.__globals__
+        for name in _global_names(fn.__code__):
+            if name in names:
+                _reach(names[name], None if path is None else name, found, seen, depth + 1)
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                _reach(cell.cell_contents, None if path is None else name, found, seen, depth + 1)
+            except ValueError:  # a cell not yet filled
+                pass
+    elif isinstance(value, (list, tuple, dict)):
+        # containers are walked for the code and modules they hold (a pipeline's stages), not
+        # for their tensors and numbers: a list a step appends to is no reason to record again
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in list(items)[:64]:
+            if not isinstance(item, _LEAVES):
+                _reach(item, path and f"{path}[{key!r}]", found, seen, depth + 1)
+    elif type(value).__module__.startswith("gtmpi.") and hasattr(value, "__dict__"):
+        for name, item in vars(value).items():  # a Pipeline, an optimizer, ...
+            _reach(item, path and f"{path}.{name}", found, seen, depth + 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names a code object (and the functions and comprehensions nested in it) may look up
+    as globals."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _global_names(const)
+    return tuple(dict.fromkeys(names))
+
+
+def _changed(before: tuple, now: tuple) -> list[str]:
+    """Where two of ``outside(fn, named=True)``'s answers differ."""
+    old, new = dict(before), dict(now)
+    return [path or "?" for path in dict.fromkeys([*old, *new]) if old.get(path) != new.get(path)][:4]
 
 
 def _shape_of(value: Any, inputs: list[Tensor], placer: Any) -> Any:

@@ -24,7 +24,7 @@ import torch
 
 from ..transport.buffers import as_bytes
 from ..errors import Fault, ReplayError
-from ..recording.events import Kind, Lane
+from ..recording.events import Flag, Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import Tag
 from .programs import Program, Recording
@@ -73,6 +73,7 @@ class Dispatcher:
         self.recording: Recording | None = None  # while a replayable call is recorded
         self.watched: dict[int, list[Program]] = {}  # id -> programs that read it
         self._before: dict | None = None  # the placer's table when the recording started
+        self._inserted_before: dict = {}  # and its count of inserted collectives
         self._programs = 0
         self.graph_notes: dict[str, str] = {}  # program name -> its graph's fate, for explain()
         from .placer import Placer
@@ -255,6 +256,7 @@ class Dispatcher:
             self._route_frees()
         self.recording = Recording(first_id, self.placer.new_temp())
         self._before = dict(self.placer.table)
+        self._inserted_before = {k: tuple(v) for k, v in self.placer.inserted.items()}
 
     def abandon_recording(self) -> None:
         self.recording = self._before = None
@@ -280,6 +282,10 @@ class Dispatcher:
         self._programs += 1
         program = Program(self._programs, name, tuple(sorted(rec.per_rank)), reads, before,
                           changed, outs, rec.random_ops)
+        was = self._inserted_before
+        program.inserted = {key: (n - was.get(key, (0, 0))[0], b - was.get(key, (0, 0))[1])
+                            for key, (n, b) in placer.inserted.items()
+                            if (n, b) != was.get(key, (0, 0))}
         self._before = None
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions), [rank])
@@ -346,6 +352,10 @@ class Dispatcher:
         if mode in ("capture", "emulate"):
             self._commit(program)
         placer = self.placer
+        for key, (count, nbytes) in program.inserted.items():  # what the replay runs again
+            entry = placer.inserted.setdefault(key, [0, 0])
+            entry[0] += count
+            entry[1] += nbytes
         for tid, entry in program.changed:
             placer.table[tid] = entry
         for (_, entry, viewed), new in zip(program.outputs, fresh):
@@ -357,6 +367,11 @@ class Dispatcher:
         if rec is not None:
             rec.issues.append((received, received, _clock(), "replay", program.key,
                                program.ranks[0]))
+            t = _clock()
+            for (site, kind, asked), (count, nbytes) in program.inserted.items():
+                rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, kind, program.key, -1, nbytes,
+                          count=count, flags=Flag.INSERTED,
+                          detail=f"{'asked' if asked else 'inserted'} {site}")
 
     def _commit(self, program: Program) -> None:
         """Every worker of a program being captured says whether it could; all launch their

@@ -69,6 +69,9 @@ class Program:
         self.changed = changed  # (id, entry) of tensors from outside that it placed anew
         self.outputs = outputs  # (recorded id, the placer's entry for it, whether viewed)
         self.random_ops = random_ops
+        # the collectives and transfers the placer inserted while it was recorded, by
+        # (site, kind, asked): (count, bytes); each replay counts them again (explain())
+        self.inserted: dict[tuple[str, str, bool], tuple[int, int]] = {}
         self.stale = False
         self.replays = 0
         # None until a capture is tried; then True (its workers launch it as a CUDA graph) or

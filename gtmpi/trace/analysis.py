@@ -142,7 +142,7 @@ def comm_rows(trace: Trace) -> list[dict[str, Any]]:
             continue  # an inserted instruction that moves nothing (a cut, an alias, a free)
         why, _, site = trace.name(int(e["detail"])).partition(" ")
         entry = rows[(site, trace.name(int(e["name"])), why)]
-        entry[0] += 1
+        entry[0] += max(int(e["count"]), 1)  # a replay's row stands for all it ran again
         entry[1] += int(e["bytes"])
     return sorted(({"where": k[0], "kind": k[1], "why": k[2], "count": c, "bytes": b}
                    for k, (c, b) in rows.items()), key=lambda r: -r["bytes"])
