@@ -154,6 +154,19 @@ def test_worker_out_of_range_for_the_job():
         gtmpi.load_config({"far": {"shard": {"workers": [0, n], "axis": 0}}})
 
 
+@pytest.mark.parametrize("workers", [[0], [0, 1]])
+def test_an_axis_out_of_range_is_refused_on_one_worker_as_on_two(workers):
+    """A config tried on one machine fails there, not first on the cluster."""
+    if max(workers) >= len(WORKERS):
+        pytest.skip("needs 2 workers (the MPI suite)")
+    gtmpi.load_config({"far_axis": {"shard": {"axis": 5, "workers": workers}}})
+    with pytest.raises(ConfigError, match=r"axis 5 is out of range for a tensor of shape \[2, 3\]"):
+        gtmpi.signal.tensor(torch.ones(2, 3), "far_axis")
+    with pytest.raises(ConfigError, match="axis 5 is out of range"):
+        with gtmpi.signal.context("far_axis"):
+            gtmpi.ones(2, 3)
+
+
 def test_a_signal_missing_from_the_config_is_a_no_op_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import json
 import os
+import pickle
 import re
 import sys
 import time
@@ -94,6 +96,15 @@ def main() -> None:
     if bool(n_stages) + tensor_par + data_parallel > 1:
         sys.exit("this script runs one of data parallel, tensor parallel (with data parallel in "
                  "its mesh) and pipeline stages (with tensor parallel in each), not several")
+    if names and not (n_stages or tensor_par or data_parallel):
+        # a config this script does not understand would otherwise train on one worker
+        known = ["data", "weights", "act", "col", "row", "rep", "vocab", "stage0", "stage1"]
+        hints = [f"'{n}' (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(n, known, 1))
+                 else f"'{n}'" for n in sorted(names)]
+        sys.exit(f"train.py: the config's signals {', '.join(hints)} name no layout this script "
+                 "runs: 'data' and 'weights' (data parallel); 'act', 'col', 'row' and 'rep' "
+                 "(tensor parallel, 'vocab' too for the embedding and head); 'stage0', "
+                 "'stage1', ... (pipeline stages, each tensor parallel with 'stageS.col', ...)")
     batch_signal = "data" if data_parallel else "act" if tensor_par else None
     if args.layers:
         c = dataclasses.replace(c, layers=args.layers)
@@ -131,8 +142,13 @@ def main() -> None:
     sched = gtmpi.optim.lr_scheduler.CosineWithWarmup(opt, warmup, args.steps, min_lr_ratio=0.1)
 
     start, losses = 0, []
-    if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
-        saved = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+    if args.resume and not args.checkpoint:
+        sys.exit("train.py: --resume needs --checkpoint FILE (the file to resume from)")
+    if args.resume and not os.path.exists(args.checkpoint):
+        # a job that always passes --resume (requeued by SLURM) starts so the first time
+        print(f"no checkpoint at {args.checkpoint} yet: training from step 0", flush=True)
+    elif args.resume:
+        saved = _load(args.checkpoint)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         start, losses = saved["step"], saved["losses"]
@@ -200,8 +216,11 @@ def main() -> None:
         opt.step()
         sched.step()
         pending.append((step, loss))
-        if len(pending) > 2 or step == end_at - 1:
-            while pending and (len(pending) > 2 or step == end_at - 1):
+        saving = args.checkpoint and ((args.save_every and (step + 1) % args.save_every == 0)
+                                      or step == end_at - 1)
+        if len(pending) > 2 or step == end_at - 1 or saving:
+            # a checkpoint holds every loss up to its step: the pending ones are read first
+            while pending and (len(pending) > 2 or step == end_at - 1 or saving):
                 s, value = pending.pop(0)
                 losses.append(float(value.item()))
                 if (s + 1) % args.log_every == 0 or s == end_at - 1:
@@ -213,8 +232,7 @@ def main() -> None:
                           f"step {s + 1:5d}/{args.steps}  loss {losses[-1]:.4f}", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             print(f"step {step + 1}: held-out loss {evaluate():.4f}", flush=True)
-        if args.checkpoint and ((args.save_every and (step + 1) % args.save_every == 0)
-                                or step == end_at - 1):
+        if saving:
             _save(args.checkpoint, model, opt, step + 1, losses)
     gtmpi.synchronize()
     end = time.perf_counter()
@@ -240,6 +258,21 @@ def _rate(timed_from: int | None, clock: float, step: int, tokens: int) -> float
     if timed_from is None or step < timed_from:
         return None
     return (step + 1 - timed_from) * tokens / (time.perf_counter() - clock)
+
+
+def _load(path: str) -> dict:
+    """A checkpoint written by _save, or an exit naming the file and what is wrong with it."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except (EOFError, RuntimeError, pickle.UnpicklingError, OSError) as e:
+        sys.exit(f"train.py: cannot resume from {path}: not a readable checkpoint (truncated, "
+                 f"or not written by torch.save): {type(e).__name__}: {e}")
+    missing = [k for k in ("model", "optimizer", "step", "losses")
+               if not isinstance(saved, dict) or k not in saved]
+    if missing:
+        sys.exit(f"train.py: cannot resume from {path}: it lacks {', '.join(missing)} (not a "
+                 "checkpoint of this script's --checkpoint)")
+    return saved
 
 
 def _save(path: str, model, opt, step: int, losses: list[float]) -> None:

@@ -12,10 +12,12 @@ owner has ended, another thread may take over. Dropping a tensor is allowed from
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
 import sys
+import sysconfig
 import threading
 from typing import Any, Callable
 
@@ -31,6 +33,8 @@ from ..transport.ending import alive
 from ..transport.tags import Tag
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_normpath = functools.lru_cache(maxsize=1024)(os.path.normpath)  # "a/../../a/m.py" -> "a/m.py"
+_NOT_USER = (_PKG_DIR, *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
 _SITES_PER_GENERATION = 1 << 16
 
 
@@ -93,7 +97,9 @@ class Runtime:
             if inside is None:
                 # normalised: a program that put "<dir>/../.." on sys.path runs gtmpi's files
                 # under such names
-                inside = internal[code] = os.path.abspath(code.co_filename).startswith(_PKG_DIR)
+                # and Python's own wrappers (contextlib's, around clip_grad_norm_'s no_grad)
+                # and the libraries installed beside it are not the program's lines either
+                inside = internal[code] = os.path.abspath(code.co_filename).startswith(_NOT_USER)
             if not inside:
                 return frame
             frame = frame.f_back
@@ -102,11 +108,12 @@ class Runtime:
     def current_site(self) -> str:
         """file:line of the program's line running now."""
         frame = self._user_frame(sys._getframe(1))
-        return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+        return f"{_normpath(frame.f_code.co_filename)}:{frame.f_lineno}" if frame is not None \
+            else "?"
 
     def site(self, tensor_id: int) -> str | None:
         where = self._sites.get(tensor_id) or self._old_sites.get(tensor_id)
-        return f"{where[0]}:{where[1]}" if where else None
+        return f"{_normpath(where[0])}:{where[1]}" if where else None
 
     def manual_seed(self, seed: int) -> None:
         self._seed = int(seed)

@@ -2,6 +2,9 @@
 face of it)."""
 from __future__ import annotations
 
+import atexit
+import difflib
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -21,15 +24,31 @@ class SignalBook:
         self.signals: dict[str, Signal] = {}
         self.open: list[tuple[str, str | None]] = []  # (name, backward signal) per scope
         self._warned: set[str] = set()
+        self.used: set[str] = set()  # signals the program entered, placed by or placed with
+        self._reporting = False
+        self._said_idle = False
 
     def register(self, signals: dict[str, Signal]) -> None:
+        needed = max((w for s in signals.values() for w in s.workers), default=-1) + 1
         for s in signals.values():
             for w in s.workers:
                 if w >= len(self.ranks):
                     raise ConfigError(f"{s.where('shard.workers')}: worker {w} is out of range: "
                                       f"this job has {len(self.ranks)} worker(s) (0 to "
-                                      f"{len(self.ranks) - 1})")
+                                      f"{len(self.ranks) - 1}); the config needs {needed}: "
+                                      f"launch {needed + 1} ranks (mpiexec -n {needed + 1}: rank "
+                                      "0 runs the program)")
         self.signals.update(signals)
+        idle = sorted(set(range(len(self.ranks))) -
+                      {w for s in self.signals.values() for w in s.workers})
+        if idle and len(self.ranks) > 1 and not self._said_idle:
+            self._said_idle = True
+            warnings.warn(f"gtmpi: the config places nothing on worker(s) "
+                          f"{', '.join(map(str, idle))} of {len(self.ranks)}: they stay idle",
+                          stacklevel=3)
+        if not self._reporting:
+            self._reporting = True
+            atexit.register(self.report)
 
     def placement(self, s: Signal) -> Placement:
         mesh = tuple(self.ranks[w] for w in s.workers)
@@ -37,13 +56,35 @@ class SignalBook:
             return make(mesh, s.grid, list(s.axes))
         return Placement(mesh, "R") if s.axis is None else Placement(mesh, "S", s.axis)
 
-    def enter(self, name: str, backward: str | None = None) -> None:
+    def get(self, name: str, stacklevel: int = 4) -> Signal | None:
+        """The signal ``name``, noted as used; None, with one warning, if no config has it."""
+        self.used.add(name)
         s = self.signals.get(name)
+        if s is None and name not in self._warned:
+            self._warned.add(name)
+            close = difflib.get_close_matches(name, self.signals, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            warnings.warn(f"gtmpi: signal '{name}' is not in the config{hint}; its scope "
+                          "changes nothing", stacklevel=stacklevel + 1)
+        return s
+
+    def unused(self) -> list[str]:
+        """The config's signals the program never used."""
+        return sorted(set(self.signals) - self.used)
+
+    def report(self) -> None:
+        """At exit: a misspelt name in a config leaves the program running on fewer workers
+        than meant, which must not pass in silence."""
+        unused = self.unused()
+        if unused:
+            wanted = sorted(self.used - set(self.signals))
+            print(f"gtmpi: the config's signal(s) {', '.join(unused)} were never used by the "
+                  "program" + (f"; it used {', '.join(wanted)}, which the config lacks"
+                               if wanted else ""), file=sys.stderr)
+
+    def enter(self, name: str, backward: str | None = None) -> None:
+        s = self.get(name)
         if s is None:
-            if name not in self._warned:
-                self._warned.add(name)
-                warnings.warn(f"gtmpi: signal '{name}' is not in the config; its scope changes "
-                              "nothing", stacklevel=4)
             self.open.append((name, backward))
             return
         self.open.append((name, backward or s.backward))

@@ -657,9 +657,9 @@ class Placer:
 
 def _fit(target: Placement, sig: tuple, where: str) -> Placement:
     """A signal's placement for a tensor of this shape: each axis's dim counted from the end
-    if negative, and within the tensor's dims. On one worker every kind is the whole tensor."""
-    if len(target.mesh) == 1:
-        return Placement(target.mesh, "R")
+    if negative, and within the tensor's dims. On one worker every kind is the whole tensor,
+    but its axes are checked all the same: a config tried on one machine must fail there, not
+    first on the cluster."""
     ndim = len(sig[0])
     axes = []
     for kind, dim in target.per_axis():
@@ -669,6 +669,8 @@ def _fit(target: Placement, sig: tuple, where: str) -> Placement:
                                   f"{list(sig[0])}")
             dim %= ndim
         axes.append((kind, dim))
+    if len(target.mesh) == 1:
+        return Placement(target.mesh, "R")
     return make(target.mesh, target.grid, axes)
 
 

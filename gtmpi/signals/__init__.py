@@ -13,6 +13,7 @@ a script that runs anywhere.
 """
 from __future__ import annotations
 
+import difflib
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -61,9 +62,12 @@ def place(x: Any, name: str) -> Any:
     ``name`` places it: the same objects, their values kept, now living there (a stage's
     weights onto its workers, a model built whole then laid out). Returns ``x``."""
     book = _book()
+    book.used.add(name)
     s = book.signals.get(name)
     if s is None:
-        raise ConfigError(f"no signal named {name!r} in the loaded config")
+        close = difflib.get_close_matches(name, book.signals, n=1)
+        raise ConfigError(f"no signal named {name!r} in the loaded config" +
+                          (f" (did you mean '{close[0]}'?)" if close else ""))
     tensors = [x] if not hasattr(x, "parameters") else [*x.parameters(), *x.buffers()]
     for t in tensors:
         book.placer.place(t.id, t._sig, book.placement(s), s.where("shard.axis"))
@@ -81,10 +85,8 @@ def tensor(x: Any, name: str) -> Any:
         with book.scope(name):
             return make(x)
     copy = apply("clone", x)
-    s = book.signals.get(name)
+    s = book.get(name, stacklevel=3)  # warns once where it is missing
     if s is None:
-        book.enter(name)  # warns once
-        book.exit(name)
         return copy
     book.placer.place(copy.id, copy._sig, book.placement(s), s.where("shard.axis"))
     return copy
