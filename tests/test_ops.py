@@ -230,6 +230,18 @@ def test_indexing(gen):
     assert_same(g[1][to_gtmpi(mask[1])], x[1][mask[1]])
 
 
+def test_slice_bounds_that_are_tensors(gen):
+    """nanoGPT's data line, torch.stack([d[i:i + block] for i in ix]), with ix a tensor: its
+    bounds are read on the client (torch reads them too), whichever process the worker is."""
+    d = gtmpi.arange(20)
+    ix = gtmpi.tensor([3, 0, 11])
+    want = torch.stack([torch.arange(20)[i:i + 4] for i in (3, 0, 11)])
+    assert_same(gtmpi.stack([d[i:i + 4] for i in ix]), want)
+    assert_same(d[gtmpi.tensor(5):torch.tensor(8):gtmpi.tensor(2)], torch.arange(5, 8, 2))
+    with pytest.raises(TypeError, match="only integer tensors of a single element"):
+        d[gtmpi.tensor(1.5):]
+
+
 def test_setitem(gen):
     x = rand(gen, 4, 5)
     g = to_gtmpi(x)

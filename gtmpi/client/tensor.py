@@ -7,6 +7,7 @@ hands one instruction to the dispatcher and returns a new handle at once. Only r
 from __future__ import annotations
 
 import numbers
+import operator
 import time
 from collections import namedtuple
 from typing import Any, Iterator, Sequence, Union
@@ -712,7 +713,10 @@ def _index(key) -> tuple[tuple, list, tuple | None]:
                 meta_template.append("T")
                 meta_sigs.append(item._sig)
         else:
-            if isinstance(item, Sequence) and not isinstance(item, str):
+            if isinstance(item, slice):  # bounds that are tensors are read here, as torch does
+                item = slice(*(b if b is None or type(b) is int else operator.index(b)
+                               for b in (item.start, item.stop, item.step)))
+            elif isinstance(item, Sequence) and not isinstance(item, str):
                 item = list(item)
             template.append(item)
             meta_template.append(item)
