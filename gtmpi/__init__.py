@@ -36,7 +36,7 @@ from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, b
 from .client.replay import replayable
 from .client.runtime import runtime as _runtime
 from .client.tensor import Tensor
-from .errors import ReplayError, WorkerError
+from .errors import ReplayError, Terminated, WorkerError
 from .interop import torch_function as _torch_function
 from .signals import ConfigError, load_config
 from .launch import spawn_workers as workers

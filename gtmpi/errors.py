@@ -29,3 +29,10 @@ class WorkerError(RuntimeError):
 
 class ReplayError(RuntimeError):
     """A replayable function did what a replay could not repeat (client/replay.py)."""
+
+
+class Terminated(BaseException):
+    """Raised in the program's main thread when the process gets SIGTERM (what SLURM sends at
+    a time limit or a preemption, and mpiexec forwards): like Ctrl-C it is not an Exception,
+    so only code that asks for it catches it (to save a checkpoint, say); uncaught, the job
+    ends with one line naming the program's line, its trace written, status 1."""

@@ -22,7 +22,7 @@ import traceback
 import torch
 
 from .client import runtime as session
-from .client.embedded import user_line, verbose
+from .client.embedded import stop_line, stop_on_sigterm, verbose
 from .client.runtime import Runtime
 from .transport import ending
 from .transport.tags import Tag
@@ -131,6 +131,7 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
         base.Abort(1)
 
     sys.excepthook = _end_on_uncaught(base, job, detach)  # first: a trace started with the session wraps it
+    stop_on_sigterm()
     atexit.register(_close, detach, notice)
     session.set_runtime(Runtime(links, workers, abort))
 
@@ -140,7 +141,10 @@ def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], d
     from mpi4py import MPI
     from .worker.loop import serve
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 decides
+        # Ctrl-C and SIGTERM (srun and mpiexec signal every rank) reach every rank: rank 0
+        # decides, and ends the workers cleanly
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rank = comms.base.Get_rank()
         notice = ending.DeathNotice(rank, host0)
         local_index = local_worker_index(os.environ, rank, node_ranks)
@@ -184,8 +188,9 @@ def _end_on_uncaught(comm, job: ending.Job, detach: list):
     aborted (MPI_Abort lets the launcher kill every rank, and its status then tells of the
     kill, not of the program)."""
     def hook(kind, value, tb):
-        if issubclass(kind, KeyboardInterrupt):
-            ending.claim(job, f"gtmpi: interrupted (Ctrl-C){user_line(tb)}; the job is ending")
+        stop = stop_line(kind, tb)
+        if stop:
+            ending.claim(job, f"{stop}; the job is ending")
         else:
             traceback.print_exception(kind, value, tb)
             sys.stderr.flush()

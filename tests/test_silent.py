@@ -3,13 +3,17 @@ more workers than launched or leaves some idle, a config train.py does not under
 said, never run through quietly on fewer workers than meant."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import gtmpi
-from conftest import mpiexec, run_job
+from conftest import launcher_env, mpiexec, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 serial = pytest.mark.skipif(len(gtmpi.info()["workers"]) > 1 or mpiexec() is None,
@@ -106,3 +110,67 @@ def test_resume_says_what_it_resumes_from_and_refuses_a_bad_checkpoint(tmp_path)
     torch.save({"weights": 1}, bad)
     out = _train_py(tmp_path, *common, "--checkpoint", str(bad), "--resume")
     assert f"cannot resume from {bad}: it lacks model, optimizer, step, losses" in out.stderr
+
+
+def _until(proc, text: str, limit_s: float) -> str:
+    """Read ``proc``'s stdout until a line holds ``text``."""
+    seen, deadline = [], time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if text in line or not line:
+            break
+    return "".join(seen)
+
+
+@serial
+@pytest.mark.parametrize("whom", ["every rank", "mpiexec"])
+def test_sigterm_saves_a_checkpoint_writes_the_trace_and_ends_with_one_line(tmp_path, whom):
+    """SLURM's time limit (srun signals every task) or a kill of mpiexec (which forwards it):
+    train.py saves its checkpoint after the step under way, rank 0 writes the final trace with
+    every step it ran and says so in one line; the workers are ended cleanly, not 'died'."""
+    ckpt, trace = tmp_path / "run.pt", tmp_path / "run.h5"
+    cmd = [mpiexec(), "-n", "3", sys.executable, str(ROOT / "examples/gpt/train.py"),
+           "--layers", "1", "--steps", "400", "--log-every", "1", "--checkpoint", str(ckpt),
+           "--dtype", "fp32"]
+    env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu", "GTMPI_TRACE": str(trace)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        before = _until(proc, "step     5/", 120)
+        assert "step     5/" in before, before + proc.stderr.read()
+        if whom == "mpiexec":
+            os.kill(proc.pid, signal.SIGTERM)
+        else:  # the ranks, as srun does: each python process of the job
+            for pid in _pids_of(cmd[3]):
+                os.kill(pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(1)  # rank 0 outlives a forwarding mpiexec by the time the trace takes
+    for _ in range(100):
+        if trace.exists() and not _pids_of(cmd[3]):
+            break
+        time.sleep(0.2)
+    if whom == "every rank":
+        assert proc.returncode != 0
+    assert "died" not in err, err
+    assert "gtmpi: stopped (SIGTERM)" in err and "train.py" in err, err
+    import torch
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["step"] >= 5 and len(saved["losses"]) == saved["step"]
+    from gtmpi.recording import fileformat
+    from gtmpi.recording.events import Kind, Lane
+    from gtmpi.trace import analysis
+    written = fileformat.read(str(trace))
+    assert written.meta["status"].startswith("failed: Terminated"), written.meta["status"]
+    issued = analysis.select(written.events[0], (Kind.ISSUE,), Lane.CLIENT)
+    replays = [written.name(int(n)) for n in issued["name"]].count("replay")
+    assert replays == saved["step"] - 2  # every step it ran: 2 issued as written, then replays
+
+
+def _pids_of(python: str) -> list[int]:
+    """The processes whose command line starts with ``python``: a job's ranks, not mpiexec."""
+    out = subprocess.run(["pgrep", "-f", f"^{python} "], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]

@@ -35,6 +35,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import sys
 import time
 
@@ -115,8 +116,8 @@ def main() -> None:
         model = build(gtmpi)(c)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     if tensor_par:  # Megatron's layout: each weight to its signal
-        for name, signal in tensor_parallel(model, vocab="vocab" in names).items():
-            gtmpi.signal.place(tensors[name], signal)
+        for name, role in tensor_parallel(model, vocab="vocab" in names).items():
+            gtmpi.signal.place(tensors[name], role)
     pipe = None
     if n_stages:
         parts = stages(model, n_stages)
@@ -202,7 +203,16 @@ def main() -> None:
     end_at = min(args.steps, args.stop_at or args.steps)
     pending = []  # (step, loss tensor): read a few steps late, so the workers never wait
     timed_from, clock = None, time.perf_counter()
+    # SIGTERM (SLURM's time limit with --signal=TERM@120, a preemption) ends the run after the
+    # step under way, with a checkpoint; then gtmpi ends the job as it ends it on SIGTERM
+    stop = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
     for step in range(start, end_at):
+        if stop:
+            if args.checkpoint:
+                losses += [float(value.item()) for _, value in pending]
+                _save(args.checkpoint, model, opt, step, losses)
+            raise gtmpi.Terminated(f"SIGTERM before step {step + 1}")
         # the first step pays for the warm-up (caches, allocator), the second for recording
         # the step for replay, the fourth for capturing it as a CUDA graph on GPUs
         if step == min(start + 4, end_at - 1):

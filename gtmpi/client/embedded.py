@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import sys
 import sysconfig
+import threading
 import traceback
 
 import torch
 
+from ..errors import Terminated
 from ..transport.local import LocalLink
 from ..transport.pipe import start_child
 from ..worker.device import select_device, visible_gpus
@@ -37,6 +40,7 @@ def start_embedded() -> Runtime:
         link.executor = Executor(1, device, link)
         where = "this process"
     sys.excepthook = _quiet_interrupt(sys.excepthook)
+    stop_on_sigterm()
     info = {"rank": 1, "host": socket.gethostname(), "pid": pid, "device": str(device),
             "local_index": 0, "torch": torch.__version__, "embedded": True}
     verbose(f"embedded worker in {where}: {device}")
@@ -50,14 +54,39 @@ def _close() -> None:
 
 
 def _quiet_interrupt(previous):
-    """Ctrl-C in a plain process gets one line naming the program's line, not a traceback
-    through gtmpi's waits; Python then ends as it does on Ctrl-C."""
+    """Ctrl-C or SIGTERM in a plain process gets one line naming the program's line, not a
+    traceback through gtmpi's waits; Python then ends as it does on Ctrl-C (status 1 on
+    SIGTERM)."""
     def hook(kind, value, tb):
-        if issubclass(kind, KeyboardInterrupt):
-            print(f"gtmpi: interrupted (Ctrl-C){user_line(tb)}", file=sys.stderr, flush=True)
+        line = stop_line(kind, tb)
+        if line:
+            print(line, file=sys.stderr, flush=True)
         else:
             previous(kind, value, tb)
     return hook
+
+
+def stop_line(kind: type, tb) -> str:
+    """The one line that says a stop request ended the program (Ctrl-C, SIGTERM), or ''."""
+    if issubclass(kind, KeyboardInterrupt):
+        return f"gtmpi: interrupted (Ctrl-C){user_line(tb)}"
+    if issubclass(kind, Terminated):
+        return f"gtmpi: stopped (SIGTERM){user_line(tb)}"
+    return ""
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a SLURM time limit or preemption, a forwarded kill of mpiexec) raises
+    Terminated in the program, as SIGINT raises KeyboardInterrupt: the program may save a
+    checkpoint, the trace is written, the job ends with one line. A handler the program set
+    first is left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated("SIGTERM")
+    signal.signal(signal.SIGTERM, raise_terminated)
 
 
 def user_line(tb) -> str:

@@ -18,6 +18,7 @@ def main(fd: int, device_name: str) -> None:
     # Ctrl-C reaches the whole process group: the user's process decides, and this one ends
     # when that one does (its end of the socket pair closes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the parent decides, as on Ctrl-C
     link = ParentLink(Connection(fd))
     device = torch.device(device_name)
     if device.type == "cuda":
