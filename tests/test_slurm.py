@@ -66,7 +66,8 @@ def test_gpt_scripts_run_the_seeds_layout_through_the_generic_ones(tmp_path):
     common = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "7"}
     one = run_script(tmp_path / "one", "train_gpt.sbatch", {**common, "SLURM_GPUS_ON_NODE": "8"})
     assert f"SRUN --mpi={plugin()} --ntasks=9 " in one
-    assert "python -m gtmpi examples/gpt/train.py --size mini --micro-batches 8 train.py" in one
+    assert "python -m gtmpi examples/gpt/train.py --size mini --micro-batches 8 --checkpoint " \
+           "gtmpi-gpt.pt --resume train.py" in one
     assert "CONFIG configs/gpt_tp2_pp4.yaml" in one
     two = run_script(tmp_path / "two", "train_gpt_2node.sbatch",
                      {**common, "SLURM_GPUS_ON_NODE": "4", "SLURM_NNODES": "2",
