@@ -2,6 +2,7 @@
 ops coloured by their kind, messages drawn as lines between lanes."""
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -96,11 +97,14 @@ def draw(trace: Trace, out: str, start_ms: float | None = None, end_ms: float | 
     ax.set_xlabel("ms since the trace started (rank 0's clock)")
     if start_ms is not None or end_ms is not None:
         ax.set_xlim(left=start_ms, right=end_ms)
+    # beside the lanes, in as many columns as the figure's height needs: every category shows
+    rows = max(4, int(fig.get_figheight() * 72 / 16) - 2)  # 'small' entries, about 16 pt each
     ax.legend(handles=[Patch(color=_COLOURS.get(c, "grey"), label=c) for c in sorted(used)],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small",
+              ncol=math.ceil(len(used) / rows))
     ax.set_title(f"{os.path.basename(trace.path)}: {trace.meta.get('status', '')}")
     fig.tight_layout()
-    fig.savefig(out)
+    fig.savefig(out, bbox_inches="tight")  # the legend too, wherever it ends
     plt.close(fig)
     return [label for _, _, label in shown]
 
