@@ -878,3 +878,53 @@ def test_gtmpi_trace_comms_lists_what_was_inserted_by_line(tmp_path, capsys):
     assert gathers[0]["bytes"] == 8 * 6 * 10 * 4  # the two pieces
     assert trace_main(["comms", path]) == 0
     assert f"test_placement.py:{line}" in capsys.readouterr().out
+
+
+@spread
+@pytest.mark.parametrize("form", ["matmul", "bmm", "einsum"])
+def test_batched_products_of_a_split_batch_stay_split(form):
+    """Data parallel attention written by hand (q @ kᵀ, att @ v, bmm, einsum): the batch stays
+    split through the products and their gradients; nothing is gathered (strict placement),
+    only the weight's gradient is summed; numbers as torch's."""
+    everyone = list(range(len(WORKERS)))
+    gtmpi.load_config({"bp_data": {"shard": {"axis": 0, "workers": everyone}},
+                       "bp_weights": {"shard": {"workers": everyone, "replicated": True}}})
+    torch.manual_seed(0)
+    xt, wt = torch.randn(4, 5, 8), torch.randn(8, 8)
+    with gtmpi.signal.context("bp_weights"):
+        w = gtmpi.tensor(wt, requires_grad=True)
+    x = gtmpi.signal.tensor(xt, "bp_data")
+    before = {r: dict(s["collectives"]) for r, s in gtmpi.debug.worker_stats().items()}
+    gtmpi.debug.strict_placement()
+    try:
+        q = x @ w
+        if form == "matmul":
+            y = (q @ q.transpose(-2, -1)).softmax(-1) @ q
+        elif form == "bmm":
+            y = gtmpi.bmm(gtmpi.bmm(q, q.transpose(1, 2)).softmax(-1), q)
+        else:
+            y = gtmpi.einsum("bts,bsc->btc", gtmpi.einsum("btc,bsc->bts", q, q).softmax(-1), q)
+        assert gtmpi.debug.placement(y)["type"] == "S(0)"
+        loss = y.square().sum()
+        loss.backward()
+    finally:
+        gtmpi.debug.strict_placement(False)
+    ref = wt.clone().requires_grad_()
+    qt = xt @ ref
+    ((qt @ qt.transpose(-2, -1)).softmax(-1) @ qt).square().sum().backward()
+    torch.testing.assert_close(w.grad.cpu_torch(), ref.grad, rtol=1e-4, atol=1e-4)
+    after = gtmpi.debug.worker_stats()[WORKERS[0]]["collectives"]
+    assert "all_gather" not in after or after["all_gather"] == before[WORKERS[0]].get("all_gather")
+
+
+@pytest.mark.parametrize("equation, shapes", [
+    ("ij,jk->ik", [(3, 4), (4, 5)]), ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+    ("ij->i", [(3, 4)]), ("i,j->ij", [(3,), (4,)]), ("bhqd,bhkd->bhqk", [(2, 2, 3, 4)] * 2)])
+def test_einsum_gradients_match_torch(equation, shapes):
+    torch.manual_seed(1)
+    ts = [torch.randn(s, requires_grad=True) for s in shapes]
+    gs = [gtmpi.tensor(t.detach(), requires_grad=True) for t in ts]
+    torch.einsum(equation, *ts).square().sum().backward()
+    gtmpi.einsum(equation, *gs).square().sum().backward()
+    for t, g in zip(ts, gs):
+        torch.testing.assert_close(g.grad.cpu_torch(), t.grad, rtol=1e-5, atol=1e-5)

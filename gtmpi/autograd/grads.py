@@ -35,6 +35,7 @@ SAVES: dict[str, tuple[tuple[int, ...] | slice, bool]] = {
     "amin": ((0,), True), "std": ((0,), True),
     "linear": ((0, 1, 2), False),  # the bias too: its placement decides its gradient's
     "getitem": (slice(1, None), False),  # the index tensors, not the indexed one
+    "square": ((0,), False),
 }
 
 
@@ -425,12 +426,40 @@ def _getitem(node, g):
     return (gx,) + (None,) * len(index)
 
 
+@rule("square")
+def _square(node, g):  # elementwise, so placed as its operands are (a split batch stays split)
+    (x,) = node.operands
+    return (g * (2 * x),)
+
+
+@rule("einsum")
+def _einsum(node, g):
+    """Each operand's gradient is an einsum too (placed by its rule, a split letter kept);
+    where an operand has a letter that only it carries (summed away, so the gradient must be
+    spread along it), torch's own gradient serves."""
+    lhs, _, out = node.kw["equation"].replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if "." in lhs or any(len(set(t)) != len(t) for t in terms) or \
+            any(set(t) - set(out) - set("".join(terms[:i] + terms[i + 1:]))
+                for i, t in enumerate(terms)):
+        return _by_torch(node, g)
+    grads = []
+    for i, (term, x) in enumerate(zip(terms, node.operands)):
+        if not _t(x):
+            grads.append(None)
+            continue
+        others = [(t, y) for j, (t, y) in enumerate(zip(terms, node.operands)) if j != i]
+        grads.append(apply("einsum", g, *(y for _, y in others),
+                           equation=",".join([out, *(t for t, _ in others)]) + "->" + term))
+    return tuple(grads)
+
+
 # ops whose gradient torch's autograd computes on the worker, from the op's own kernel run
 # again (ops/table.py's "vjp"): rare in training loops, exact, and one instruction each
-@rule("floor", "ceil", "round", "trunc", "erf", "erfinv", "log1p", "expm1", "reciprocal", "square",
+@rule("floor", "ceil", "round", "trunc", "erf", "erfinv", "log1p", "expm1", "reciprocal",
       "leaky_relu", "masked_fill", "cumsum", "prod", "logsumexp", "vector_norm", "normalize",
       "topk", "sort", "gather", "scatter", "scatter_add", "index_select", "tril", "triu", "repeat", "flip", "roll", "pad",
-      "einsum", "conv1d", "conv2d", "batch_norm")
+      "conv1d", "conv2d", "batch_norm")
 def _by_torch(node, g):
     gs = g if node.outputs > 1 else (g,)
     outs = tuple(j for j, x in enumerate(gs) if x is not None)

@@ -221,10 +221,20 @@ def _lined_up(mesh, d: int, ndim: int, kinds, sigs) -> tuple | None:
 
 
 def _matmul(name, mesh, args, kw, kinds, sigs) -> Plan | None:
-    """a @ b with a 2-D b (weights); Megatron's column and row parallel patterns."""
+    """a @ b: split along a batch dim (attention's q @ kᵀ and att @ v of a split batch, bmm),
+    the split stays where it is, as in DTensor's rules (an operand that broadcasts along it is
+    used whole, one that spans it whole is cut); with a 2-D b (weights), Megatron's column and
+    row parallel patterns."""
     if (partial := _partial(name, mesh, kinds)) is not None:
         return partial
     (a_shape, _), (b_shape, _) = sigs[0], sigs[1]
+    ndim = max(len(a_shape), len(b_shape))
+    if ndim >= 3 and kinds[0] is not None and kinds[1] is not None:
+        dims = {p.dim + ndim - len(sh[0]) for sh, p in zip(sigs, kinds) if p.kind == "S"}
+        if len(dims) == 1 and (d := next(iter(dims))) < ndim - 2:
+            wants = _lined_up(mesh, d, ndim, kinds, sigs)
+            if wants is not None:
+                return Plan(wants, Placement(mesh, "S", d))
     if len(b_shape) != 2 or len(a_shape) < 1 or kinds[0] is None or kinds[1] is None:
         return None
     a, b = kinds
@@ -238,6 +248,35 @@ def _matmul(name, mesh, args, kw, kinds, sigs) -> Plan | None:
             (a.kind != "S" or a.dim == last) and (b.kind != "S" or b.dim == 0):
         return Plan((Placement(mesh, "S", last), Placement(mesh, "S", 0)), p)
     return None
+
+
+def _einsum(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """An explicit einsum ("bhqd,bhkd->bhqk"): operands split along one letter that the
+    result keeps give a result split there; operands without that letter are used whole, and
+    whole ones with it are cut. Multilinear: one partial-sum factor gives a partial sum."""
+    if (partial := _partial(name, mesh, kinds)) is not None:
+        return partial
+    lhs, arrow, out = kw["equation"].replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if not arrow or "." in lhs or len(terms) != len(kinds) or \
+            any(len(t) != len(sh[0]) for t, sh in zip(terms, sigs)):
+        return None
+    letters = {t[p.dim] for t, p in zip(terms, kinds) if p is not None and p.kind == "S"}
+    if len(letters) != 1 or (letter := next(iter(letters))) not in out:
+        return None
+    wants = []
+    for t, p in zip(terms, kinds):
+        if p is None:
+            wants.append(None)
+        elif letter not in t:
+            if p.kind == "S":
+                return None
+            wants.append(Placement(mesh, "R"))
+        elif p.kind == "S" and t[p.dim] != letter:
+            return None
+        else:
+            wants.append(Placement(mesh, "S", t.index(letter)))
+    return Plan(tuple(wants), Placement(mesh, "S", out.index(letter)))
 
 
 def _linear(name, mesh, args, kw, kinds, sigs) -> Plan | None:
@@ -493,7 +532,8 @@ def _scale_foreach(name, mesh, args, kw, kinds, sigs) -> Plan | None:
 
 _KIND_RULES = {Kind.ELEMENTWISE: _elementwise, Kind.REDUCE: _reduction, Kind.SHAPE: _dim_map,
                Kind.INPLACE: _inplace}
-RULES.update({"matmul": _matmul, "linear": _linear, "cross_entropy": _cross_entropy,
+RULES.update({"matmul": _matmul, "einsum": _einsum, "linear": _linear,
+              "cross_entropy": _cross_entropy,
               "layer_norm": _norm, "rms_norm": _norm, "embedding": _embedding,
               "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
               "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach,
