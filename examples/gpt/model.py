@@ -116,14 +116,16 @@ def tensor_parallel(model, vocab: bool = True) -> dict[str, str]:
 
 
 def stages(model, p: int) -> list[tuple[list, Callable]]:
-    """The GPT cut into ``p`` pipeline stages of consecutive blocks (the first stages take one
-    more where they do not divide): per stage, the modules whose weights it holds, and what it
-    runs. The first embeds the tokens; the last ends with the final norm, the head and the
-    loss, and is given the targets."""
+    """The GPT cut into ``p`` pipeline stages of consecutive blocks: per stage, the modules
+    whose weights it holds, and what it runs. The first embeds the tokens; the last ends with
+    the final norm, the head and the loss, and is given the targets. A pipeline runs at the
+    pace of its slowest stage, and the head of a large vocabulary costs as much as several
+    blocks (GPT-2 small: 4.5), so the blocks are cut where the stages' costs come closest to
+    equal (Megatron's uneven first and last stages), each stage with one block at least."""
     blocks = list(model.blocks)
     if not 1 <= p <= len(blocks):
         raise ValueError(f"{len(blocks)} blocks cannot make {p} stages")
-    bounds = [len(blocks) * s // p for s in range(p + 1)]
+    bounds = balanced_bounds(model.config, p)
     out = []
     for s in range(p):
         mine = blocks[bounds[s]:bounds[s + 1]]
@@ -138,6 +140,33 @@ def stages(model, p: int) -> list[tuple[list, Callable]]:
             ([model.ln, model.head] if s == p - 1 else [])
         out.append((owned, run))
     return out
+
+
+def balanced_bounds(c: Config, p: int) -> list[int]:
+    """Block indices cutting ``c.layers`` blocks into ``p`` consecutive stages (each at least
+    one block) whose largest cost is least, and among those the most even; costs are forward
+    FLOPs per token: a block's matmuls and attention, and the head's matmul on the last stage."""
+    block = 24 * c.dim * c.dim + 4 * c.dim * c.seq
+    head = 2 * c.dim * c.vocab
+    n = c.layers
+    best: dict[tuple[int, int], tuple[float, float, list[int]]] = {}
+
+    def cut(start: int, left: int) -> tuple[float, float, list[int]]:
+        """For blocks[start:] over ``left`` stages: the largest stage cost, the sum of the
+        squared costs, and the bounds, least first."""
+        if (start, left) not in best:
+            if left == 1:
+                cost = (n - start) * block + head
+                best[start, left] = (cost, cost * cost, [n])
+            else:
+                options = []
+                for end in range(start + 1, n - left + 2):
+                    top, squares, rest = cut(end, left - 1)
+                    cost = (end - start) * block
+                    options.append((max(cost, top), squares + cost * cost, [end, *rest]))
+                best[start, left] = min(options, key=lambda r: r[:2])
+        return best[start, left]
+    return [0, *cut(0, p)[2]]
 
 
 def parameters(c: Config) -> int:
