@@ -295,7 +295,7 @@ class Executor:
             self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
         elif mode == "capture":
             if self._cuda_backend is None:
-                self._cuda_backend = graphs.backend_for(self.device, emulate=False)
+                self._cuda_backend = graphs.cuda_backend(self.device)
             self._try_capture(key, binds, renames, seeds, self._cuda_backend)
         else:
             self._run_program(self._instructions(key, seeds), binds, renames)
@@ -311,13 +311,17 @@ class Executor:
         return graphs.with_seeds(program, where, lambda s: derive_seed(session, base + s.offset))
 
     def _run_program(self, program: list[tuple], binds: tuple, renames: tuple) -> None:
-        tables = (self.env, self.poison, self.waits)
         # a recorded input may still be alive (a batch used again): it is itself again after
-        saved = [(recorded, [t.get(recorded, _ABSENT) for t in tables]) for _, recorded in binds]
+        saved = self._saved(recorded for _, recorded in binds)
         self._move(binds, keep=True)
         self._execute(program)
         self._restore(saved)
         self._move(renames, keep=False)
+
+    def _saved(self, ids) -> list:
+        """What ``ids`` are now (value, fault, collective making it), for _restore."""
+        tables = (self.env, self.poison, self.waits)
+        return [(i, [t.get(i, _ABSENT) for t in tables]) for i in ids]
 
     def _restore(self, saved: list) -> None:
         for recorded, values in saved:
@@ -359,8 +363,7 @@ class Executor:
         if self.plane is not None:
             self.plane.settle_sends()
         inputs = {recorded: env[cur].clone() for cur, recorded in binds}
-        tables = (self.env, self.poison, self.waits)
-        saved = [(recorded, [t.get(recorded, _ABSENT) for t in tables]) for recorded in inputs]
+        saved = self._saved(inputs)
 
         def execute(instructions: list[tuple]) -> None:
             env.update(inputs)
@@ -373,20 +376,22 @@ class Executor:
             finally:
                 self._restore(saved)
 
-        held = set(env)
+        held, poisoned = set(env), set(poison)
         counts = self._comm_counts()
-        faults = (self.stats["faults"], self.stats["skipped"])
+        skipped, pending = self.stats["skipped"], self.skipped
         try:
             handle = backend.capture(program, execute)
-            if (self.stats["faults"], self.stats["skipped"]) != faults:
-                bad = next(iter(self.poison.values()), None) or self.skipped
-                raise RuntimeError(f"op '{bad.op}' failed while captured: {bad.error}"
-                                   if bad else "an op failed while captured")
+            failed = [poison[t] for t in set(poison) - poisoned]
+            if failed or self.stats["skipped"] != skipped:
+                bad = failed[0] if failed else self.skipped
+                raise RuntimeError(f"op '{bad.op}' failed while captured: {bad.error}")
         except BaseException:
-            for tid in set(env) - held:  # what the capture made: none of it ran
+            # what the capture made, or failed to make: none of it ran, nor is it reported
+            for tid in (set(env) - held) | (set(poison) - poisoned):
                 env.pop(tid, None)
                 poison.pop(tid, None)
                 self.waits.pop(tid, None)
+            self.skipped = pending
             raise
         after = self._comm_counts()
         comm = {} if backend.emulated else {  # an emulated launch runs (and counts) them itself

@@ -37,11 +37,8 @@ from ..ops.table import Seed, derive_seed
 HOST_WORDS = frozenset({"agree"})  # control words a graph leaves out (see above)
 
 
-def backend_for(device: torch.device, emulate: bool) -> CudaBackend | EmulatedBackend | str:
-    """The capture backend of a worker on ``device`` (the stand-in where the dispatcher asks
-    for it), or why it has none."""
-    if emulate:
-        return EmulatedBackend()
+def cuda_backend(device: torch.device) -> CudaBackend | str:
+    """The capture backend of a worker on ``device``, or why it has none."""
     if device.type != "cuda":
         return f"the worker runs on the {device.type}"
     return CudaBackend(device)
