@@ -250,3 +250,25 @@ def test_replicas_skip_an_update_together_when_one_of_them_failed():
     gtmpi.load_config({"fault_split": {"shard": {"axis": 0, "workers": [0, 1]}}})
     rows = gtmpi.signal.tensor(w, "fault_split")  # each worker's half from its own replica
     assert rows.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@cpu_asserts
+def test_a_checkpoint_counts_the_adam_steps_the_workers_ran():
+    """A skipped update is not a step: the optimizer's state_dict says how many updates each
+    parameter got (as torch's run that skipped the batch), so a resume applies the bias
+    corrections of the run it continues."""
+    m = gtmpi.nn.Linear(4, 3)
+    opt = gtmpi.optim.AdamW(m.parameters(), lr=0.1)
+    for labels in ([0, 1], [0, 7], [1, 2]):  # 7: out of range, the second update is skipped
+        opt.zero_grad()
+        F.cross_entropy(m(gtmpi.randn(2, 4)), gtmpi.tensor(labels)).backward()
+        opt.step()
+        try:
+            gtmpi.synchronize()
+        except gtmpi.WorkerError:
+            pass
+    steps = [int(s["step"]) for s in opt.state_dict()["state"].values()]
+    assert steps == [2, 2]
+    again = gtmpi.optim.AdamW(m.parameters(), lr=0.1)
+    again.load_state_dict(opt.state_dict())
+    assert [int(s["step"]) for s in again.state_dict()["state"].values()] == [2, 2]

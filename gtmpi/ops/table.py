@@ -194,6 +194,14 @@ def _adam_foreach(*args):
     return tensors[0]
 
 
+def _adam_steps(*avgs) -> torch.Tensor:
+    """The update counts _adam_foreach keeps on each exp_avg (updates skipped for a failed
+    batch not counted), as one int64 vector: what a checkpoint of the optimizer must hold;
+    -1 for a state no update has touched here (just loaded: the client's count stands)."""
+    return torch.tensor([getattr(a, "_gtmpi_step", -1) for a in avgs], dtype=torch.int64,
+                        device=avgs[0].device)
+
+
 def _batch_norm_update_(running_mean, running_var, x, momentum):
     """torch's BatchNorm running statistics from a training batch, in place: the mean and the
     unbiased variance over every dim but the channels (dim 1)."""
@@ -634,6 +642,8 @@ _ops = [
     # hyper-parameters and the step count change every step, so the shape cache keys them by type
     Op("sgd_foreach", Kind.INPLACE, _sgd_foreach, scalar_by_type=True, sigs=_first_operand),
     Op("adam_foreach", Kind.INPLACE, _adam_foreach, scalar_by_type=True, sigs=_first_operand),
+    Op("adam_steps", Kind.GENERAL, _adam_steps,
+       sigs=lambda sigs: ((torch.Size([len(sigs)]), torch.int64),)),
     Op("zero_foreach", Kind.INPLACE, _zero_foreach, sigs=_first_operand),
     Op("mul_foreach", Kind.INPLACE, _mul_foreach, sigs=_first_operand),
     Op("add_foreach", Kind.ELEMENTWISE, _add_foreach, sigs=_first_half),

@@ -61,8 +61,9 @@ class Optimizer:
         indices of their parameters."""
         params = self._params()
         index = {id(p): i for i, p in enumerate(params)}
-        state = {index[id(p)]: {k: torch.tensor(float(v)) if k == "step" else v
-                                for k, v in self.state[id(p)].items()}
+        steps = self._steps_done([p for p in params if "exp_avg" in self.state.get(id(p), ())])
+        state = {index[id(p)]: {k: torch.tensor(float(steps.get(id(p), v))) if k == "step"
+                                else v for k, v in self.state[id(p)].items()}
                  for p in params if self.state.get(id(p))}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
@@ -93,6 +94,18 @@ class Optimizer:
                         mine[k] = tensor(host, dtype=p.dtype)
         for mine, theirs in zip(self.param_groups, groups):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
+
+    def _steps_done(self, params: list[Tensor]) -> dict[int, int]:
+        """id(param) -> the updates its worker ran: the client counts every step() it issued,
+        the worker only the updates it did not skip for a failed batch (ops/table.py:
+        _adam_foreach), and a checkpoint must resume with the bias corrections of the latter."""
+        steps: dict[int, int] = {}
+        for group in runtime().alike([p.id for p in params], [None] * len(params)):
+            avgs = [self.state[id(params[i])]["exp_avg"] for i in group]
+            for i, n in zip(group, apply("adam_steps", *avgs).tolist()):
+                if n >= 0:
+                    steps[id(params[i])] = n
+        return steps
 
     def _params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]

@@ -506,6 +506,15 @@ def _alike(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return Plan(tuple(None if k is None else p for k in kinds), p)
 
 
+def _same_everywhere(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """A result every member computes alike from its own pieces (a count kept beside them):
+    whole on each, nothing moves."""
+    p = kinds[0]
+    if any(k != p for k in kinds):
+        return None
+    return Plan(tuple(kinds), Placement(mesh, "R"))
+
+
 def _power_sum(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """A sum of p-th powers over tensors split alike is the sum of the pieces' sums."""
     p = kinds[0]
@@ -537,7 +546,8 @@ RULES.update({"matmul": _matmul, "einsum": _einsum, "linear": _linear,
               "layer_norm": _norm, "rms_norm": _norm, "embedding": _embedding,
               "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
               "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach,
-              "norm_foreach": _power_sum, "add_foreach": _sum_alike})
+              "norm_foreach": _power_sum, "add_foreach": _sum_alike,
+              "adam_steps": _same_everywhere})
 # gradient ops placed by dual() from their forward op's plan, in the dispatcher's placer
 DUAL = {"linear_grad", *(f"{name}_grad" for name in FUSED_FNS)}
 # mix or index dims: right only on whole tensors, or on partial sums where linear
