@@ -79,3 +79,12 @@ def test_the_worker_never_reaches_the_client():
         seen.add(name)
         todo += [t for t in graph.get(name, ()) if t in graph]
     assert {_part(m) for m in seen} <= {k for k, v in LAYERS.items() if v <= 1}, sorted(seen)
+
+
+def test_the_session_and_its_embedded_start_import_one_way():
+    """client/embedded imports client/runtime (it makes a Runtime); the runtime reaches the
+    embedded default only through the starter embedded registers, never by importing it."""
+    runtime = {t for t, _ in _imports(PACKAGE / "client" / "runtime.py")}
+    embedded = {t for t, _ in _imports(PACKAGE / "client" / "embedded.py")}
+    assert "gtmpi.client.runtime" in embedded
+    assert not any(t.startswith("gtmpi.client.embedded") for t in runtime), runtime

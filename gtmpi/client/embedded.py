@@ -17,7 +17,7 @@ from ..transport.local import LocalLink
 from ..transport.pipe import start_child
 from ..worker.device import select_device, visible_gpus
 from ..worker.executor import Executor
-from .runtime import Runtime, current
+from .runtime import Runtime, current, set_default_start
 
 
 def verbose(message: str) -> None:
@@ -100,3 +100,6 @@ def user_line(tb) -> str:
         if not name.startswith("<") and not name.startswith(skip):
             where = f" at {name}:{line}"
     return where
+
+
+set_default_start(start_embedded)

@@ -65,6 +65,11 @@ class Runtime:
         self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
         self.dispatcher.placer.site = self.current_site
         self.dispatcher.placer.strict = os.environ.get("GTMPI_PLACEMENT", "") == "strict"
+
+    def begin(self) -> None:
+        """What the environment asks of a session (a config, a log, a trace), once it is the
+        current one: an error here (a malformed GTMPI_CONFIG) then ends the job as any of the
+        program's errors does, the workers told to stop, status 1."""
         config = os.environ.get("GTMPI_CONFIG") or os.environ.get("GT_CONFIG")
         if config:
             self.signals.register(load(config))
@@ -280,8 +285,8 @@ def runtime() -> Runtime:
     if rt is None:
         with _starting:
             if _current is None:
-                from .embedded import start_embedded
-                _current = start_embedded()
+                _current = _start_default()
+                _current.begin()
             rt = _current
     if rt.thread_id != threading.get_ident():
         rt.adopt()
@@ -289,11 +294,24 @@ def runtime() -> Runtime:
 
 
 def set_runtime(rt: Runtime) -> None:
+    """``rt`` becomes the session, then takes what the environment asks of it (begin())."""
     global _current
     if _current is not None:
         raise RuntimeError("gtmpi: the session has already started; gtmpi.workers(n) must come "
                            "before the first tensor op")
     _current = rt
+    rt.begin()
+
+
+def set_default_start(start: Callable[[], Runtime]) -> None:
+    """How runtime() starts a session when nothing did (client/embedded.py registers the
+    embedded default: this module never imports that one, which imports this)."""
+    global _start_default
+    _start_default = start
+
+
+def _start_default() -> Runtime:
+    raise RuntimeError("gtmpi: no session and no default to start one (import gtmpi first)")
 
 
 def current() -> Runtime | None:
