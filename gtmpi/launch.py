@@ -151,7 +151,7 @@ def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], d
         device = select_device(os.environ, local_index, visible_gpus())
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        serve(comms, workers_comm, device, local_index, host0)
+        serve(comms, workers_comm, device, local_index, host0, notice.clean_exit)
         notice.clean_exit()
     except BaseException:
         traceback.print_exc()

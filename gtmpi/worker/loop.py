@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Callable
 
 import torch
 from mpi4py import MPI
@@ -24,7 +25,9 @@ from .executor import Executor
 
 
 def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local_index: int,
-          host0: tuple[str, int]) -> None:
+          host0: tuple[str, int], leaving: Callable[[], None] = lambda: None) -> None:
+    """``leaving`` is called before the worker exits because rank 0 is gone: it did not die,
+    and its death watcher must not say it did."""
     rank = comms.base.Get_rank()
     link = HostLink(comms)
     executor = Executor(rank, device, link)
@@ -33,7 +36,7 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
                            "device": str(device), "local_index": local_index, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None})
     status = MPI.Status()
-    watchdog = _exit_if_gone(host0[1]) if host0[0] == socket.gethostname() else None
+    watchdog = _exit_if_gone(host0[1], leaving) if host0[0] == socket.gethostname() else None
     seq = 0
     while True:
         msg = wait_for(lambda: link.next_message(status), watchdog)
@@ -56,8 +59,9 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
             link.ack(seq)
 
 
-def _exit_if_gone(pid: int):
+def _exit_if_gone(pid: int, leaving: Callable[[], None]):
     def check() -> None:
         if not alive(pid):
+            leaving()
             os._exit(1)  # rank 0 is gone: nobody will ever send a shutdown
     return check
