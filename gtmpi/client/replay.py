@@ -18,13 +18,14 @@ on each worker (dispatcher/programs.py); later calls of the same signature bind 
 and run it, one instruction per worker.
 
 What a replay repeats is the instructions. Like a CUDA graph, the function's Python does not
-run again: a Python number it reads from outside (a learning rate, a step count) stays as
-recorded, so keep the optimizer step outside (AdamW's bias correction and a schedule's rate
-change every step). Its tensor arguments are bound by position; the tensors it returns and the
-gradients it accumulates into leaves made before it are new tensors on every call. A call is
-recorded afresh when its arguments differ in shape, dtype, placement or constants, when its
-leaves' gradients are present where they were absent (or the reverse), or when a tensor it
-reads was freed or placed anew. A read or an upload inside raises ReplayError (a replay
+run again, so what it reads from outside belongs to its signature (outside(): tensors, modules'
+training flags and Python numbers its code reaches by name); values inside lists and dicts are
+not followed, so keep the optimizer step outside (AdamW's bias correction and a schedule's
+rate change every step). Its tensor arguments are bound by position; the tensors it returns
+and the gradients it accumulates into leaves made before it are new tensors on every call. A
+call is recorded afresh when its arguments differ in shape, dtype, placement or constants,
+when what it reads by name differs, when its leaves' gradients are present where they were
+absent (or the reverse), or when a tensor it reads was freed or placed anew. A read or an upload inside raises ReplayError (a replay
 could not repeat it), as does a tensor made inside that outlives the call unreturned. Random
 ops draw on each call what they would draw as written (their seeds are derived again per call).
 On GPU workers, programs become CUDA graphs from their second replay (worker/graphs.py).
