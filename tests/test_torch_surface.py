@@ -132,6 +132,57 @@ def test_in_place_unary_forms_and_schedulers_match_torch():
             gs.step()
 
 
+@pytest.mark.parametrize("kw", [{}, {"anneal_strategy": "linear"}, {"three_phase": True},
+                                {"cycle_momentum": False}])
+@pytest.mark.parametrize("opt", ["SGD", "AdamW"])
+def test_one_cycle_lr_matches_torch(kw, opt):
+    extra = {"momentum": 0.9} if opt == "SGD" else {}
+    topt = getattr(torch.optim, opt)([torch.nn.Parameter(torch.zeros(2))], lr=0.1, **extra)
+    gopt = getattr(gtmpi.optim, opt)([gnn.Parameter(gtmpi.zeros(2))], lr=0.1, **extra)
+    ts = torch.optim.lr_scheduler.OneCycleLR(topt, max_lr=0.5, total_steps=20, **kw)
+    gs = gtmpi.optim.lr_scheduler.OneCycleLR(gopt, max_lr=0.5, total_steps=20, **kw)
+    key = "betas" if opt == "AdamW" else "momentum"
+    for _ in range(20):
+        assert gs.get_last_lr() == pytest.approx(ts.get_last_lr(), rel=1e-9, abs=1e-12)
+        assert gopt.param_groups[0][key] == pytest.approx(topt.param_groups[0][key], rel=1e-9)
+        topt.step()
+        ts.step()
+        gs.step()
+    with pytest.raises(ValueError, match="Tried to step 21 times"):
+        gs.step()
+
+
+def test_reduce_lr_on_plateau_matches_torch():
+    metrics = [5, 4, 4, 4, 4, 3.9999, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2]
+    for kw in ({"patience": 2}, {"patience": 1, "cooldown": 2, "factor": 0.5},
+               {"mode": "max", "patience": 0, "threshold_mode": "abs", "min_lr": 0.02}):
+        topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        gopt = gtmpi.optim.SGD([gnn.Parameter(gtmpi.zeros(2))], lr=0.1)
+        ts = torch.optim.lr_scheduler.ReduceLROnPlateau(topt, **kw)
+        gs = gtmpi.optim.lr_scheduler.ReduceLROnPlateau(gopt, **kw)
+        for m in metrics:
+            ts.step(m)
+            gs.step(gtmpi.tensor(float(m)))  # a loss tensor, as a training loop passes it
+            assert gs.get_last_lr() == pytest.approx(ts.get_last_lr(), rel=1e-12)
+
+
+def test_randperm_is_a_seeded_permutation():
+    gtmpi.manual_seed(5)
+    a = gtmpi.randperm(50)
+    gtmpi.manual_seed(5)
+    b = gtmpi.randperm(50, dtype=gtmpi.int32)
+    assert a.dtype == I64 and b.dtype == torch.int32 and a.shape == (50,)
+    assert sorted(a.tolist()) == list(range(50)) and a.tolist() == b.tolist()
+    assert a.tolist() != list(range(50))
+
+
+def test_clip_grad_norm_without_gradients_is_zero_as_in_torch():
+    p = gnn.Parameter(gtmpi.ones(2))
+    got = gtmpi.nn.utils.clip_grad_norm_([p], 1.0)
+    want = torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0)
+    assert got.item() == want.item() == 0.0
+
+
 def test_random_ops_are_seeded_and_distributed_as_asked():
     gtmpi.manual_seed(3)
     a = gtmpi.randint(0, 10, (1000,))

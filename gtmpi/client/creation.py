@@ -111,6 +111,12 @@ def randint(low: int, high: int | None = None, size=None, dtype=None, **kw: Any)
                  runtime().next_seed())
 
 
+def randperm(n: int, dtype=None, **kw: Any) -> Tensor:
+    """A random permutation of 0..n-1 (int64 unless told), seeded as every random op is."""
+    with_device(kw)
+    return apply("randperm", int(n), as_dtype(dtype) or torch.int64, runtime().next_seed())
+
+
 def multinomial(probs: Tensor, num_samples: int, replacement: bool = False) -> Tensor:
     return apply("multinomial", probs, num_samples, replacement, runtime().next_seed())
 

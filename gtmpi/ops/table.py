@@ -520,6 +520,10 @@ _ops = [
     Op("randint", Kind.CREATE, _randint,
        meta=lambda low, high, shape, dtype, seed, device: torch.empty(shape, dtype=dtype, device=device)),
     Op("rand", Kind.CREATE, _seeded(torch.rand), meta=_meta_empty),
+    Op("randperm", Kind.CREATE,
+       lambda n, dtype, seed, device: torch.randperm(n, dtype=dtype, device=device,
+                                                     generator=_generator(seed, device)),
+       meta=lambda n, dtype, seed, device: torch.empty(n, dtype=dtype, device=device)),
     # elementwise: Python operators so that a scalar may stand on either side (2.0 - x)
     *(Op(name, Kind.ELEMENTWISE, fn, scalar_by_type=True) for name, fn in [
         ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),

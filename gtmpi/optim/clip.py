@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..autograd import no_grad
+from ..client.creation import zeros
 from ..client.runtime import runtime
 from ..client.tensor import Tensor, apply
 
@@ -16,8 +17,8 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        raise ValueError("clip_grad_norm_ found no gradients")
+    if not grads:  # nothing to scale, and the norm of nothing is 0, as torch returns it
+        return zeros(())
     rt = runtime()
     # one norm instruction and one scaling per group of gradients that live alike, as torch
     # groups them by device; gradients on several meshes (pipeline stages): each part of the

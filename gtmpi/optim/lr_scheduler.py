@@ -94,3 +94,129 @@ class CosineAnnealingLR(_Closed):
 
     def lr(self, base: float, epoch: int) -> float:
         return self.eta_min + (base - self.eta_min) * (1 + math.cos(math.pi * epoch / self.T_max)) / 2
+
+
+class OneCycleLR(LambdaLR):
+    """torch's 1cycle policy: the lr rises from max_lr / div_factor to max_lr over pct_start of
+    total_steps, then falls to that / final_div_factor (cosine or linear), the momentum (SGD's
+    momentum, Adam's first beta) moving the opposite way between base_ and max_momentum."""
+
+    def __init__(self, optimizer: Optimizer, max_lr: float | list[float],
+                 total_steps: int | None = None, epochs: int | None = None,
+                 steps_per_epoch: int | None = None, pct_start: float = 0.3,
+                 anneal_strategy: str = "cos", cycle_momentum: bool = True,
+                 base_momentum: float = 0.85, max_momentum: float = 0.95,
+                 div_factor: float = 25.0, final_div_factor: float = 1e4,
+                 three_phase: bool = False):
+        if total_steps is None:
+            if epochs is None or steps_per_epoch is None:
+                raise ValueError("You must define either total_steps OR (epochs AND "
+                                 "steps_per_epoch)")
+            total_steps = epochs * steps_per_epoch
+        if total_steps <= 0:
+            raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
+        if anneal_strategy not in ("cos", "linear"):
+            raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got "
+                             f"{anneal_strategy}")
+        self.optimizer, self.total_steps = optimizer, total_steps
+        self.anneal = _cos if anneal_strategy == "cos" else _linear
+        groups = optimizer.param_groups
+        peaks = max_lr if isinstance(max_lr, (list, tuple)) else [max_lr] * len(groups)
+        ends = ([pct_start * total_steps - 1, 2 * pct_start * total_steps - 2, total_steps - 1]
+                if three_phase else [pct_start * total_steps - 1, total_steps - 1])
+        # per phase: its last step, and the (lr, momentum) keys it moves from and to
+        keys = ([("initial_lr", "max_lr", "max_momentum", "base_momentum"),
+                 ("max_lr", "initial_lr", "base_momentum", "max_momentum"),
+                 ("initial_lr", "min_lr", "max_momentum", "max_momentum")] if three_phase else
+                [("initial_lr", "max_lr", "max_momentum", "base_momentum"),
+                 ("max_lr", "min_lr", "base_momentum", "max_momentum")])
+        self.phases = list(zip(ends, keys))
+        self.cycle_momentum = cycle_momentum
+        for group, peak in zip(groups, peaks):
+            group.update(initial_lr=peak / div_factor, max_lr=peak,
+                         min_lr=peak / div_factor / final_div_factor)
+            if cycle_momentum:
+                group.update(max_momentum=max_momentum, base_momentum=base_momentum)
+        self.base_lrs = [g["initial_lr"] for g in groups]
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        step = self.last_epoch
+        if step > self.total_steps:
+            raise ValueError(f"Tried to step {step} times. The specified number of total steps "
+                             f"is {self.total_steps}")
+        for group in self.optimizer.param_groups:
+            start = 0
+            for i, (end, (lr0, lr1, m0, m1)) in enumerate(self.phases):
+                if step <= end or i == len(self.phases) - 1:
+                    pct = (step - start) / (end - start)
+                    group["lr"] = self.anneal(group[lr0], group[lr1], pct)
+                    if self.cycle_momentum:
+                        momentum = self.anneal(group[m0], group[m1], pct)
+                        if "betas" in group:
+                            group["betas"] = (momentum, *group["betas"][1:])
+                        else:
+                            group["momentum"] = momentum
+                    break
+                start = end
+
+
+def _cos(start: float, end: float, pct: float) -> float:
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+
+
+def _linear(start: float, end: float, pct: float) -> float:
+    return (end - start) * pct + start
+
+
+class ReduceLROnPlateau:
+    """torch's: each group's lr times ``factor`` once the metric given to step() has not
+    improved (by ``threshold``, relative or absolute) for more than ``patience`` steps, then
+    ``cooldown`` steps of rest; never below ``min_lr``. A metric that is a tensor is read."""
+
+    def __init__(self, optimizer: Optimizer, mode: str = "min", factor: float = 0.1,
+                 patience: int = 10, threshold: float = 1e-4, threshold_mode: str = "rel",
+                 cooldown: int = 0, min_lr: float | list[float] = 0.0, eps: float = 1e-8):
+        if factor >= 1.0:
+            raise ValueError("Factor should be < 1.0.")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode {mode} is unknown!")
+        if threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"threshold mode {threshold_mode} is unknown!")
+        self.optimizer = optimizer
+        groups = optimizer.param_groups
+        self.min_lrs = list(min_lr) if isinstance(min_lr, (list, tuple)) else [min_lr] * len(groups)
+        self.mode, self.factor, self.patience = mode, factor, patience
+        self.threshold, self.threshold_mode = threshold, threshold_mode
+        self.cooldown, self.eps = cooldown, eps
+        self.best = math.inf if mode == "min" else -math.inf
+        self.num_bad_epochs = self.cooldown_counter = self.last_epoch = 0
+        self._last_lr = [g["lr"] for g in groups]
+
+    def _better(self, value: float) -> bool:
+        rel = self.threshold_mode == "rel"
+        if self.mode == "min":
+            return value < (self.best * (1 - self.threshold) if rel else self.best - self.threshold)
+        return value > (self.best * (1 + self.threshold) if rel else self.best + self.threshold)
+
+    def step(self, metrics) -> None:
+        current = float(metrics)
+        self.last_epoch += 1
+        if self._better(current):
+            self.best, self.num_bad_epochs = current, 0
+        else:
+            self.num_bad_epochs += 1
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = 0
+        if self.num_bad_epochs > self.patience:
+            for group, floor in zip(self.optimizer.param_groups, self.min_lrs):
+                new = max(group["lr"] * self.factor, floor)
+                if group["lr"] - new > self.eps:
+                    group["lr"] = new
+            self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
