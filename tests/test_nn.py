@@ -249,3 +249,25 @@ def test_linear_and_cross_entropy_are_single_instructions_with_torch_grads():
     GF.cross_entropy(logits, gtmpi.tensor([0, 6, 2, 2, 1]), label_smoothing=0.1).backward()
     after = gtmpi.debug.worker_stats()[min(gtmpi.info()["workers"])]["ops"]
     assert after - before <= 8   # randn, upload, forward, ones_like, grad, accumulate, stats
+
+
+def test_module_to_dtype_keeps_its_parameters_and_converts_their_gradients():
+    """As torch: the same Parameter objects (an optimizer made before still holds them), their
+    gradients converted too."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(3, 2)
+    m = gtmpi.nn.Linear(3, 2)
+    m.load_state_dict(ref.state_dict())
+    topt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    gopt = gtmpi.optim.SGD(m.parameters(), lr=0.5)
+    x = torch.randn(4, 3)
+    ref(x).sum().backward()
+    m(gtmpi.tensor(x)).sum().backward()
+    before = m.weight
+    ref.double()
+    m.double()
+    assert m.weight is before and m.weight.dtype == torch.float64
+    assert m.weight.grad.dtype == ref.weight.grad.dtype == torch.float64
+    topt.step()
+    gopt.step()
+    torch.testing.assert_close(m.weight.cpu_torch(), ref.weight.detach())

@@ -264,9 +264,13 @@ class Module:
             return self
         with no_grad():
             for module in self.modules():
-                for name, p in list(module._parameters.items()):
+                for p in module._parameters.values():
                     if p is not None and p.dtype.is_floating_point and p.dtype != dtype:
-                        module._parameters[name] = Parameter(p.to(dtype), p.requires_grad)
+                        # as torch does it, the same Parameter, its gradient converted too: an
+                        # optimizer made before still holds what the model holds
+                        _convert_in_place(p, dtype)
+                        if p.grad is not None and p.grad.dtype != dtype:
+                            _convert_in_place(p.grad, dtype)
                 for name, b in list(module._buffers.items()):
                     if b is not None and b.dtype.is_floating_point:
                         module._buffers[name] = b.to(dtype)
@@ -284,6 +288,9 @@ class Module:
     def half(self) -> "Module":
         return self.to(torch.float16)
 
+    def double(self) -> "Module":
+        return self.to(torch.float64)
+
     def bfloat16(self) -> "Module":
         return self.to(torch.bfloat16)
 
@@ -294,6 +301,15 @@ class Module:
         lines = [f"  ({name}): " + repr(m).replace("\n", "\n  ") for name, m in self.named_children()]
         head = f"{type(self).__name__}({self.extra_repr()}"
         return head + ("\n" + "\n".join(lines) + "\n)" if lines else ")")
+
+
+def _convert_in_place(t: Tensor, dtype: torch.dtype) -> None:
+    """``t`` itself takes ``dtype``: its converted copy's id and signature are swapped in, and
+    the copy, now holding the old id, is dropped (which frees the old values)."""
+    new = t.to(dtype)
+    t.id, new.id = new.id, t.id
+    t._sig, new._sig = new._sig, t._sig
+    t._strides = None
 
 
 class ModuleList(Module):
