@@ -133,7 +133,10 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     sys.excepthook = _end_on_uncaught(base, job, detach)  # first: a trace started with the session wraps it
     stop_on_sigterm()
     atexit.register(_close, detach, notice)
-    session.set_runtime(Runtime(links, workers, abort))
+    rt = Runtime(links, workers, abort)
+    session.set_runtime(rt)
+    if spawn_comm is not None:
+        rt.watch_idle()
 
 
 def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], detach: list) -> None:

@@ -187,3 +187,33 @@ def test_an_error_while_the_session_starts_ends_the_job_with_status_1(tmp_path):
                           env={"GTMPI_CONFIG": str(bad)})
         assert proc.returncode == 1, (proc.returncode, proc.stderr[-1500:])
         assert "not valid YAML at line 2" in proc.stderr and "Abort" not in proc.stderr
+
+
+@serial
+def test_a_spawned_worker_killed_while_rank_0_is_idle_ends_the_job_naming_it(tmp_path):
+    """gtmpi.workers(n): a worker killed while the program sleeps ends the job within seconds,
+    named as the one that died (rank 0's next call used to find out, naming another)."""
+    script = tmp_path / "prog.py"
+    script.write_text("import time, gtmpi\n"
+                      "gtmpi.workers(2)\n"
+                      "gtmpi.ones(3).sum().item()\n"
+                      "print('pids', {r: w['pid'] for r, w in gtmpi.info()['workers'].items()},"
+                      " flush=True)\n"
+                      "time.sleep(60)\n"
+                      "print('woke', flush=True)\n")
+    env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu"}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        line = _until(proc, "pids", 90)
+        pids = eval(line.split("pids ", 1)[1])
+        os.kill(pids[2], signal.SIGKILL)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.monotonic() - start < 15 and "woke" not in out
+    assert proc.returncode == 1
+    deaths = [line for line in err.splitlines() if "died" in line]
+    assert deaths and f"worker rank 2 (pid {pids[2]}" in deaths[0], err

@@ -85,6 +85,9 @@ def stop_on_sigterm() -> None:
         return
 
     def raise_terminated(signum, frame):
+        rt = current()
+        if rt is not None and rt.death_pending:  # not a SIGTERM: a spawned worker died
+            rt._watchdog()
         raise Terminated("SIGTERM")
     signal.signal(signal.SIGTERM, raise_terminated)
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import signal
 import socket
 import sys
 import sysconfig
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -29,6 +31,7 @@ from ..signals.config import load
 from .signalbook import SignalBook
 from ..errors import Fault, WorkerError
 from ..ops.table import Seed, derive_seed
+from ..transport import ending
 from ..transport.ending import alive
 from ..transport.tags import Tag
 
@@ -56,6 +59,7 @@ class Runtime:
         self._seed = int.from_bytes(os.urandom(7), "little")
         self._random_ops = 0
         self.closed = False
+        self.death_pending = False  # watch_idle saw a worker gone: the watchdog says which
         self.thread: threading.Thread | None = None  # the program thread it serves
         self.thread_id: int | None = None
         self.tracing = None  # a recording.session.TraceRun while a trace records
@@ -232,11 +236,19 @@ class Runtime:
         else:
             print(f"gtmpi: trace of the failed run written to {path}", file=sys.stderr, flush=True)
 
-    def _watchdog(self) -> None:
-        """Called now and then while rank 0 waits: a dead worker on this host ends the job."""
+    def _dead(self) -> tuple[int, ...]:
+        """The workers of this host that are gone, the one that went first (by its death
+        watcher's note) ahead."""
         here = socket.gethostname()
         dead = tuple(rank for rank, w in self.workers.items()
                      if w["host"] == here and w["pid"] != os.getpid() and not alive(w["pid"]))
+        went_first = ending.first((here, os.getpid())) if dead else None
+        return tuple(sorted(dead, key=lambda rank: rank != went_first))
+
+    def _watchdog(self) -> None:
+        """Called now and then while rank 0 waits (and, for workers it spawned, by watch_idle
+        while it does not): a dead worker on this host ends the job."""
+        dead = self._dead()
         if not dead:
             return
         w = self.workers[dead[0]]
@@ -245,6 +257,20 @@ class Runtime:
         if self._abort is not None:
             self._abort(message)
         raise RuntimeError(message)
+
+    def watch_idle(self, every_s: float = 0.25) -> None:
+        """Workers this process spawned are no job of mpiexec's with it: nothing ends it when
+        one dies while the program computes on its own or sleeps. A thread checks them and
+        hands a death to the program's thread (as a signal), whose watchdog ends the job."""
+        def watch() -> None:
+            while not self.closed:
+                if self._dead():
+                    self.death_pending = True
+                    # to the main thread itself: a sleep or a wait there ends at once
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+                    return
+                time.sleep(every_s)
+        threading.Thread(target=watch, name="gtmpi-worker-watch", daemon=True).start()
 
     def close(self, timeout_s: float = 30.0) -> list[int]:
         """Stop every worker, waiting (bounded) for each to say goodbye; return the ranks that

@@ -110,7 +110,7 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
     except OSError:
         pass
     time.sleep(SETTLE_S)
-    if not claimed(job) and _first(job) == rank:
+    if not claimed(job) and first(job) == rank:
         who = "rank 0" if rank == 0 else f"worker rank {rank}"
         claim(job, f"gtmpi: {who} (pid {pid} on {host}) died; the job is ending")
     time.sleep(FORGET_AFTER_S)
@@ -121,7 +121,7 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
             pass
 
 
-def _first(job: Job) -> int | None:
+def first(job: Job) -> int | None:
     """The rank whose death was seen first, from the watchers' notes; one proven first by
     its peers ahead of all."""
     folder, stem = os.path.split(_path(job))
