@@ -86,7 +86,6 @@ class Replayable:
         kept.append(rec)
         return result
 
-
     def _differ(self, key: Any) -> None:
         """Calls keep differing in what a recording depends on: say once what differs, then
         run them as written."""
