@@ -6,7 +6,6 @@ import os
 import signal
 import socket
 import sys
-import sysconfig
 import threading
 import traceback
 
@@ -17,7 +16,7 @@ from ..transport.local import LocalLink
 from ..transport.pipe import start_child
 from ..worker.device import select_device, visible_gpus
 from ..worker.executor import Executor
-from .runtime import Runtime, current, set_default_start
+from .runtime import NOT_USER, Runtime, current, set_default_start
 
 
 def verbose(message: str) -> None:
@@ -95,12 +94,10 @@ def stop_on_sigterm() -> None:
 def user_line(tb) -> str:
     """' at file:line' of the program's innermost frame, if any: outside gtmpi, the libraries
     it runs on (Python's own, installed packages) and generated code."""
-    skip = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
     where = ""
     for frame, line in traceback.walk_tb(tb):
         name = frame.f_code.co_filename
-        if not name.startswith("<") and not name.startswith(skip):
+        if not name.startswith("<") and not name.startswith(NOT_USER):
             where = f" at {name}:{line}"
     return where
 

@@ -37,7 +37,8 @@ from ..transport.tags import Tag
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _normpath = functools.lru_cache(maxsize=1024)(os.path.normpath)  # "a/../../a/m.py" -> "a/m.py"
-_NOT_USER = (_PKG_DIR, *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+# where files are that are not the program's: gtmpi, Python's own, the installed libraries
+NOT_USER = (_PKG_DIR, *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
 _SITES_PER_GENERATION = 1 << 16
 
 
@@ -108,7 +109,7 @@ class Runtime:
                 # under such names
                 # and Python's own wrappers (contextlib's, around clip_grad_norm_'s no_grad)
                 # and the libraries installed beside it are not the program's lines either
-                inside = internal[code] = os.path.abspath(code.co_filename).startswith(_NOT_USER)
+                inside = internal[code] = os.path.abspath(code.co_filename).startswith(NOT_USER)
             if not inside:
                 return frame
             frame = frame.f_back
