@@ -476,3 +476,30 @@ def test_idle_reports_a_pipelines_stages_against_the_schedules_bubble(tmp_path, 
     code, out, _ = cli(capsys, "idle", path)
     assert code == 0 and "2 stages, 4 micro-batches, 1f1b" in out
     assert re.search(r"^\s*0\s+%d\s+0\.\d{3}\s+0\.200$" % WORKERS[0], out, re.M), out
+
+
+def test_kernel_profile_splits_a_step_into_compute_nccl_and_idle(tmp_path, capsys):
+    """gtmpi.trace.kernels on a worker's CUPTI profile (worker/profiler.py writes it on GPUs):
+    two steps of a matmul, an all-reduce overlapping its end, a lone send and a gap."""
+    from gtmpi.trace import kernels
+
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = []
+    for base in (0, 1000):  # two steps of 1000 µs each: the window is 2000 µs long
+        events += [kernel("void cutlass::Kernel2<sm90_gemm_bf16>(Params)", base, 500),
+                   kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgs)",
+                          base + 400, 200),  # 100 µs of it alone
+                   kernel("ncclDevKernel_SendRecv(ncclDevKernelArgs)", base + 700, 100),
+                   kernel("void at::native::vectorized_elementwise_kernel<4>(int)", base + 850,
+                          150)]
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0,
+                   "dur": 5000})  # host events are not kernels
+    (tmp_path / "worker1.json").write_text(json.dumps({"traceEvents": events}))
+    assert kernels.main([str(tmp_path), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    line = json.loads(out.strip().splitlines()[-1])["worker1"]
+    assert line == {"step_ms": 1.0, "compute_ms": 0.65, "nccl_only_ms": 0.2, "idle_ms": 0.15,
+                    "nccl_ms": 0.3}
+    assert "nccl AllReduce" in out and "nccl SendRecv" in out and "Kernel2" in out

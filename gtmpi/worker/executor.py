@@ -31,6 +31,7 @@ from ..recording import events
 from ..recording.recorder import Recorder
 from ..transport.tags import Tag
 from . import graphs
+from .profiler import KernelProfiler
 
 _clock = time.perf_counter_ns
 _ABSENT = object()
@@ -88,6 +89,7 @@ class Executor:
         self.graphs: dict[int, graphs.Captured] = {}
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture
+        self.profiler = KernelProfiler.from_env(rank, device)  # GTMPI_PROFILE (worker/profiler.py)
 
     def run(self, batch: list[tuple]) -> None:
         self._execute(batch)
@@ -288,6 +290,8 @@ class Executor:
         worked (the dispatcher's 'commit' then runs it); 'emulate', the same with the stand-in
         backend (tests); 'graph', launch the graph."""
         key, binds, renames, mode, seeds = args
+        if self.profiler is not None:
+            self.profiler.replay()
         start = _clock()
         if mode == "graph":
             self._launch(self.graphs[key], binds, renames, seeds)
@@ -481,6 +485,8 @@ class Executor:
 
     def close(self) -> None:
         """Graphs go before the process groups their collectives were captured on."""
+        if self.profiler is not None:
+            self.profiler.close()
         self.graphs.clear()
         self._capture = None
         if self.device.type == "cuda":

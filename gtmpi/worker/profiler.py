@@ -1,0 +1,56 @@
+"""A worker's GPU kernels over a few replayed calls, recorded by CUPTI (torch.profiler), for
+what gtmpi's own trace cannot see: the kernels inside a CUDA graph, which the trace shows as
+one launch, and the NCCL kernels waiting for a peer.
+
+    GTMPI_PROFILE=DIR  GTMPI_PROFILE_REPLAYS=FIRST:COUNT  mpiexec ... python train.py
+
+Each worker starts recording at the start of its FIRST-th replayed call (default 10) and
+stops at the start of the (FIRST+COUNT)-th (default COUNT 4), so the window holds COUNT whole
+steps of a training loop that replays one step per iteration, with what runs between the
+calls (the optimizer, the next batch). The GPU is drained at both ends, so no kernel of
+another step leaks in. It writes DIR/worker<rank>.json (Chrome trace format), which
+``python -m gtmpi.trace.kernels DIR`` sums up. Workers read the variables themselves: the
+profile is a debugging aid of one run, not part of the instruction stream.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class KernelProfiler:
+    def __init__(self, rank: int, directory: str, first: int, count: int) -> None:
+        self.rank, self.directory = rank, directory
+        self.first, self.count = first, count
+        self.seen = 0
+        self.profile = None
+
+    @classmethod
+    def from_env(cls, rank: int, device: torch.device) -> "KernelProfiler | None":
+        directory = os.environ.get("GTMPI_PROFILE")
+        if not directory or device.type != "cuda":
+            return None
+        first, _, count = os.environ.get("GTMPI_PROFILE_REPLAYS", "10:4").partition(":")
+        return cls(rank, directory, int(first), int(count or 4))
+
+    def replay(self) -> None:
+        """At the start of each replayed call."""
+        self.seen += 1
+        if self.seen == self.first:
+            torch.cuda.synchronize()
+            self.profile = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.profile.__enter__()
+        elif self.seen == self.first + self.count and self.profile is not None:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write the file (also at shutdown, if the run had fewer calls)."""
+        if self.profile is None:
+            return
+        torch.cuda.synchronize()
+        self.profile.__exit__(None, None, None)
+        os.makedirs(self.directory, exist_ok=True)
+        self.profile.export_chrome_trace(os.path.join(self.directory, f"worker{self.rank}.json"))
+        self.profile = None
