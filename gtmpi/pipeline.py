@@ -14,9 +14,12 @@ mean-reduced loss), and the gradients are those of that mean.
 One client drives every stage, so the schedule is an order of issuing: each worker runs its
 instructions in the order they were issued to it, and the issuing runs ahead of the workers,
 so stages really run at the same time, each in its schedule's order. An activation goes from
-one stage to the next as a transfer the stage boundary asks for, its gradient back the same
-way; every micro-batch has its own autograd graph, several alive at once (1F1B keeps at most
-p - s of them on stage s; GPipe all m).
+one stage to the next as a transfer asked for as soon as it is made, its gradient back the
+same way: the send goes into the producing stage's stream right behind the work that made
+it, and the receive into the consuming stage's stream only where that stage uses it
+(dispatcher: deferred receives), so neither stage waits on the other except for the data
+itself. Every micro-batch has its own autograd graph, several alive at once (1F1B keeps at
+most p - s of them on stage s; GPipe all m).
 """
 from __future__ import annotations
 
@@ -99,25 +102,28 @@ class Pipeline:
         p, m = len(self.stages), self.micro_batches
         self._note_in_trace()
         xs, ys = _cut(inputs, m), _cut(targets, m)
-        received: dict[tuple[int, int], Tensor] = {}  # (stage, i): its input, a leaf
-        sent: dict[tuple[int, int], Tensor] = {}  # (stage, i): its output (the loss, last)
+        # (stage, i): its input, the previous stage's output moved here, a leaf where this
+        # stage's backward stops
+        received: dict[tuple[int, int], Tensor] = {}
+        outputs: dict[tuple[int, int], Tensor] = {}  # (stage, i): its output (the loss, last)
+        grads: dict[tuple[int, int], Tensor] = {}  # (stage, i): its output's gradient, moved here
         losses = []
         for kind, s, i in self.order:
-            here = self.signals[s]
             if kind == "F":
-                if s:  # the previous stage's output, moved here: where this backward stops
-                    received[(s, i)] = signals.tensor(sent[(s - 1, i)].detach(),
-                                                      here).requires_grad_()
                 out = self._forward(s, xs[i] if s == 0 else received[(s, i)], ys[i])
                 if s == p - 1:
                     losses.append(out.detach())
                     out = out / m
-                sent[(s, i)] = out
+                else:
+                    received[(s + 1, i)] = signals.tensor(
+                        out.detach(), self.signals[s + 1]).requires_grad_()
+                outputs[(s, i)] = out
             else:
-                out = sent.pop((s, i))
-                g = None if s == p - 1 else signals.tensor(received.pop((s + 1, i)).grad, here)
-                with signals.context(here):
-                    engine.backward(out, g)
+                with signals.context(self.signals[s]):
+                    engine.backward(outputs.pop((s, i)), grads.pop((s, i), None))
+                if s:
+                    grads[(s - 1, i)] = signals.tensor(received.pop((s, i)).grad,
+                                                       self.signals[s - 1])
         return sum(losses[1:], losses[0]) / m
 
     def _note_in_trace(self) -> None:

@@ -217,6 +217,7 @@ def main() -> None:
         # the step for replay, the fourth for capturing it as a CUDA graph on GPUs
         if step == min(start + 4, end_at - 1):
             gtmpi.synchronize()
+            stats_before = gtmpi.debug.worker_stats(reset_peak=True)
             timed_from, clock = step, time.perf_counter()
         x, y = put_batch(*batch(train, args.batch, seq, args.seed, step))
         opt.zero_grad(set_to_none=True)
@@ -248,6 +249,7 @@ def main() -> None:
     end = time.perf_counter()
     timed = end_at - timed_from if timed_from is not None else 0
     tokens_per_s = timed * tokens / (end - clock) if timed > 0 else None
+    per_worker = _per_step(stats_before, gtmpi.debug.worker_stats(), timed) if timed > 0 else {}
     val = evaluate()
     print(f"held-out loss {val:.4f} nats/byte (unigram entropy {entropy:.4f})", flush=True)
     for name, note in gtmpi.debug.graph_notes().items():
@@ -259,6 +261,7 @@ def main() -> None:
         "unigram_entropy": round(entropy, 5),
         "tokens_per_s": round(tokens_per_s) if tokens_per_s else None,
         "mfu": round(tokens_per_s * flops / peak, 4) if tokens_per_s and peak else None,
+        **per_worker,
         "cuda_graphs": any(note.startswith("a CUDA graph")
                            for note in gtmpi.debug.graph_notes().values())}))
 
@@ -268,6 +271,17 @@ def _rate(timed_from: int | None, clock: float, step: int, tokens: int) -> float
     if timed_from is None or step < timed_from:
         return None
     return (step + 1 - timed_from) * tokens / (time.perf_counter() - clock)
+
+
+def _per_step(before: dict, after: dict, steps: int) -> dict:
+    """Over the timed steps, the busiest worker's: instructions and CUDA graph launches per
+    step, and its GPU's peak memory (None on CPUs)."""
+    def most(key: str) -> float:
+        return max((after[r][key] - before[r][key]) / steps for r in after)
+    peaks = [s.get("peak_bytes") for s in after.values()]
+    return {"instructions_per_step": round(most("ops"), 1),
+            "graph_launches_per_step": round(most("graph_launches"), 2),
+            "peak_gb_per_gpu": round(max(peaks) / 1e9, 2) if all(peaks) else None}
 
 
 def _load(path: str) -> dict:

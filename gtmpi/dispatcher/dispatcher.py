@@ -12,6 +12,13 @@ cheap op waits for one more instruction even then: it usually comes at once (oft
 that wants its result), and sharing one message saves the worker a whole receive cycle.
 Workers acknowledge executed batches; at most MAX_INFLIGHT batches are unacknowledged per
 worker, so a client that runs ahead of its workers blocks instead of growing memory.
+
+A transfer's receive is deferred: its send goes into the sender's stream when the transfer is
+asked for, its receive into the receiver's stream only before the first instruction there
+that uses what it brings (or before rank 0 waits for anything). On a GPU a receive holds its
+stream until the bytes arrive, so a receive placed where the transfer was asked for would stop
+the receiver in work that does not need it: a pipeline stage would wait for the next
+micro-batch's activations before the backward it could run meanwhile.
 """
 from __future__ import annotations
 
@@ -66,6 +73,9 @@ class Dispatcher:
         # Tensor.__del__ appends here; frees travel before the next large instruction (or at
         # the end of the next batch sent), after every instruction that could still use them.
         self.frees: list[int] = []
+        self._deferred: dict[int, list[tuple]] = {}  # rank -> receives not yet in its stream
+        self._deferred_ids: dict[int, set[int]] = {}  # rank -> what those receives make
+        self._unflushed: set[int] = set()  # ranks given a deferred receive since their flush
         self.trace = None  # a trace.Recorder while tracing: this rank's client and dispatcher lanes
         self.log = None  # a trace.InstructionLog: GT's text log of the instruction stream
         self.trace_tick: Callable[[], None] | None = None  # called after each traced send
@@ -118,6 +128,8 @@ class Dispatcher:
 
     def enqueue(self, rank: int, ins: tuple, urgent: bool = True) -> None:
         """Into ``rank``'s next batch, which is sent early while the worker is idle."""
+        if self._deferred and rank in self._deferred and _reads(ins, self._deferred_ids[rank]):
+            self._undefer(rank)
         batch = self._batch[rank]
         batch.append(ins)
         if self.recording is not None:
@@ -129,6 +141,27 @@ class Dispatcher:
         alone = len(batch) - self._frees_in[rank] <= 1
         if len(batch) >= BATCH_MAX or ((urgent or not alone) and self._idle(rank)):
             self.flush(rank)
+
+    def defer(self, rank: int, ins: tuple) -> None:
+        """A receive, into ``rank``'s stream before the first instruction that reads it."""
+        self._deferred.setdefault(rank, []).append(ins)
+        self._deferred_ids.setdefault(rank, set()).add(ins[1])
+
+    def _undefer(self, rank: int) -> None:
+        """Every receive deferred on ``rank``, in the order asked (NCCL pairs a sender's sends
+        with a receiver's receives in order)."""
+        self._deferred_ids.pop(rank)
+        for ins in self._deferred.pop(rank):
+            self.enqueue(rank, ins, True)
+        self._unflushed.add(rank)
+
+    def settle_transfers(self) -> None:
+        """Before rank 0 waits for anything: every deferred receive sent to its worker (a
+        sender may be waiting for it)."""
+        for rank in list(self._deferred):
+            self._undefer(rank)
+        while self._unflushed:
+            self.flush(self._unflushed.pop())
 
     def upload(self, ins: tuple, host: torch.Tensor) -> None:
         """A contiguous CPU tensor, to the workers the 'upload' instruction ``ins`` makes it on:
@@ -163,6 +196,7 @@ class Dispatcher:
         start = _clock()
         rank, rid = self.placer.read_source(tensor_id, sig) if self.placer.active else \
             (self.home, tensor_id)
+        self.settle_transfers()
         link = self.links[rank]
         handle = link.start_read(buf)
         self._batch[rank].append(("read", None, (rid,), 0, None))
@@ -191,6 +225,7 @@ class Dispatcher:
 
     def post(self, word: str, args: tuple, ranks: list[int]) -> None:
         """A control word to each of ``ranks``, sent now, behind everything issued before."""
+        self.settle_transfers()
         for rank in ranks:
             self._batch[rank].append((word, None, args, 0, None))
             self.flush(rank)
@@ -210,7 +245,16 @@ class Dispatcher:
             return
         self._batch[rank] = []
         self._frees_in[rank] = 0
+        self._unflushed.discard(rank)
         if self._seq[rank] - self._acked[rank] >= MAX_INFLIGHT:
+            if self._deferred or self._unflushed:
+                # the worker may be waiting for a receive not yet sent: send those first (this
+                # batch may go with them)
+                self._batch[rank] = batch
+                self.settle_transfers()
+                batch, self._batch[rank] = self._batch[rank], []
+                if not batch:
+                    return
             start = _clock()
             wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None, self.watchdog)
             if rec is not None:
@@ -237,6 +281,8 @@ class Dispatcher:
             self._freeing(frees)
         by_rank = self.placer.free(frees) if self.placer.active else {self.home: frees}
         for r, ids in by_rank.items():
+            if r in self._deferred and not self._deferred_ids[r].isdisjoint(ids):
+                self._undefer(r)
             self._batch[r].append(("free", None, tuple(ids), 0, None))
             if self.recording is not None:
                 self.recording.add(r, self._batch[r][-1])
@@ -254,6 +300,7 @@ class Dispatcher:
         inside); frees the client owes are sent first, so that none of them is."""
         if self.frees:
             self._route_frees()
+        self.settle_transfers()  # a receive asked for before is not the program's
         self.recording = Recording(first_id, self.placer.new_temp())
         self._before = dict(self.placer.table)
         self._inserted_before = {k: tuple(v) for k, v in self.placer.inserted.items()}
@@ -270,6 +317,7 @@ class Dispatcher:
         somewhere: it cannot be replayed)."""
         if self.frees:
             self._route_frees()
+        self.settle_transfers()  # the program's receives are its own
         rec, self.recording = self.recording, None
         made, freed, read = rec.made_and_read()
         kept = sorted(made - freed - set(outputs))
@@ -331,6 +379,7 @@ class Dispatcher:
         received = _clock()
         if self.frees:
             self._route_frees()
+        self.settle_transfers()
         renames = tuple((out[0], new) for out, new in zip(program.outputs, fresh))
         mode = "plain"
         if program.graph is True:
@@ -413,6 +462,7 @@ class Dispatcher:
 
     def shutdown(self, timeout_s: float) -> list[int]:
         """Stop every worker; return the ranks that did not confirm within the timeout."""
+        self.settle_transfers()
         self.flush_all()
         for link in self.links.values():
             link.shutdown()
@@ -437,3 +487,16 @@ class Dispatcher:
             return False
         self._last_poll = now
         return self._poll(rank) == 0
+
+
+def _reads(ins: tuple, ids: set[int]) -> bool:
+    """Whether instruction ``ins`` uses any of ``ids`` (a free names them without a mask)."""
+    name, _, args, tmask, _ = ins
+    if name == "free":
+        return not ids.isdisjoint(args)
+    i = 0
+    while tmask >> i:
+        if tmask >> i & 1 and args[i] in ids:
+            return True
+        i += 1
+    return False

@@ -411,15 +411,17 @@ class Placer:
             whole = tid if have.kind == "R" else self._as(tid, sig, have.whole)
             self._start_plane()
             moved = self.new_temp()
-            sender = have.mesh[0]
+            # the whole tensor is on every member of have.mesh: they share the sending
+            receivers = [rank for rank in want.mesh if rank not in have.mesh]
             for rank in want.mesh:
                 if rank in have.mesh:
                     self._emit(rank, ("alias", moved, (whole,), 1, None))
-                else:
-                    self._emit(sender, ("send", (), (whole,), 1,
-                                        {"dst": rank, "shape": tuple(shape), "dtype": dtype}))
-                    self._emit(rank, ("recv", moved, (), 0,
-                                      {"shape": tuple(shape), "dtype": dtype, "src": sender}))
+                    continue
+                sender = have.mesh[receivers.index(rank) % len(have.mesh)]
+                self._emit(sender, ("send", (), (whole,), 1,
+                                    {"dst": rank, "shape": tuple(shape), "dtype": dtype}))
+                self._emit(rank, ("recv", moved, (), 0,
+                                  {"shape": tuple(shape), "dtype": dtype, "src": sender}))
             self.copies.setdefault(tid, {})[want.whole] = moved
             return moved if want == want.whole else self._convert(moved, sig, want.whole, want)
         if have.kind != "R" and want.kind != "R" and have.grid != want.grid:
@@ -625,15 +627,18 @@ class Placer:
         self.d.post("dist_init", ("nccl" if own_gpus else "gloo",), workers)
 
     def _emit(self, rank: int, ins: tuple) -> None:
-        """An instruction the program did not write (flagged so in traces)."""
-        self.d.enqueue(rank, ins, True)
-        if ins[0] in _COMM:
+        """An instruction the program did not write (flagged so in traces). A receive waits
+        in the dispatcher until an instruction uses it (Dispatcher.defer)."""
+        if ins[0] == "recv":
+            self.d.defer(rank, ins)
+        else:
+            self.d.enqueue(rank, ins, True)
+        if ins[0] in _COMM and ins[0] != "recv":  # a transfer counts once, at its sender
             self._touched.add(rank)
-            if ins[0] != "recv":  # a transfer counts once, at its sender
-                kw = ins[4]
-                entry = self.inserted.setdefault((self.site(), ins[0], self._asked > 0), [0, 0])
-                entry[0] += 1
-                entry[1] += _numel(kw["shape"]) * kw["dtype"].itemsize
+            kw = ins[4]
+            entry = self.inserted.setdefault((self.site(), ins[0], self._asked > 0), [0, 0])
+            entry[0] += 1
+            entry[1] += _numel(kw["shape"]) * kw["dtype"].itemsize
         rec = self.d.trace
         if rec is not None:
             oid = ins[1] if type(ins[1]) is int else -1

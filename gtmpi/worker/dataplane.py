@@ -39,6 +39,12 @@ class DataPlane:
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()  # (isend's work, its snapshot)
         self._work = None  # see take_work
         self._captured_sends: list | None = None  # while a CUDA graph is captured
+        # transfers to a higher rank go through a group of their own: NCCL runs one
+        # communicator's operations in order on one stream, so with both directions on one, a
+        # pipeline stage's receive of a gradient would wait behind its send of the next
+        # activation, which waits for the next stage to be done with the backward that sends
+        # that gradient
+        self._upward = None
 
     @property
     def started(self) -> bool:
@@ -69,6 +75,7 @@ class DataPlane:
                                 world_size=comm.Get_size(), **kw)
         self.groups[0] = dist.group.WORLD
         self.comms[0] = (comm, tuple(range(1, comm.Get_size() + 1)))
+        self._upward = dist.new_group(list(range(comm.Get_size())))
 
     def new_group(self, gid: int, ranks: tuple[int, ...]) -> None:
         """Every worker calls this for every group, in the same order (torch requires it)."""
@@ -161,12 +168,13 @@ class DataPlane:
         """Without waiting: the receiver takes it when its stream gets there. No results. A
         snapshot travels: later ops of this stream may change x in place before it has left."""
         x = x.clone(memory_format=torch.contiguous_format)
+        group = self._upward if dst > self.rank else None
         if self._captured_sends is not None:  # no event may be queried while capturing
-            self._captured_sends.append((dist.isend(x, dst - 1), x))
+            self._captured_sends.append((dist.isend(x, dst - 1, group=group), x))
             self._count("send", x)
             return ()
         sends = self._sends
-        sends.append((dist.isend(x, dst - 1), x))
+        sends.append((dist.isend(x, dst - 1, group=group), x))
         self._count("send", x)
         # gloo's work says it is completed only once waited for, so older sends are waited
         # for (their receivers were given the matching recv before this send was issued, so
@@ -182,7 +190,7 @@ class DataPlane:
 
     def recv(self, shape: tuple, dtype: torch.dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(x, src - 1)
+        dist.recv(x, src - 1, group=self._upward if src < self.rank else None)
         self._count("recv", x)
         return x
 

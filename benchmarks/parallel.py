@@ -1,0 +1,203 @@
+"""Every parallel layout of the GPT on the GPUs this machine has, each beside PyTorch's own
+way to run it, in one run:
+
+    python benchmarks/parallel.py                    # GPT-2 small, global batch 16
+    python benchmarks/parallel.py --size tiny --steps 6 --gpus 2    # a check on CPUs
+
+| layout         | gtmpi (examples/gpt/train.py + a config) | PyTorch (benchmarks/torch_peers.py) |
+| one GPU        | one worker                               | eager                               |
+| DP=n           | configs' data/weights signals            | DistributedDataParallel             |
+| TP=2           | configs/gpt_tp2.yaml (Megatron)          | DTensor's Megatron plan             |
+| PP=2           | configs/pipeline.yaml, 1F1B              | torch.distributed.pipelining 1F1B   |
+| TP=2 x PP=2    | configs/gpt_tp2_pp2.yaml, 1F1B           | (none here: Megatron-core is not    |
+|                |                                          |  installed, and torch has no recipe)|
+
+Each is a fresh process group (mpiexec for gtmpi, torch.distributed.run for PyTorch), run one
+after another on the same GPUs. Ratios are to one GPU of the same library: at the same global
+batch for TP and PP, at the same batch per GPU for DP (DP=n trains n times the batch). For the
+pipelines, a second, shorter gtmpi run records the workers' kernels (GTMPI_PROFILE): a stage's
+bubble is the part of its step with no computing kernel running (NCCL alone or idle), beside
+(p-1)/(m+p-1). Prints a table, then one JSON line of every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from gtmpi.trace import kernels  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="gpt2")
+    p.add_argument("--batch", type=int, default=16, help="global batch of TP and PP; DP: per GPU x 8/16")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--gpus", type=int, default=None, help="default: every GPU found")
+    p.add_argument("--logs", default=None, help="folder for every run's output")
+    args = p.parse_args()
+    gpus = args.gpus or _gpus()
+    logs = args.logs or tempfile.mkdtemp(prefix="parallel-")
+    os.makedirs(logs, exist_ok=True)
+    per_gpu = args.batch // 2  # DP rows: the batch per GPU of DP=2 at the global batch
+    rows = []
+
+    def layout(name: str, n: int, batch: int, config: str | None, peer: str | None,
+               one_batch: int, pipeline: tuple[int, int] | None = None) -> None:
+        if n > gpus:
+            return
+        g = _gtmpi(name, n, batch, config, args, logs)
+        t = _torch(name, peer, n, batch, args, logs) if peer else None
+        row = {"layout": name, "gpus": n, "batch": batch, "gtmpi": g, "torch": t,
+               "one_batch": one_batch}
+        if pipeline and g:
+            profile = os.path.join(logs, f"kernels-{name}")
+            _gtmpi(f"{name}-profiled", n, batch, config, args, logs, steps=16,
+                   env={"GTMPI_PROFILE": profile, "GTMPI_PROFILE_REPLAYS": "8:4"})
+            row["bubble"] = _bubble(profile)
+            p_, m = pipeline
+            row["bubble_expected"] = round((p_ - 1) / (m + p_ - 1), 3)
+        rows.append(row)
+
+    dp_configs = _write_dp_configs(logs, gpus)
+    layout("one GPU", 1, per_gpu, None, "one", per_gpu)
+    layout("one GPU", 1, args.batch, None, "one", args.batch)
+    for n in (2, 4, 8):
+        layout(f"DP={n}", n, per_gpu * n, dp_configs.get(n), "ddp", per_gpu)
+    layout("TP=2", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), "tp", args.batch)
+    layout("PP=2", 2, args.batch, os.path.join(ROOT, "configs/pipeline.yaml"), "pp", args.batch,
+           (2, args.micro_batches))
+    layout("TP=2 x PP=2", 4, args.batch, os.path.join(ROOT, "configs/gpt_tp2_pp2.yaml"), None,
+           args.batch, (2, args.micro_batches))
+    _report(rows, args)
+
+
+def _gpus() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True)
+        return max(1, len(out.stdout.strip().splitlines()))
+    except (OSError, subprocess.CalledProcessError):
+        return 2  # CPUs: workers as processes
+
+
+def _write_dp_configs(folder: str, gpus: int) -> dict[int, str]:
+    """configs/data_parallel.yaml's signals over n workers, for each n the GPUs allow."""
+    out = {}
+    for n in (2, 4, 8):
+        if n <= gpus:
+            path = os.path.join(folder, f"data_parallel{n}.yaml")
+            workers = list(range(n))
+            with open(path, "w") as f:
+                f.write(f"data:\n  shard: {{axis: 0, workers: {workers}}}\n"
+                        f"weights:\n  shard: {{workers: {workers}, replicated: true}}\n")
+            out[n] = path
+    return out
+
+
+def _run(name: str, cmd: list[str], env: dict, logs: str, timeout: int = 300) -> dict | None:
+    """One run's last JSON line, its output kept in logs/NAME.log (None if it failed)."""
+    path = os.path.join(logs, name.replace(" ", "").replace("=", "") + ".log")
+    with open(path, "w") as log:
+        try:
+            rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    lines = [line for line in open(path) if line.startswith("{")]
+    if rc != 0 or not lines:
+        print(f"{name}: failed (rc {rc}), see {path}", flush=True)
+        return None
+    return json.loads(lines[-1])
+
+
+def _gtmpi(name: str, n: int, batch: int, config: str | None, args, logs: str,
+           steps: int | None = None, env: dict | None = None) -> dict | None:
+    cmd = ["mpiexec", "--bind-to", "none", "-n", str(n + 1), sys.executable,
+           os.path.join(ROOT, "examples/gpt/train.py"), "--size", args.size, "--batch",
+           str(batch), "--steps", str(steps or args.steps), "--log-every", "100",
+           "--micro-batches", str(args.micro_batches)]
+    return _run(f"gtmpi {name} {batch}", cmd, {"GTMPI_PLACEMENT": "strict", **(env or {}),
+                                               **({"GTMPI_CONFIG": config} if config else {})},
+                logs)
+
+
+def _torch(name: str, peer: str, n: int, batch: int, args, logs: str) -> dict | None:
+    script = os.path.join(HERE, "torch_peers.py")
+    opts = ["--layout", peer, "--size", args.size, "--batch", str(batch), "--steps",
+            str(max(args.steps - 6, 3)), "--micro-batches", str(args.micro_batches)]
+    cmd = [sys.executable, script, *opts] if n == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(n), script, *opts]
+    return _run(f"torch {name} {batch}", cmd, {}, logs)
+
+
+def _bubble(folder: str) -> list[float] | None:
+    """Per worker: 1 - compute / step, from its kernel profile."""
+    out = []
+    for path in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        s = kernels.summarize(kernels.load(os.path.join(folder, path)), 4)
+        if s["kernels"]:
+            out.append(round(1 - s["compute_ms"] / s["step_ms"], 3))
+    return out or None
+
+
+def _report(rows: list[dict], args) -> None:
+    def one(lib: str, batch: int) -> float | None:
+        for r in rows:
+            if r["layout"] == "one GPU" and r["batch"] == batch and r[lib]:
+                return r[lib]["tokens_per_s"]
+        return None
+
+    print(f"\nGPT {args.size}, seq from the model, bf16 on GPUs, AdamW; tokens/s; ratios to one "
+          "GPU of the same library (DP: at the same batch per GPU)")
+    head = (f"{'layout':<13} {'GPUs':>4} {'batch':>5} {'gtmpi':>10} {'ratio':>6} {'torch':>10} "
+            f"{'ratio':>6} {'gtmpi GB':>8} {'torch GB':>8} {'instr':>6} {'graphs':>6} bubble")
+    print(head)
+    print("-" * len(head))
+    figures = []
+    for r in rows:
+        g, t = r["gtmpi"] or {}, r["torch"] or {}
+        g_one, t_one = one("gtmpi", r["one_batch"]), one("torch", r["one_batch"])
+        gr = g.get("tokens_per_s")
+        tr = t.get("tokens_per_s")
+        r["gtmpi_ratio"] = round(gr / g_one, 3) if gr and g_one else None
+        r["torch_ratio"] = round(tr / t_one, 3) if tr and t_one else None
+        bubble = (f"{', '.join(f'{b:.3f}' for b in r['bubble'])} (ideal "
+                  f"{r['bubble_expected']:.3f})" if r.get("bubble") else "")
+        print(f"{r['layout']:<13} {r['gpus']:>4} {r['batch']:>5} {_n(gr):>10} "
+              f"{_n(r['gtmpi_ratio'], 3):>6} {_n(tr):>10} {_n(r['torch_ratio'], 3):>6} "
+              f"{_n(g.get('peak_gb_per_gpu'), 2):>8} {_n(t.get('peak_gb_per_gpu'), 2):>8} "
+              f"{_n(g.get('instructions_per_step'), 0):>6} "
+              f"{_n(g.get('graph_launches_per_step'), 2):>6} {bubble}")
+        figures.append({"layout": r["layout"], "gpus": r["gpus"], "batch": r["batch"],
+                        "gtmpi_tokens_per_s": gr, "gtmpi_ratio": r["gtmpi_ratio"],
+                        "torch_tokens_per_s": tr, "torch_ratio": r["torch_ratio"],
+                        "gtmpi_peak_gb": g.get("peak_gb_per_gpu"),
+                        "torch_peak_gb": t.get("peak_gb_per_gpu"),
+                        "instructions_per_step": g.get("instructions_per_step"),
+                        "graph_launches_per_step": g.get("graph_launches_per_step"),
+                        "bubble": r.get("bubble"), "bubble_expected": r.get("bubble_expected"),
+                        "gtmpi_losses": (g.get("losses") or [])[-2:],
+                        "torch_losses": t.get("losses")})
+    print(json.dumps({"benchmark": "parallel", "size": args.size, "layouts": figures}))
+
+
+def _n(v, digits: int | None = None) -> str:
+    if v is None:
+        return "-"
+    if digits is None:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}f}"
+
+
+if __name__ == "__main__":
+    main()
