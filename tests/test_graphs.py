@@ -84,6 +84,37 @@ def test_outputs_held_across_launches_keep_their_values(monkeypatch):
     assert step.replays == 5
 
 
+def test_results_read_calls_later_and_changed_in_place_read_right(monkeypatch):
+    """A training loop's reads: each call's result read two calls later (on a GPU worker the
+    read waits only for the call that made it, not for the calls queued since), one changed
+    in place before its read, one through a view of it."""
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", GRAPHS)
+    w = gtmpi.ones(64, 64)
+
+    @gtmpi.replayable
+    def step(x):
+        y = x @ w
+        for _ in range(20):  # GPU work enough to be still queued when the read comes
+            y = (y @ w) / 64
+        return y.sum(), y[0, :2]
+
+    pending, read = [], []
+    for i in range(8):
+        pending.append(step(gtmpi.full((64, 64), float(i))))
+        if i == 5:
+            pending[-1][0].mul_(10)  # in place, after the call, before the read
+        if i == 6:
+            pending[-1][1].view(2, 1).add_(1)  # in place through a view
+        if len(pending) > 2:
+            total, head = pending.pop(0)
+            read.append((total.item(), head.tolist()))
+    read += [(t.item(), h.tolist()) for t, h in pending]
+    expect = [(float(i) * 64 * 64 * 64, [float(i) * 64] * 2) for i in range(8)]
+    expect[5] = (expect[5][0] * 10, expect[5][1])
+    expect[6] = (expect[6][0], [v + 1 for v in expect[6][1]])
+    assert read == expect
+
+
 def test_a_worker_that_cannot_capture_makes_every_one_replay_op_by_op(monkeypatch):
     if HOME_DEVICE.type == "cuda":
         pytest.skip("an index out of range is a device-side assert on a GPU")

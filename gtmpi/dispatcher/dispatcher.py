@@ -128,8 +128,15 @@ class Dispatcher:
 
     def enqueue(self, rank: int, ins: tuple, urgent: bool = True) -> None:
         """Into ``rank``'s next batch, which is sent early while the worker is idle."""
-        if self._deferred and rank in self._deferred and _reads(ins, self._deferred_ids[rank]):
-            self._undefer(rank)
+        if self._deferred and rank in self._deferred:
+            waiting = self._deferred_ids[rank]
+            if ins[0] == "alias" and ins[2][0] in waiting:
+                # a name for what is still to be received (signal.tensor's copy): it waits too
+                self._deferred[rank].append(ins)
+                waiting.add(ins[1])
+                return
+            if _reads(ins, waiting):
+                self._undefer(rank)
         batch = self._batch[rank]
         batch.append(ins)
         if self.recording is not None:

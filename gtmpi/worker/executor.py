@@ -90,6 +90,12 @@ class Executor:
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture
         self.profiler = KernelProfiler.from_env(rank, device)  # GTMPI_PROFILE (worker/profiler.py)
+        # GPU: what a replayed call made -> (an event recorded after the call, the tensor). A
+        # read of one (a loss read a step or two later) waits for that event on a stream of
+        # its own rather than for all the GPU was given since: this host is then free to
+        # launch the next step before the GPU runs dry. An in-place write drops the entry.
+        self.ready: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._read_stream = None
 
     def run(self, batch: list[tuple]) -> None:
         self._execute(batch)
@@ -149,6 +155,8 @@ class Executor:
                 env[out] = res
             else:
                 env.update(zip(out, res))
+            if self.ready and (op.kind is Kind.INPLACE or op.kind is Kind.COMM):
+                self._written(res)
             if op.kind is Kind.COMM:
                 work = self.plane.take_work()
                 if work is not None:
@@ -157,6 +165,16 @@ class Executor:
                     self._note_comm(name, args, kw, res)
         if marks is not None:
             self._gpu_countdown = countdown
+
+    def _written(self, res) -> None:
+        """An op wrote ``res`` in place: what shares its memory is no longer final where its
+        event says."""
+        written = {t.untyped_storage().data_ptr() for t in
+                   (res if isinstance(res, (tuple, list)) else (res,))
+                   if isinstance(t, torch.Tensor)}
+        for i, (_, t) in list(self.ready.items()):
+            if t.untyped_storage().data_ptr() in written:
+                del self.ready[i]
 
     def _stand_in(self, op, kw: dict) -> None:
         """An operand of a collective failed here: take part with zeros all the same (the
@@ -234,12 +252,18 @@ class Executor:
 
     def _upload(self, out: int, args: tuple) -> None:
         shape, dtype = args
-        host = torch.empty(shape, dtype=dtype)
+        gpu = self.device.type == "cuda"
+        # pinned, so that the copy joins the stream without waiting for it: a copy from
+        # pageable memory holds this host until the GPU has finished all it was given, and
+        # the next step's graph is launched only after it (the GPU idles meanwhile). torch's
+        # pinned-memory cache keeps the buffer until the copy is done.
+        host = torch.empty(shape, dtype=dtype, pin_memory=gpu)
         self.link.recv_upload(as_bytes(host))
         self.stats["bytes_received"] += host.nbytes
         if self.trace is not None:
             self.trace.annotate(nbytes=host.nbytes, peer=0)
-        self.env[out] = host if self.device.type == "cpu" else host.to(self.device)
+        self.env[out] = host.to(self.device, non_blocking=True) if gpu else \
+            host if self.device.type == "cpu" else host.to(self.device)
 
     def _read(self, out, args: tuple) -> None:
         (tid,) = args
@@ -251,7 +275,10 @@ class Executor:
             self.link.send_read_fault(fault or skipped)
             return
         try:  # on a GPU this waits for the work, so asynchronous device errors surface here
-            host = self.env[tid].contiguous().cpu()
+            t = self.env[tid]
+            made = self.ready.get(tid)
+            host = self._read_after(t, made[0]) if made is not None and made[1] is t else \
+                t.contiguous().cpu()
         except Exception as e:
             self.link.send_read_fault(self._fault(tid, "read", e))
             return
@@ -260,12 +287,36 @@ class Executor:
         if self.trace is not None:
             self.trace.annotate(nbytes=host.nbytes, peer=0, id=tid)
 
+    def _read_after(self, t: torch.Tensor, event: Any) -> torch.Tensor:
+        """``t`` copied to the host once ``event`` has passed, on a stream of its own."""
+        if self._read_stream is None:
+            self._read_stream = torch.cuda.Stream(self.device)
+        stream = self._read_stream
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            stream.wait_event(event)
+            host.copy_(t, non_blocking=True)
+        stream.synchronize()
+        return host
+
+    def _note_ready(self, ids) -> None:
+        """What ``ids`` hold now is final once the GPU gets past this point."""
+        event = torch.cuda.Event()
+        event.record()
+        env = self.env
+        for i in ids:
+            t = env.get(i)
+            if t is not None:
+                self.ready[i] = (event, t)
+
     def _free(self, out, ids: tuple) -> None:
         env, poison = self.env, self.poison
         for i in ids:
             if env.pop(i, None) is None:
                 poison.pop(i, None)
             self.waits.pop(i, None)  # what the collective writes is kept alive by its work
+            if self.ready:
+                self.ready.pop(i, None)
         if self.trace is not None:
             self.trace.annotate(count=len(ids))
 
@@ -303,6 +354,8 @@ class Executor:
             self._try_capture(key, binds, renames, seeds, self._cuda_backend)
         else:
             self._run_program(self._instructions(key, seeds), binds, renames)
+        if self.device.type == "cuda" and mode != "capture":
+            self._note_ready(new for _, new in renames)
         if self.trace is not None:
             self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, _clock(), mode,
                              key, count=len(self.programs[key]))
@@ -437,6 +490,8 @@ class Executor:
             self._launch(captured, binds, renames, seeds)
         else:
             self._run_program(self._instructions(key, seeds), binds, renames)
+        if self.device.type == "cuda":
+            self._note_ready(new for _, new in renames)
 
     def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple, seeds) -> None:
         """One call of a captured program: inputs into its static buffers, the graph launched,
@@ -462,7 +517,9 @@ class Executor:
                                                  f"tensor {tid} is not the one captured")
         outputs = tuple(recorded for recorded, _ in renames)
         if captured.outputs:
-            captured.copy_out(env)
+            copied = captured.copy_out(env)
+            if copied and self.ready:
+                self._note_ready(i for i in copied if i in self.ready)
         captured.handle.seed(seeds)
         captured.handle.replay(env, outputs)
         if not captured.outputs:  # the first launch: its outputs are the graph's for good
@@ -501,7 +558,7 @@ class Executor:
         serves every worker."""
         env, poison, waits = self.env, self.poison, self.waits
         for a, b in pairs:
-            for table in (env, poison, waits):
+            for table in (env, poison, waits, self.ready):
                 if a in table:
                     table[b] = table[a] if keep else table.pop(a)
 

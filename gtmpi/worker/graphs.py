@@ -141,22 +141,27 @@ class Captured:
         self._storages = {t.untyped_storage().data_ptr(): t for t in self.outputs.values()}
         self._uses = {ptr: _uses(t) for ptr, t in self._storages.items()}
 
-    def copy_out(self, env: dict[int, Any]) -> None:
+    def copy_out(self, env: dict[int, Any]) -> list[int]:
         """Before a launch: what still holds the last launch's outputs (the ids they were handed
-        out under, or views made of them since) gets copies, since the launch rewrites them."""
+        out under, or views made of them since) gets copies, since the launch rewrites them.
+        Returns the ids copied."""
         statics = {id(t) for t in self.outputs.values()}
+        copied = []
         for tid in self.handed:
             t = env.get(tid)
             if t is not None and id(t) in statics:
                 env[tid] = t.clone()
+                copied.append(tid)
         self.handed = []
         grown = {ptr for ptr, t in self._storages.items() if _uses(t) > self._uses[ptr]}
         if not grown:
-            return
+            return copied
         for tid, t in list(env.items()):
             if isinstance(t, torch.Tensor) and id(t) not in statics and \
                     t.untyped_storage().data_ptr() in grown:
                 env[tid] = t.clone()
+                copied.append(tid)
+        return copied
 
 
 def _uses(t: torch.Tensor) -> int:
