@@ -131,12 +131,18 @@ class Dispatcher:
         if self._deferred and rank in self._deferred:
             waiting = self._deferred_ids[rank]
             if ins[0] == "alias" and ins[2][0] in waiting:
-                # a name for what is still to be received (signal.tensor's copy): it waits too
+                # a name for what is still to be received (signal.tensor's copy): it waits too,
+                # and so does the free of the name it replaces
                 self._deferred[rank].append(ins)
                 waiting.add(ins[1])
                 return
+            if ins[0] == "free" and waiting.issuperset(ins[2]):
+                self._deferred[rank].append(ins)
+                return
             if _reads(ins, waiting):
-                self._undefer(rank)
+                pending = self._deferred[rank]
+                self._undefer(rank, 1 + max(j for j, d in enumerate(pending)
+                                            if d[0] != "free" and _reads(ins, {d[1]})))
         batch = self._batch[rank]
         batch.append(ins)
         if self.recording is not None:
@@ -154,19 +160,24 @@ class Dispatcher:
         self._deferred.setdefault(rank, []).append(ins)
         self._deferred_ids.setdefault(rank, set()).add(ins[1])
 
-    def _undefer(self, rank: int) -> None:
-        """Every receive deferred on ``rank``, in the order asked (NCCL pairs a sender's sends
-        with a receiver's receives in order)."""
-        self._deferred_ids.pop(rank)
-        for ins in self._deferred.pop(rank):
+    def _undefer(self, rank: int, count: int | None = None) -> None:
+        """The first ``count`` instructions deferred on ``rank`` (all by default), in the order
+        asked: NCCL pairs a sender's sends with a receiver's receives in order."""
+        pending = self._deferred.pop(rank)
+        del self._deferred_ids[rank]
+        rest = pending[len(pending) if count is None else count:]
+        if rest:
+            self._deferred[rank] = rest
+            self._deferred_ids[rank] = {ins[1] for ins in rest if ins[0] != "free"}
+        for ins in pending[:len(pending) - len(rest)]:
             self.enqueue(rank, ins, True)
         self._unflushed.add(rank)
 
     def settle_transfers(self) -> None:
         """Before rank 0 waits for anything: every deferred receive sent to its worker (a
         sender may be waiting for it)."""
-        for rank in list(self._deferred):
-            self._undefer(rank)
+        while self._deferred:
+            self._undefer(next(iter(self._deferred)))
         while self._unflushed:
             self.flush(self._unflushed.pop())
 
@@ -289,7 +300,7 @@ class Dispatcher:
         by_rank = self.placer.free(frees) if self.placer.active else {self.home: frees}
         for r, ids in by_rank.items():
             if r in self._deferred and not self._deferred_ids[r].isdisjoint(ids):
-                self._undefer(r)
+                self._undefer(r)  # rare (a transfer dropped unused): all of them
             self._batch[r].append(("free", None, tuple(ids), 0, None))
             if self.recording is not None:
                 self.recording.add(r, self._batch[r][-1])
