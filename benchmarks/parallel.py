@@ -141,13 +141,16 @@ def _torch(name: str, peer: str, n: int, batch: int, args, logs: str) -> dict | 
 
 
 def _bubble(folder: str) -> list[float] | None:
-    """Per worker: 1 - compute / step, from its kernel profile."""
-    out = []
-    for path in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        s = kernels.summarize(kernels.load(os.path.join(folder, path)), 4)
-        if s["kernels"]:
-            out.append(round(1 - s["compute_ms"] / s["step_ms"], 3))
-    return out or None
+    """Per worker: the part of the time every worker was recording (several whole steps) in
+    which it ran no computing kernel, from the kernel profiles."""
+    if not os.path.isdir(folder):
+        return None
+    profiles = [kernels.load(os.path.join(folder, f)) for f in sorted(os.listdir(folder))]
+    profiles = [k for k in profiles if k]
+    if not profiles:
+        return None
+    lo, hi = kernels.shared_window(profiles)
+    return [round(1 - kernels.fractions(k, lo, hi)["compute"], 3) for k in profiles]
 
 
 def _report(rows: list[dict], args) -> None:

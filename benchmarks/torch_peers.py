@@ -78,10 +78,14 @@ def main() -> None:
             loss.backward()
             return loss.detach()
 
-    decay = [q for q in params if q.ndim >= 2]
-    rest = [q for q in params if q.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": rest, "weight_decay": 0.0}], lr=6e-4, betas=(0.9, 0.95))
+    # the Megatron plan leaves some parameters plain tensors, and AdamW's multi-tensor kernels
+    # take no mix of those and DTensors: a group each
+    from torch.distributed.tensor import DTensor
+    groups = [{"params": [q for q in params if (q.ndim >= 2) == decay
+                          and isinstance(q, DTensor) == dtensor],
+               "weight_decay": 0.1 if decay else 0.0}
+              for decay in (True, False) for dtensor in (True, False)]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=6e-4, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(1 + (rank if args.layout == "ddp" else 0))
     data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in
             torch.randint(0, c.vocab, (4, local_batch, c.seq + 1), generator=gen).to(device)]

@@ -501,5 +501,14 @@ def test_kernel_profile_splits_a_step_into_compute_nccl_and_idle(tmp_path, capsy
     out = capsys.readouterr().out
     line = json.loads(out.strip().splitlines()[-1])["worker1"]
     assert line == {"step_ms": 1.0, "compute_ms": 0.65, "nccl_only_ms": 0.2, "idle_ms": 0.15,
-                    "nccl_ms": 0.3}
+                    "nccl_ms": 0.3, "shared": {"compute": 0.65, "nccl_only": 0.2, "idle": 0.15}}
+    # a second worker that started recording 500 µs later: the shared window is 500-2000 µs,
+    # the second half of worker 1's first step and all its second; worker 2's first step and
+    # the first half of its second (its matmul)
+    late = [{**e, "ts": e["ts"] + 500} for e in events if e["cat"] == "kernel"]
+    (tmp_path / "worker2.json").write_text(json.dumps({"traceEvents": late}))
+    assert kernels.main([str(tmp_path), "--steps", "2"]) == 0
+    lines = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert lines["worker1"]["shared"] == {"compute": 0.5333, "nccl_only": 0.2667, "idle": 0.2}
+    assert lines["worker2"]["shared"] == {"compute": 0.7667, "nccl_only": 0.1333, "idle": 0.1}
     assert "nccl AllReduce" in out and "nccl SendRecv" in out and "Kernel2" in out

@@ -217,7 +217,7 @@ def main() -> None:
         # the step for replay, the fourth for capturing it as a CUDA graph on GPUs
         if step == min(start + 4, end_at - 1):
             gtmpi.synchronize()
-            stats_before = gtmpi.debug.worker_stats(reset_peak=True)
+            stats_before = gtmpi.debug.worker_stats()
             timed_from, clock = step, time.perf_counter()
         x, y = put_batch(*batch(train, args.batch, seq, args.seed, step))
         opt.zero_grad(set_to_none=True)
@@ -275,7 +275,8 @@ def _rate(timed_from: int | None, clock: float, step: int, tokens: int) -> float
 
 def _per_step(before: dict, after: dict, steps: int) -> dict:
     """Over the timed steps, the busiest worker's: instructions and CUDA graph launches per
-    step, and its GPU's peak memory (None on CPUs)."""
+    step; and the largest peak of GPU memory of any worker since the start (the memory of a
+    CUDA graph is taken at its capture; None on CPUs)."""
     def most(key: str) -> float:
         return max((after[r][key] - before[r][key]) / steps for r in after)
     peaks = [s.get("peak_bytes") for s in after.values()]

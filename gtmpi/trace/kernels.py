@@ -7,6 +7,12 @@ kernels that took the time.
 A step's time splits into: compute (some non-NCCL kernel running), NCCL alone (only a
 collective or a send/receive running: moving bytes, or waiting for a peer, which a pipeline
 stage does in its bubble) and idle (no kernel: the host had not launched the next one).
+
+Each worker's window starts when that worker reaches its FIRST-th call, so a worker that
+gets there early spends its first step waiting for the others (their profilers starting).
+The split is therefore given twice: per step of the worker's own window, and as fractions of
+the shared window, the time every worker was recording (what a pipeline's bubble is read
+from).
 """
 from __future__ import annotations
 
@@ -69,6 +75,22 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int) -> dict:
                           key=lambda r: -r[3])}
 
 
+def shared_window(profiles: list[list[tuple[float, float, str]]]) -> tuple[float, float]:
+    """The time every profile was recording: from the latest first kernel to the earliest
+    last one."""
+    return (max(k[0][0] for k in profiles if k), min(max(e for _, e, _ in k) for k in profiles if k))
+
+
+def fractions(kernels: list[tuple[float, float, str]], lo: float, hi: float) -> dict:
+    """Compute, NCCL alone and idle as fractions of [lo, hi] (kernels clipped to it)."""
+    inside = [(max(s, lo), min(e, hi), n) for s, e, n in kernels if e > lo and s < hi]
+    busy = union((s, e) for s, e, _ in inside)
+    compute = union((s, e) for s, e, n in inside if "nccl" not in n.lower())
+    span = hi - lo
+    return {"compute": compute / span, "nccl_only": (busy - compute) / span,
+            "idle": (span - busy) / span}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no worker*.json in {args.directory}", file=sys.stderr)
         return 1
     lines = {}
-    for path in files:
-        worker = os.path.basename(path)[:-5]
-        s = summarize(load(path), args.steps)
+    profiles = {os.path.basename(path)[:-5]: load(path) for path in files}
+    lo, hi = shared_window(list(profiles.values()))
+    if hi > lo:
+        print(f"shared window {(hi - lo) / 1000:.2f} ms")
+    for worker, recorded in profiles.items():
+        s = summarize(recorded, args.steps)
         if not s["kernels"]:
             print(f"{worker}: no kernels recorded")
             continue
@@ -94,10 +119,16 @@ def main(argv: list[str] | None = None) -> int:
               f"NCCL alone {s['nccl_only_ms']:.2f} + idle {s['idle_ms']:.2f} "
               f"(NCCL kernels {s['nccl_ms']:.2f} ms in all; {s['kernels'] / args.steps:.0f} "
               "kernels per step)")
+        shared = fractions(recorded, lo, hi) if hi > lo else None
+        if shared:
+            print(f"  of the shared window: compute {shared['compute']:.3f}, NCCL alone "
+                  f"{shared['nccl_only']:.3f}, idle {shared['idle']:.3f}")
+            s["shared"] = {k: round(v, 4) for k, v in shared.items()}
         print(f"  {'kernel':60s} {'per step':>8s} {'avg µs':>8s} {'ms/step':>8s}")
         for name, count, avg, total in s["top"][:args.top]:
             print(f"  {name:60s} {count:8.1f} {avg:8.1f} {total:8.2f}")
-        lines[worker] = {k: round(v, 3) for k, v in s.items() if k not in ("top", "kernels")}
+        lines[worker] = {k: v if k == "shared" else round(v, 3) for k, v in s.items()
+                         if k not in ("top", "kernels")}
     print(json.dumps({"kernel_profile": args.directory, "steps": args.steps, **lines}))
     return 0
 
