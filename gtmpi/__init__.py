@@ -7,11 +7,15 @@ worker inside the process, or n spawned ones after ``gtmpi.workers(n)``.
 from __future__ import annotations
 
 import builtins as _builtins
+import difflib as _difflib
 import sys as _sys
+import warnings as _warnings
 
 import torch as _torch
 
-from . import cuda, debug, nn, optim, pipeline, trace
+from . import amp, backends, cuda, debug, nn, optim, pipeline, trace, utils
+from .amp import autocast
+from .backends import get_float32_matmul_precision, set_float32_matmul_precision
 from . import signals as signal
 from .checkpoint import load, save
 from .autograd import (enable_grad, inference_mode, is_grad_enabled, no_grad,
@@ -49,6 +53,43 @@ get_default_dtype, set_default_dtype = _torch.get_default_dtype, _torch.set_defa
 gpu_workers = workers
 
 Tensor.__torch_function__ = _torch_function(_sys.modules[__name__], nn.functional)
+
+
+def compile(model=None, **options):
+    """torch.compile's place: a function (a training step) becomes gtmpi.replayable, recorded
+    once and replayed by the workers, as CUDA graphs on GPUs. A Module is returned as it is,
+    with a warning: its forward alone cannot be replayed (the backward runs outside it);
+    decorate the step that calls it and its backward instead. torch's options are accepted."""
+    if model is None:  # @gtmpi.compile(mode=...)
+        return lambda fn: compile(fn, **options)
+    if isinstance(model, nn.Module):
+        _warnings.warn("gtmpi.compile(module) returns the module unchanged: decorate the "
+                       "training step (forward and backward) with gtmpi.replayable or "
+                       "gtmpi.compile to have it replayed", stacklevel=2)
+        return model
+    return replayable(model)
+
+
+# what a torch program may reach for that gtmpi has under another name
+_INSTEAD = {"as_tensor": "gtmpi.tensor", "asarray": "gtmpi.tensor", "from_dlpack": "gtmpi.tensor",
+            "Generator": "gtmpi.manual_seed (each worker has its generator)",
+            "jit": "gtmpi.replayable (a step recorded once, replayed by the workers)",
+            "distributed": "a config's signals (gtmpi.signal, GTMPI_CONFIG): gtmpi places "
+                           "tensors itself, no process group is the program's"}
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if name in _INSTEAD:
+        raise AttributeError(f"module 'gtmpi' has no attribute '{name}': use {_INSTEAD[name]}")
+    near = _difflib.get_close_matches(name, [n for n in globals() if not n.startswith("_")], 3)
+    hint = f"; did you mean {', '.join(near)}?" if near else ""
+    if hasattr(_torch, name):
+        raise AttributeError(f"module 'gtmpi' has no attribute '{name}': torch.{name} has no "
+                             f"gtmpi counterpart yet (run it on host tensors from "
+                             f"t.cpu_torch()){hint}")
+    raise AttributeError(f"module 'gtmpi' has no attribute '{name}'{hint}")
 
 
 def synchronize() -> None:

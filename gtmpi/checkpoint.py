@@ -28,5 +28,9 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     torch.save(_map(obj, lambda t: t.cpu_torch().clone(), Tensor), path)
 
 
-def load(path: str | os.PathLike) -> Any:
-    return _map(torch.load(path, map_location="cpu", weights_only=True), tensor, torch.Tensor)
+def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool = True,
+         mmap: bool | None = None, **pickle_load_args: Any) -> Any:
+    """torch.load's arguments; map_location is accepted and moves nothing (where tensors live
+    is the runtime's choice): every tensor read is uploaded to the workers."""
+    return _map(torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap,
+                           **pickle_load_args), tensor, torch.Tensor)

@@ -2,6 +2,9 @@
 itself needs no GPU)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from . import amp as _amp
 from .client.runtime import runtime
 
 
@@ -28,3 +31,9 @@ def manual_seed(seed: int) -> None:
 
 
 manual_seed_all = manual_seed
+
+
+# torch.cuda.amp's names (deprecated in torch for torch.amp, still what many scripts use)
+amp = SimpleNamespace(autocast=lambda dtype=None, enabled=True, cache_enabled=None:
+                      _amp.autocast("cuda", dtype, enabled, cache_enabled),
+                      GradScaler=lambda *args, **kwargs: _amp.GradScaler("cuda", *args, **kwargs))

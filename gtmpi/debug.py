@@ -11,7 +11,8 @@ def worker_stats(reset_peak: bool = False) -> dict[int, dict]:
     on a GPU torch's ``peak_bytes`` allocated and ``reserved_bytes`` and
     ``peak_reserved_bytes``), the whole process's resident size now and at peak
     (``rss_bytes``, ``peak_rss_bytes``), sends still in flight between workers
-    (``sends_in_flight``, ``send_bytes_held``), collectives run.
+    (``sends_in_flight``, ``send_bytes_held``), collectives run, torch's kernel
+    ``settings`` there (gtmpi.backends).
     ``reset_peak``: start the GPU peaks afresh after this reading, as
     torch.cuda.reset_peak_memory_stats does."""
     from .client.runtime import runtime

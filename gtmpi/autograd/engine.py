@@ -244,6 +244,10 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
             for operand, g in zip(node.operands, results):
                 if not getattr(operand, "requires_grad", False):
                     continue
+                if g is not None and g.dtype != operand.dtype:
+                    # an operand promoted by the op (bf16 + float32 under autocast) gets its
+                    # gradient in its own dtype, as torch's engine casts it
+                    g = g.to(operand.dtype)
                 if operand._node is None:
                     if g is not None:
                         if operand.grad is not None and id(operand) not in deferred:

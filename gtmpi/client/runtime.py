@@ -30,6 +30,7 @@ from ..dispatcher import Dispatcher
 from ..signals.config import load
 from .signalbook import SignalBook
 from ..errors import Fault, WorkerError
+from ..ops import settings
 from ..ops.table import Seed, derive_seed
 from ..transport import ending
 from ..transport.ending import alive
@@ -64,6 +65,7 @@ class Runtime:
         self.thread: threading.Thread | None = None  # the program thread it serves
         self.thread_id: int | None = None
         self.tracing = None  # a recording.session.TraceRun while a trace records
+        self.autocast = None  # an amp.Region while gtmpi.autocast is on
         # while a replayable call is recorded (client/replay.py): id(leaf) -> (leaf, the
         # gradient it had before backward gave it one)
         self.leaves: dict[int, tuple] | None = None
@@ -201,6 +203,11 @@ class Runtime:
         for fault in self.dispatcher.ask_all("sync", Tag.SYNC).values():
             if fault is not None and not self._told(fault):
                 raise self.error(fault)
+
+    def set_backend(self, name: str, value: Any) -> None:
+        """A torch kernel setting (ops/settings.py), on rank 0 and on every worker."""
+        settings.apply(name, value)
+        self.dispatcher.post("backend", (name, value), sorted(self.workers))
 
     def worker_stats(self, reset_peak: bool = False) -> dict[int, dict]:
         return self.dispatcher.ask_all("stats", Tag.STATS, (reset_peak,))

@@ -508,6 +508,10 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     and the index ``key`` are replaced (a boolean mask becomes index vectors of its true count).
     """
     rt = runtime()
+    if rt.autocast is not None:  # gtmpi.autocast: operands cast as torch's lists say
+        cast = rt.autocast.operands(name, args)
+        if cast is not None:
+            args = cast
     issued = _clock() if rt.dispatcher.trace is not None else 0
     tmask = 0
     wire = []

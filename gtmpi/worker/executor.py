@@ -32,6 +32,7 @@ from ..recording.recorder import Recorder
 from ..transport.tags import Tag
 from . import graphs
 from .profiler import KernelProfiler
+from ..ops import settings
 
 _clock = time.perf_counter_ns
 _ABSENT = object()
@@ -73,7 +74,8 @@ class Executor:
                          "trace": self._trace, "dist_init": self._dist_init,
                          "new_group": self._new_group, "agree": self._agree,
                          "program": self._program, "replay": self._replay,
-                         "commit": self._commit, "rename": self._rename}
+                         "commit": self._commit, "rename": self._rename,
+                         "backend": lambda out, args: settings.apply(*args)}
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         self._inject = {Kind.CREATE: {"device": device}}  # keyword arguments by kind of op
         self.trace: Recorder | None = None  # while a trace runs
@@ -576,7 +578,8 @@ class Executor:
         held = self.plane.held() if self.plane else {}
         self.link.reply(Tag.STATS, {**self.stats, "rank": self.rank, "device": str(self.device),
                                     "tensors": len(self.env), **self.memory(), **held,
-                                    "collectives": comm})
+                                    "collectives": comm,
+                                    "settings": {n: settings.current(n) for n in settings.NAMES}})
         if args and args[0] and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
