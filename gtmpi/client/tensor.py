@@ -373,6 +373,13 @@ class Tensor:
     def cuda(self, device: Any = None) -> Tensor:
         return self
 
+    def pin_memory(self, device: Any = None) -> Tensor:
+        """Itself: its data is on the workers already (uploads are pinned there)."""
+        return self
+
+    def is_pinned(self, device: Any = None) -> bool:
+        return False
+
     def type_as(self, other: Tensor) -> Tensor:
         return self.to(other.dtype)
 
