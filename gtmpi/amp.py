@@ -23,19 +23,26 @@ import torch
 
 from .client.dtypes import bfloat16, float16, float32
 from .client.runtime import runtime
+from .ops.table import OPS
 
-# the table's ops by torch's autocast lists (matmul covers mm, bmm and matmul; linear and
-# addmm are their own rows)
-LOWER = frozenset({"matmul", "linear", "einsum", "conv1d", "conv2d", "addmm", "baddbmm",
-                   "scaled_dot_product_attention"})
-FLOAT32 = {
-    "cuda": frozenset({"layer_norm", "softmax", "log_softmax", "cross_entropy", "nll_loss",
-                       "mse_loss", "binary_cross_entropy_with_logits", "logsumexp", "exp",
-                       "log", "log1p", "expm1", "rsqrt", "reciprocal", "pow", "sum", "prod",
-                       "cumsum", "norm"}),
-    "cpu": frozenset({"cross_entropy", "nll_loss", "mse_loss", "binary_cross_entropy",
-                      "binary_cross_entropy_with_logits", "prod"}),
-}
+# torch's autocast lists (ATen/autocast_mode.h of torch 2.13: LOWER_PRECISION_FP, FP32 and
+# FP32_SET_OPT_DTYPE for CUDA; autocast_mode.cpp's CPU registrations), kept to the table's ops.
+# cross_entropy is torch's log_softmax and nll_loss, both on the float32 lists.
+_TORCH_LOWER = {"conv1d", "conv2d", "conv3d", "addmm", "matmul", "einsum", "mm", "linear",
+                "baddbmm", "bmm", "scaled_dot_product_attention"}
+_TORCH_FLOAT32_CUDA = {"acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2",
+                       "log1p", "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus",
+                       "layer_norm", "rms_norm", "group_norm", "nll_loss", "kl_div", "l1_loss",
+                       "smooth_l1_loss", "huber_loss", "mse_loss",
+                       "binary_cross_entropy_with_logits", "logsumexp", "prod", "softmax",
+                       "log_softmax", "cumprod", "cumsum", "vector_norm", "sum",
+                       "cross_entropy"}
+_TORCH_FLOAT32_CPU = {"prod", "mse_loss", "nll_loss", "binary_cross_entropy",
+                      "binary_cross_entropy_with_logits", "l1_loss", "smooth_l1_loss",
+                      "huber_loss", "kl_div", "cross_entropy"}
+LOWER = frozenset(_TORCH_LOWER & set(OPS))
+FLOAT32 = {"cuda": frozenset(_TORCH_FLOAT32_CUDA & set(OPS)),
+           "cpu": frozenset(_TORCH_FLOAT32_CPU & set(OPS))}
 DEFAULT_DTYPE = {"cuda": float16, "cpu": bfloat16}
 
 
