@@ -76,6 +76,20 @@ def test_faults_are_counted_in_worker_stats():
     del bad
 
 
+def test_worker_host_time_is_counted_per_instruction():
+    """benchmarks/dispatch.py (e) divides it by the instructions run between two readings."""
+    home = min(gtmpi.info()["workers"])
+    before = gtmpi.debug.worker_stats()[home]
+    x = gtmpi.zeros(64, 64)
+    for _ in range(200):
+        x = x + 1.0
+    assert x[0, 0].item() == 200.0
+    after = gtmpi.debug.worker_stats()[home]
+    ops = after["ops"] - before["ops"]
+    assert ops >= 200
+    assert 0 < after["exec_ns"] - before["exec_ns"] < ops * 10_000_000  # under 10 ms each
+
+
 
 def _both(lib):
     """The same wrong input, written for gtmpi and for torch (lib.nn.functional, lib.optim)."""

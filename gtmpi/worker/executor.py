@@ -68,7 +68,7 @@ class Executor:
         # reads, stats, ...), not ops of the table
         self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
                       "bytes_received": 0, "bytes_sent": 0, "graph_launches": 0,
-                      "graphed_ops": 0}
+                      "graphed_ops": 0, "exec_ns": 0}  # exec_ns: host time in batches
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
@@ -100,7 +100,9 @@ class Executor:
         self._read_stream = None
 
     def run(self, batch: list[tuple]) -> None:
+        start = time.perf_counter_ns()
         self._execute(batch)
+        self.stats["exec_ns"] += time.perf_counter_ns() - start
         rec = self.trace
         if rec is not None:
             rec.marks.append((_clock(), None, None))
