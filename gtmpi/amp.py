@@ -27,16 +27,17 @@ from .ops.table import OPS
 
 # torch's autocast lists (ATen/autocast_mode.h of torch 2.13: LOWER_PRECISION_FP, FP32 and
 # FP32_SET_OPT_DTYPE for CUDA; autocast_mode.cpp's CPU registrations), kept to the table's ops.
-# cross_entropy is torch's log_softmax and nll_loss, both on the float32 lists.
+# CPU registers cross_entropy as float32.
 _TORCH_LOWER = {"conv1d", "conv2d", "conv3d", "addmm", "matmul", "einsum", "mm", "linear",
                 "baddbmm", "bmm", "scaled_dot_product_attention"}
+# On CUDA torch registers no rule for cross_entropy: F.cross_entropy takes torch's composite
+# there (nn/functional.py), log_softmax in the logits' dtype, then nll_loss in float32.
 _TORCH_FLOAT32_CUDA = {"acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2",
                        "log1p", "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus",
                        "layer_norm", "rms_norm", "group_norm", "nll_loss", "kl_div", "l1_loss",
                        "smooth_l1_loss", "huber_loss", "mse_loss",
                        "binary_cross_entropy_with_logits", "logsumexp", "prod", "softmax",
-                       "log_softmax", "cumprod", "cumsum", "vector_norm", "sum",
-                       "cross_entropy"}
+                       "log_softmax", "cumprod", "cumsum", "vector_norm", "sum"}
 _TORCH_FLOAT32_CPU = {"prod", "mse_loss", "nll_loss", "binary_cross_entropy",
                       "binary_cross_entropy_with_logits", "l1_loss", "smooth_l1_loss",
                       "huber_loss", "kl_div", "cross_entropy"}
@@ -52,6 +53,7 @@ class Region:
     def __init__(self, device_type: str, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.float32 = FLOAT32[device_type]
+        self.composite_cross_entropy = device_type == "cuda"
         self.cache: dict[int, Any] = {}  # id of a leaf -> its cast (torch's cast cache)
 
     def operands(self, name: str, args: tuple) -> tuple | None:

@@ -4,6 +4,8 @@ with torch's backward kernel as its gradient; the rest are composed from the op 
 Semantics and defaults follow torch.nn.functional."""
 from __future__ import annotations
 
+import torch
+
 from ..client.creation import arange, rand
 from ..client.functions import gelu, log_softmax, relu, sigmoid, silu, softmax, tanh, where
 from ..autograd import no_grad
@@ -149,6 +151,20 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
     """input (N, C) logits; target (N,) class indices. One instruction forward, one backward."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"{reduction} is not a valid value for reduction")
+    from ..client.runtime import runtime
+    rt = runtime()
+    region = rt.autocast
+    if region is not None and region.composite_cross_entropy and not label_smoothing and \
+            input.dtype in (torch.bfloat16, torch.float16) and not _split_along(input, 1):
+        # torch's CUDA autocast has no rule for cross_entropy: its composite takes log_softmax
+        # in the logits' own dtype (an explicit dtype, which autocast keeps) and nll_loss in
+        # float32; the same here, so that the loss is torch's
+        rt.autocast = None
+        try:
+            log_probs = log_softmax(input, 1)
+        finally:
+            rt.autocast = region
+        return nll_loss(log_probs.float(), target, ignore_index, reduction)
     if reduction == "mean" and _split_along(input, 0):
         # each worker sums its rows' losses; the mean divides by all the rows that count
         total = apply("cross_entropy", input, target, ignore_index, "sum", label_smoothing)
