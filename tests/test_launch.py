@@ -341,9 +341,12 @@ def test_idle_ranks_do_not_spin(tmp_path):
     assert wait_cpu < 0.25 * wait_wall + 0.05, (wait_cpu, wait_wall)
 
 
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("n", [None, 3])
 def test_examples_run(n):
-    """The README's demo and the MLP example (≥ 95% test accuracy) under plain python and mpiexec."""
+    """The README's demo and the MLP example (≥ 95% test accuracy) under plain python and mpiexec.
+    Each takes seconds; the bound is wide because a busy 2-core machine (CI beside another job)
+    once took the MLP past 90 s, and a test's pass must not depend on the machine being idle."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "GTMPI_VERBOSE"}
     env.update({**launcher_env(), "GTMPI_DEVICE": "cpu"})
@@ -351,7 +354,7 @@ def test_examples_run(n):
         cmd = [sys.executable, os.path.join(root, script)]
         if n is not None:
             cmd = [MPIEXEC, "-n", str(n)] + cmd
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=env,
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env,
                               start_new_session=True)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "test accuracy" in proc.stdout
