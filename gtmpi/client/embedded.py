@@ -28,6 +28,10 @@ def start_embedded() -> Runtime:
     """One worker without MPI: inside this process on a CPU; on a GPU a child process, so that
     the worker launches kernels while this process issues the next ops (a thread would share
     the GIL with the client: measured no faster than running both in series)."""
+    if os.environ.get("GTMPI_DRY_RUN"):
+        from .dryrun import start_dry_run
+        return start_dry_run(int(os.environ["GTMPI_DRY_RUN"]),
+                             os.environ.get("GTMPI_DRY_RUN_GPU", "H100"))
     device = select_device(os.environ, 0, visible_gpus())
     choice = os.environ.get("GTMPI_EMBEDDED_PROCESS", "auto")
     if choice == "1" or (choice == "auto" and device.type == "cuda"):

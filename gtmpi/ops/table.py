@@ -84,6 +84,8 @@ def _generator(seed: int | torch.Generator, device: torch.device) -> torch.Gener
     before each launch), which the caller passes instead of a seed."""
     if isinstance(seed, torch.Generator):
         return seed
+    if torch.device(device).type == "meta":  # a dry run's worker: shapes only
+        return None
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
@@ -407,15 +409,15 @@ class _VocabCrossEntropy(torch.autograd.Function):
         fused = fused_rows.available(logits)  # one pass on GPUs, not a float copy and four
         lse = fused_rows.row_lse(logits) if fused else torch.logsumexp(logits.float(), 1)
         top = lse.clone()
-        dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+        _all_reduce(top, dist.ReduceOp.MAX, group)
         total = torch.exp(lse - top)
-        dist.all_reduce(total, group=group)
+        _all_reduce(total, dist.ReduceOp.SUM, group)
         lse = top + total.log()
         local = (target - offset).clamp(0, width - 1)
         valid = target != ignore_index
         hit = (target - offset >= 0) & (target - offset < width) & valid
         picked = logits.gather(1, local[:, None])[:, 0].float() * hit
-        dist.all_reduce(picked, group=group)
+        _all_reduce(picked, dist.ReduceOp.SUM, group)
         losses = (lse - picked) * valid
         count = valid.sum()
         ctx.save_for_backward(logits, lse, local, hit, valid, count)
@@ -437,6 +439,12 @@ class _VocabCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(1, local[:, None], -hit.float()[:, None])
         grad *= coef[:, None]
         return grad.to(logits.dtype), None, None, None, None, None
+
+
+def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> None:
+    """In place over the group; a dry run's meta tensors have no values to sum."""
+    if t.device.type != "meta":
+        dist.all_reduce(t, op, group=group)
 
 
 _cross_entropy_from_logits = _recorded(_cross_entropy)

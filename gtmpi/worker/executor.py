@@ -18,6 +18,7 @@ reported once, at the next read or sync, unless a read of a dependent tensor rep
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from typing import Any, Protocol
 
@@ -98,11 +99,14 @@ class Executor:
         # launch the next step before the GPU runs dry. An in-place write drops the entry.
         self.ready: dict[int, tuple[Any, torch.Tensor]] = {}
         self._read_stream = None
+        self.meta_peak = 0  # a dry run's worker (device meta): the most tensor bytes held
 
     def run(self, batch: list[tuple]) -> None:
         start = time.perf_counter_ns()
         self._execute(batch)
         self.stats["exec_ns"] += time.perf_counter_ns() - start
+        if self.device.type == "meta":
+            self.meta_peak = max(self.meta_peak, self.memory()["memory_bytes"])
         rec = self.trace
         if rec is not None:
             rec.marks.append((_clock(), None, None))
@@ -280,6 +284,10 @@ class Executor:
             return
         try:  # on a GPU this waits for the work, so asynchronous device errors surface here
             t = self.env[tid]
+            if t.device.type == "meta":  # a dry run: no values anywhere
+                _say_once("gtmpi: dry run: a value was read; it is zeros (the workers are "
+                          "simulated, no data exists)")
+                t = torch.zeros(t.shape, dtype=t.dtype)
             made = self.ready.get(tid)
             host = self._read_after(t, made[0]) if made is not None and made[1] is t else \
                 t.contiguous().cpu()
@@ -650,8 +658,19 @@ class Executor:
                 held += [t.output, *t.leaves]
             elif t is not None:
                 held.append(t)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        # meta tensors (a dry run) all have address 0: told apart by their storage object
+        key = (lambda s: s._cdata) if self.device.type == "meta" else (lambda s: s.data_ptr())
+        storages = {key(s): s.nbytes() for s in (t.untyped_storage() for t in held)}
         return {"memory_bytes": sum(storages.values()), **rss}
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        print(message, file=sys.stderr, flush=True)
 
 
 def _rss() -> int:

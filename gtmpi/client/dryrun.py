@@ -1,0 +1,73 @@
+"""A dry run: a program run against N simulated workers, to learn before a job what it will do.
+
+    GTMPI_DRY_RUN=8 GTMPI_CONFIG=configs/gpt_tp2_pp4.yaml python examples/gpt/train.py --size mini
+
+The client and the dispatcher run as they always do: every placement decision, every
+collective and transfer they insert, every instruction a worker gets. The N workers are
+executors in this process on meta tensors (shapes and dtypes, no data): every kernel runs for
+its result's shape, collectives through worker/metaplane.py, which counts them with their
+bytes as a real run's data plane does. The workers say they are GPUs (``GTMPI_DRY_RUN_GPU``,
+default H100), so a program takes its GPU paths (bf16, graphs are refused: meta has none).
+Reads give zeros (said once): a training loop that prints its loss still runs.
+
+At exit it prints, per worker: instructions, collectives and transfers by kind with bytes,
+and its peak of tensor memory (the tensors it holds between batches: an estimate, below the
+real peak by a step's transient buffers and the allocator's rounding) against the GPU's size.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+
+import torch
+
+from ..transport.local import LocalLink
+from ..worker.executor import Executor
+from ..worker.metaplane import MetaPlane
+from .runtime import Runtime
+
+GPU_BYTES = {"H100": 80 * 2 ** 30, "H200": 141 * 2 ** 30, "A100": 80 * 2 ** 30}
+
+
+def start_dry_run(workers: int, gpu: str) -> Runtime:
+    if workers < 1:
+        raise ValueError(f"GTMPI_DRY_RUN={workers}: a dry run needs at least one worker")
+    if gpu not in GPU_BYTES:
+        raise ValueError(f"GTMPI_DRY_RUN_GPU={gpu!r}: one of {', '.join(GPU_BYTES)}")
+    links, infos = {}, {}
+    for rank in range(1, workers + 1):
+        link = LocalLink()
+        link.executor = Executor(rank, torch.device("meta"), link)
+        link.executor.plane = MetaPlane()
+        links[rank] = link
+        infos[rank] = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+                       "device": f"cuda:{rank - 1}", "local_index": rank - 1,
+                       "torch": torch.__version__, "embedded": True, "dry_run": gpu}
+    print(f"gtmpi: dry run: {workers} simulated {gpu} worker(s) on meta tensors; values read "
+          "are zeros, memory and collectives are what the program would ask for",
+          file=sys.stderr, flush=True)
+    executors = [link.executor for link in links.values()]
+    atexit.register(_report, executors, gpu)
+    return Runtime(links, infos)
+
+
+def report(executors: list[Executor], gpu: str) -> list[dict]:
+    """Per worker: instructions, collectives (kind -> count, bytes), peak tensor bytes."""
+    return [{"rank": ex.rank, "instructions": ex.stats["ops"],
+             "collectives": {k: tuple(v) for k, v in ex.plane.stats.items()},
+             "peak_bytes": ex.meta_peak, "fits": ex.meta_peak <= GPU_BYTES[gpu]}
+            for ex in executors]
+
+
+def _report(executors: list[Executor], gpu: str) -> None:
+    rows = report(executors, gpu)
+    print(f"gtmpi dry run on {len(rows)} simulated {gpu}(s) of {GPU_BYTES[gpu] / 2 ** 30:.0f} "
+          "GiB (peak: tensors held between batches, an estimate):", file=sys.stderr)
+    for r in rows:
+        comms = ", ".join(f"{k} {n} ({b / 1e6:.1f} MB)" for k, (n, b) in sorted(r["collectives"].items()))
+        print(f"  worker {r['rank']}: {r['instructions']} instructions; peak "
+              f"{r['peak_bytes'] / 2 ** 30:.2f} GiB{'' if r['fits'] else ' (DOES NOT FIT)'}; "
+              f"{comms or 'no collectives'}", file=sys.stderr)
+    sys.stderr.flush()

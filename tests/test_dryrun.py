@@ -1,0 +1,70 @@
+"""The dry run (GTMPI_DRY_RUN=N, client/dryrun.py): the tiny GPT's training steps against N
+simulated workers insert, per worker, the collectives and transfers, with their bytes, that
+a real run on N CPU workers (gloo) inserts; its report says so at exit, with memory against
+the named GPU; values read are zeros, said once."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import gtmpi
+from conftest import mpiexec, run_job
+
+ROOT = Path(__file__).resolve().parent.parent
+serial = pytest.mark.skipif(len(gtmpi.info()["workers"]) > 1 or mpiexec() is None,
+                            reason="starts its own jobs; run once, from the serial suite")
+
+PROGRAM = f"""
+    import json, sys
+    sys.argv = ["train.py", "--size", "tiny", "--steps", "3", "--log-every", "3",
+                "--micro-batches", "4", "--dtype", "fp32", "--eval-batches", "1"]
+    sys.path.insert(0, {str(ROOT)!r})
+    import gtmpi
+    from examples.gpt import train
+    train.main()
+    stats = gtmpi.debug.worker_stats()
+    print("COLLECTIVES " + json.dumps({{r: s["collectives"] for r, s in sorted(stats.items())}}))
+"""
+
+
+def _collectives(proc) -> dict:
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("COLLECTIVES "))
+    return {int(r): {k: tuple(v) for k, v in c.items()}
+            for r, c in json.loads(line[len("COLLECTIVES "):]).items()}
+
+
+@serial
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config,workers", [("data_parallel", 2), ("gpt_tp2", 2),
+                                            ("pipeline", 2), ("gpt_tp2_pp2", 4)])
+def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers):
+    env = {"GTMPI_CONFIG": str(ROOT / "configs" / f"{config}.yaml")}
+    real, _ = run_job(tmp_path, PROGRAM, 240, n=workers + 1, env=env)
+    dry, _ = run_job(tmp_path, PROGRAM, 240, n=None,
+                     env={**env, "GTMPI_DRY_RUN": str(workers), "GTMPI_DRY_RUN_GPU": "H100"})
+    want, got = _collectives(real), _collectives(dry)
+    assert got == want
+    assert any(want.values())  # the layout inserts something to compare
+    err = dry.stderr
+    assert f"gtmpi: dry run: {workers} simulated H100 worker(s)" in err
+    assert err.count("a value was read; it is zeros") == 1
+    assert f"gtmpi dry run on {workers} simulated H100(s) of 80 GiB" in err
+    assert all(f"  worker {r}: " in err for r in range(1, workers + 1))
+    assert "DOES NOT FIT" not in err
+
+
+@serial
+def test_a_dry_run_says_what_does_not_fit(tmp_path):
+    """8 GiB of weights on a simulated worker: past no GPU's size here, so a bigger tensor."""
+    proc, _ = run_job(tmp_path, """
+        import gtmpi
+        w = gtmpi.zeros(160 * 2 ** 30 // 4)   # 160 GiB of float32: more than an H200 holds
+        print((w + 1).sum().item())
+    """, 120, n=None, env={"GTMPI_DRY_RUN": "1", "GTMPI_DRY_RUN_GPU": "H200"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "0.0"  # a read in a dry run: zeros
+    assert "worker 1: " in proc.stderr and "(DOES NOT FIT)" in proc.stderr, proc.stderr
+    assert "peak 320.00 GiB" in proc.stderr, proc.stderr  # w and w + 1 held together
