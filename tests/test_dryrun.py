@@ -68,3 +68,23 @@ def test_a_dry_run_says_what_does_not_fit(tmp_path):
     assert proc.stdout.strip() == "0.0"  # a read in a dry run: zeros
     assert "worker 1: " in proc.stderr and "(DOES NOT FIT)" in proc.stderr, proc.stderr
     assert "peak 320.00 GiB" in proc.stderr, proc.stderr  # w and w + 1 held together
+
+
+@serial
+def test_a_dry_run_writes_a_trace_the_trace_tool_reads(tmp_path):
+    """The trace's inserted collectives (gtmpi-trace comms) are the dry run's; its durations
+    are the simulated workers' host times, not the GPUs'."""
+    trace = tmp_path / "dry.h5"
+    proc, _ = run_job(tmp_path, PROGRAM, 240, n=None,
+                      env={"GTMPI_CONFIG": str(ROOT / "configs" / "gpt_tp2.yaml"),
+                           "GTMPI_DRY_RUN": "2", "GTMPI_TRACE": str(trace)})
+    counts = _collectives(proc)
+    import subprocess
+    import sys
+    comms = subprocess.run([sys.executable, "-m", "gtmpi.cli", "comms", str(trace)],
+                           capture_output=True, text=True, timeout=60)
+    assert comms.returncode == 0, comms.stderr
+    rows = [line.split() for line in comms.stdout.splitlines()[1:] if line.strip()]
+    traced = sum(int(r[1]) for r in rows if r[2].startswith("all_reduce"))
+    # the trace covers the whole run, as the workers' counts do, one per member
+    assert traced == sum(c["all_reduce"][0] for c in counts.values()), (comms.stdout, counts)

@@ -13,6 +13,8 @@ Reads give zeros (said once): a training loop that prints its loss still runs.
 At exit it prints, per worker: instructions, collectives and transfers by kind with bytes,
 and its peak of tensor memory (the tensors it holds between batches: an estimate, below the
 real peak by a step's transient buffers and the allocator's rounding) against the GPU's size.
+GTMPI_TRACE records it as any run: `gtmpi-trace comms` lists what was inserted where; its
+durations are the simulated workers' host times, not a GPU's (no cost model yet).
 """
 from __future__ import annotations
 
