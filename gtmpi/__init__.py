@@ -37,6 +37,7 @@ from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, b
                                scatter, scatter_add, stack, std, sum, tanh, topk, transpose,
                                tril, triu, trunc, unbind,
                                unsqueeze, var, where)
+from .client.dryrun import dry_run
 from .client.replay import replayable
 from .client.runtime import runtime as _runtime
 from .client.tensor import Tensor

@@ -88,3 +88,28 @@ def test_a_dry_run_writes_a_trace_the_trace_tool_reads(tmp_path):
     traced = sum(int(r[1]) for r in rows if r[2].startswith("all_reduce"))
     # the trace covers the whole run, as the workers' counts do, one per member
     assert traced == sum(c["all_reduce"][0] for c in counts.values()), (comms.stdout, counts)
+
+
+@serial
+def test_dry_run_asked_for_in_the_program(tmp_path):
+    proc, _ = run_job(tmp_path, """
+        import gtmpi, torch
+        gtmpi.dry_run(workers=2, gpu="A100")
+        gtmpi.load_config({"data": {"shard": {"axis": 0, "workers": [0, 1]}},
+                           "weights": {"shard": {"workers": [0, 1], "replicated": True}}})
+        with gtmpi.signal.context("weights"):
+            w = gtmpi.ones(8, 4, requires_grad=True)
+        x = gtmpi.signal.tensor(torch.ones(6, 8), "data")
+        (x @ w).sum().backward()
+        stats = gtmpi.debug.worker_stats()
+        print(sorted(stats), [s["device"] for _, s in sorted(stats.items())])
+        try:
+            gtmpi.dry_run(workers=4)
+        except RuntimeError as e:
+            print("again:", e)
+    """, 120, n=None)
+    assert proc.returncode == 0, proc.stderr
+    assert "[1, 2] ['meta', 'meta']" in proc.stdout
+    assert "again: gtmpi.dry_run() must come before the program's first tensor" in proc.stdout
+    assert "gtmpi dry run on 2 simulated A100(s) of 80 GiB" in proc.stderr
+    assert "all_reduce" in proc.stderr  # the gradient of the replicated weight, summed

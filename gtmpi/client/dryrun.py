@@ -28,7 +28,7 @@ import torch
 from ..transport.local import LocalLink
 from ..worker.executor import Executor
 from ..worker.metaplane import MetaPlane
-from .runtime import Runtime
+from .runtime import Runtime, current, set_default_start
 
 GPU_BYTES = {"H100": 80 * 2 ** 30, "H200": 141 * 2 ** 30, "A100": 80 * 2 ** 30}
 
@@ -53,6 +53,17 @@ def start_dry_run(workers: int, gpu: str) -> Runtime:
     executors = [link.executor for link in links.values()]
     atexit.register(_report, executors, gpu)
     return Runtime(links, infos)
+
+
+def dry_run(workers: int, gpu: str = "H100") -> None:
+    """gtmpi.dry_run(workers=N, gpu="H100"): what GTMPI_DRY_RUN=N does, asked for in the
+    program; before its first tensor, and not under an MPI launcher (whose ranks are real)."""
+    if current() is not None:
+        raise RuntimeError("gtmpi.dry_run() must come before the program's first tensor: a "
+                           "session with real workers has started (under mpiexec, at import)")
+    if gpu not in GPU_BYTES:
+        raise ValueError(f"gpu={gpu!r}: one of {', '.join(GPU_BYTES)}")
+    set_default_start(lambda: start_dry_run(workers, gpu))
 
 
 def report(executors: list[Executor], gpu: str) -> list[dict]:
