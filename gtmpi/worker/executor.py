@@ -106,7 +106,7 @@ class Executor:
         self._execute(batch)
         self.stats["exec_ns"] += time.perf_counter_ns() - start
         if self.device.type == "meta":
-            self.meta_peak = max(self.meta_peak, self.memory()["memory_bytes"])
+            self.meta_peak = max(self.meta_peak, self._held_bytes())
         rec = self.trace
         if rec is not None:
             rec.marks.append((_clock(), None, None))
@@ -270,8 +270,8 @@ class Executor:
         self.stats["bytes_received"] += host.nbytes
         if self.trace is not None:
             self.trace.annotate(nbytes=host.nbytes, peer=0)
-        self.env[out] = host.to(self.device, non_blocking=True) if gpu else \
-            host if self.device.type == "cpu" else host.to(self.device)
+        self.env[out] = host if self.device.type == "cpu" else \
+            host.to(self.device, non_blocking=gpu)
 
     def _read(self, out, args: tuple) -> None:
         (tid,) = args
@@ -652,6 +652,10 @@ class Executor:
                     "peak_bytes": torch.cuda.max_memory_allocated(self.device),
                     "reserved_bytes": torch.cuda.memory_reserved(self.device),
                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device), **rss}
+        return {"memory_bytes": self._held_bytes(), **rss}
+
+    def _held_bytes(self) -> int:
+        """Bytes of the storages behind the tensors held here, each storage once."""
         held = []
         for t in self.env.values():
             if isinstance(t, Graph):
@@ -660,8 +664,7 @@ class Executor:
                 held.append(t)
         # meta tensors (a dry run) all have address 0: told apart by their storage object
         key = (lambda s: s._cdata) if self.device.type == "meta" else (lambda s: s.data_ptr())
-        storages = {key(s): s.nbytes() for s in (t.untyped_storage() for t in held)}
-        return {"memory_bytes": sum(storages.values()), **rss}
+        return sum({key(s): s.nbytes() for s in (t.untyped_storage() for t in held)}.values())
 
 
 _SAID: set[str] = set()
