@@ -8,6 +8,7 @@ way to run it, in one run:
 | one GPU        | one worker                               | eager                               |
 | DP=n           | configs' data/weights signals            | DistributedDataParallel             |
 | TP=2           | configs/gpt_tp2.yaml (Megatron)          | DTensor's Megatron plan             |
+| TP=2 serial    | the same, GTMPI_OVERLAP=0                | (the overlap's baseline)            |
 | PP=2           | configs/pipeline.yaml, 1F1B              | torch.distributed.pipelining 1F1B   |
 | TP=2 x PP=2    | configs/gpt_tp2_pp2.yaml, 1F1B           | (none here: Megatron-core is not    |
 |                |                                          |  installed, and torch has no recipe)|
@@ -52,10 +53,11 @@ def main() -> None:
     rows = []
 
     def layout(name: str, n: int, batch: int, config: str | None, peer: str | None,
-               one_batch: int, pipeline: tuple[int, int] | None = None) -> None:
+               one_batch: int, pipeline: tuple[int, int] | None = None,
+               env: dict | None = None) -> None:
         if n > gpus:
             return
-        g = _gtmpi(name, n, batch, config, args, logs)
+        g = _gtmpi(name, n, batch, config, args, logs, env=env)
         t = _torch(name, peer, n, batch, args, logs) if peer else None
         row = {"layout": name, "gpus": n, "batch": batch, "gtmpi": g, "torch": t,
                "one_batch": one_batch}
@@ -74,6 +76,9 @@ def main() -> None:
     for n in (2, 4, 8):
         layout(f"DP={n}", n, per_gpu * n, dp_configs.get(n), "ddp", per_gpu)
     layout("TP=2", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), "tp", args.batch)
+    # the same without the input gradients' all-reduces run beside the weights' gradients
+    layout("TP=2 serial", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), None,
+           args.batch, env={"GTMPI_OVERLAP": "0"})
     layout("PP=2", 2, args.batch, os.path.join(ROOT, "configs/pipeline.yaml"), "pp", args.batch,
            (2, args.micro_batches))
     layout("TP=2 x PP=2", 4, args.batch, os.path.join(ROOT, "configs/gpt_tp2_pp2.yaml"), None,

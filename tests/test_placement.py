@@ -397,6 +397,56 @@ def test_tensor_parallel_mlp_one_all_reduce_each_way(gen):
 
 
 @spread
+def test_column_parallel_input_gradient_is_summed_inside_its_kernel(gen, tmp_path):
+    """Where a column-parallel layer's input is read by that layer alone, the partial sums of
+    its gradient are all-reduced by the gradient kernel itself, started before the weight's
+    gradient is computed (Megatron's asynchronous all-reduce): the same collectives and
+    numbers as summing them at their first use, and no separate all_reduce_ instruction."""
+    from gtmpi.recording import fileformat
+    from gtmpi.trace import analysis
+    from gtmpi.recording.events import Kind
+    w1, b1, w2, b2 = mlp_params(gen)
+    x_host = torch.randn(8, 4, generator=gen)
+    path = str(tmp_path / "overlap.h5")
+
+    def run(sharded: bool):
+        def make(t, signal):
+            if not sharded:
+                return gtmpi.tensor(t, requires_grad=True)
+            with gtmpi.signal.context(signal):
+                return gtmpi.tensor(t, requires_grad=True)
+        x = make(x_host, "weights")
+        p = [make(w1, "col"), make(b1, "col"), make(w2, "row"), make(b2, "weights")]
+        before = collectives()
+        with gtmpi.signal.context("weights"):
+            u = x * 2.0  # read by the first layer only
+        y = F.linear(F.gelu(F.linear(u, p[0], p[1])), p[2]) + p[3]
+        if sharded:
+            gtmpi.trace.start(path)
+        (y * y).mean().backward()
+        x_grad = x.grad.numpy()
+        if sharded:
+            gtmpi.trace.stop()
+        return x_grad, p, ran_since(before)
+
+    want = run(False)
+    x_grad, p, ran = run(True)
+    assert ran == {"all_reduce": 4, "agree": 2}, ran
+    np.testing.assert_allclose(x_grad, want[0], rtol=1e-4, atol=1e-6)
+    for got, ref in zip(p, want[1]):
+        assert_same(got.grad, ref.grad.cpu_torch(), rtol=1e-4, atol=1e-6)
+    trace = fileformat.read(path)
+    for rank in WORKERS[:2]:
+        events = trace.events[rank]
+        names = [trace.name(int(n)) for n in events["name"]]
+        assert "all_reduce_" not in names  # the backward moved nothing else
+        (grad,) = [e for e, n in zip(events, names) if n == "linear_grad" and e["bytes"]]
+        assert grad["bytes"] == 8 * 4 * 4
+        assert trace.name(int(grad["detail"])).startswith("all_reduce in group ")
+    assert analysis.select(trace.events[WORKERS[0]], (Kind.COLLECTIVE,)).size == 0
+
+
+@spread
 def test_pipeline_stages_send_activations_and_gradients(gen):
     w1, b1, w2, b2 = mlp_params(gen)
     x_host = torch.randn(8, 4, generator=gen)

@@ -124,13 +124,17 @@ class Node:
     results."""
 
     __slots__ = ("op", "operands", "kw", "outputs", "saved", "freed", "results", "backward",
-                 "__weakref__")
+                 "uses", "__weakref__")
 
     def __init__(self, op: str, operands: tuple, kw: dict | None, outputs: int, saved: Any):
         self.op, self.operands, self.kw, self.outputs, self.saved = op, operands, kw, outputs, saved
         self.freed = False
         self.results: tuple = ()  # (id, (shape, dtype)) per output, for print_tape
         self.backward: str | None = None  # the signal its gradient ops run under
+        # per result: how many recorded ops read it. A result read once gets its whole gradient
+        # from that one op, so the op may finish it at once (linear's partial sums, summed
+        # while the weight's gradient computes) instead of leaving it to be added to others
+        self.uses = [0] * outputs
 
     def name(self) -> str:
         """torch's name for the backward of this op (``AddBackward0``), as torch's own kernels
@@ -183,6 +187,9 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any
     operands = tuple(a if i in keep or not isinstance(a, Tensor) or
                      (a.requires_grad and a._node is None) else Ghost(a)
                      for i, a in enumerate(operands))
+    for a in operands:
+        if isinstance(a, Tensor) and a._node is not None:
+            a._node.uses[a._slot] += 1
     node = Node(op, operands, kw, len(outs), saved)
     node.results = tuple((o.id, o._sig) for o in outs)
     node.backward = runtime().signals.backward()

@@ -242,7 +242,12 @@ def _shaped(g: Tensor, shape) -> Tensor:
 @rule("linear")
 def _linear(node, g):
     wanted = tuple(i for i, t in enumerate(node.operands) if _t(t))
-    return _scatter(node, wanted, apply("linear_grad", g, *node.operands, grads=wanted))
+    x = node.operands[0]
+    # the input's gradient is whole once this op gives it: where it comes out as partial sums
+    # (tensor parallelism), the dispatcher may sum them while the weight's gradient computes
+    sole = x._node is not None and x._node.uses[x._slot] == 1
+    return _scatter(node, wanted, apply("linear_grad", g, *node.operands, grads=wanted,
+                                        **({"sole": True} if sole and 0 in wanted else {})))
 
 
 @rule(*FUSED_FNS)

@@ -72,6 +72,7 @@ class Runtime:
         self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
         self.dispatcher.placer.site = self.current_site
         self.dispatcher.placer.strict = os.environ.get("GTMPI_PLACEMENT", "") == "strict"
+        self.dispatcher.placer.overlap = os.environ.get("GTMPI_OVERLAP", "1") != "0"
 
     def begin(self) -> None:
         """What the environment asks of a session (a config, a log, a trace), once it is the

@@ -58,6 +58,9 @@ class Placer:
         # whether a signal or a read asked for it): [count, bytes]; see explain()
         self.inserted: dict[tuple[str, str, bool], list[int]] = {}
         self.strict = False  # raise rather than gather or move what no signal asked to
+        # sum a column-parallel layer's input gradient inside its kernel, beside the weight's
+        # gradient (GTMPI_OVERLAP=0: at its first use, after the kernel)
+        self.overlap = True
         self.site: Callable[[], str] = lambda: "?"  # the program's file:line now (the client's)
         self._asked = 0  # > 0 while a signal or a read asks for the conversions made
         # constants made on the home worker outside any signal (masks, arange, ones, and what
@@ -173,6 +176,10 @@ class Placer:
             elif local:  # each member is told where its piece of the vocabulary starts
                 placed = (name, out, wire, tmask, {**(kw or {}), **local[m]})
             self.d.enqueue(rank, placed, urgent)
+        if local and "partial" in local[0]:  # the kernel runs a collective of its own
+            self._touched.update(mesh)
+            for rank in mesh:  # counted per member, as _emit counts a collective
+                self._inserted(rank, "all_reduce", out[0], *local[0]["partial"])
         if op.kind in (OpKind.SHAPE, OpKind.INDEX) or name == "to":
             self.viewed.update(w for i, w in enumerate(wire) if tmask >> i & 1)
         for i in changed:
@@ -216,6 +223,12 @@ class Placer:
             starts = p.wants[p.vocab].starts(tuple(sigs[p.vocab][0]))
             group = self._group(mesh)
             local = [{"offset": start, "group": group} for start in starts]
+        elif name == "linear_grad" and self.overlap and kw.get("sole") and len(mesh) > 1:
+            grads = outs_of(p.out, len(kw["grads"]))
+            if grads[0].kind == "P":  # the input's gradient: summed by the kernel, as it goes
+                p = p._replace(out=(grads[0].whole, *grads[1:]))
+                partial = (tuple(sigs[1][0]), sigs[0][1])
+                local = [{"group": self._group(mesh), "partial": partial}] * len(mesh)
         return mesh, on_mesh, p, direct, shapes, local
 
     def _dual(self, name: str, forward: Plan | None, args: tuple, tmask: int, kw: dict,
@@ -635,22 +648,26 @@ class Placer:
             self.d.enqueue(rank, ins, True)
         if ins[0] in _COMM and ins[0] != "recv":  # a transfer counts once, at its sender
             self._touched.add(rank)
-            kw = ins[4]
-            entry = self.inserted.setdefault((self.site(), ins[0], self._asked > 0), [0, 0])
-            entry[0] += 1
-            entry[1] += _numel(kw["shape"]) * kw["dtype"].itemsize
+            oid = ins[1] if type(ins[1]) is int else -1
+            self._inserted(rank, ins[0], oid, ins[4]["shape"], ins[4]["dtype"])
+        elif self.d.trace is not None:
+            t = time.perf_counter_ns()
+            self.d.trace.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, ins[0],
+                               ins[1] if type(ins[1]) is int else -1, rank, flags=Flag.INSERTED)
+
+    def _inserted(self, rank: int, kind: str, oid: int, shape: tuple, dtype: torch.dtype) -> None:
+        """A collective or transfer the program did not write, counted for explain() and
+        traced with the program's line that caused it."""
+        nbytes = _numel(shape) * dtype.itemsize
+        entry = self.inserted.setdefault((self.site(), kind, self._asked > 0), [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
         rec = self.d.trace
         if rec is not None:
-            oid = ins[1] if type(ins[1]) is int else -1
             t = time.perf_counter_ns()
-            if ins[0] in _COMM and ins[0] != "recv":  # the program's line that caused it
-                kw = ins[4]
-                rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, ins[0], oid, rank,
-                          _numel(kw["shape"]) * kw["dtype"].itemsize, flags=Flag.INSERTED,
-                          detail=f"{'asked' if self._asked else 'inserted'} {self.site()}")
-            else:
-                rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, ins[0], oid, rank,
-                          flags=Flag.INSERTED)
+            rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, kind, oid, rank, nbytes,
+                      flags=Flag.INSERTED,
+                      detail=f"{'asked' if self._asked else 'inserted'} {self.site()}")
 
     def _flush_touched(self) -> None:
         """Every member of a collective gets it now: one of them waiting in it while another's

@@ -484,10 +484,19 @@ FUSED_FNS: dict[str, Callable[..., torch.Tensor]] = {
 _KERNELS = {"cross_entropy": _cross_entropy_recorded}
 
 
-def _linear_grad(g, x, w, b, grads):
+def _linear_grad(g, x, w, b, grads, sole=False, group=None, partial=None, plane=None):
     """The gradients of linear(x, w, b) wanted (``grads``: operand positions), each one matmul
-    or sum, as torch's linear backward computes them."""
-    out = [g @ w] if 0 in grads else []
+    or sum, as torch's linear backward computes them. With ``group``, the input's gradient is
+    a partial sum the dispatcher wants whole (tensor parallelism): its all-reduce starts as
+    soon as it is computed and runs beside the weight's gradient (Megatron's asynchronous
+    gradient all-reduce); the worker waits for it where the input's gradient is first read.
+    ``partial``: that gradient's (shape, dtype), for a member that must take part without it."""
+    out = []
+    if 0 in grads:
+        dx = g @ w
+        if group is not None:
+            plane.all_reduce_async(dx, group)
+        out.append(dx)
     if 1 in grads or 2 in grads:
         g2 = g.reshape(-1, g.shape[-1])
         if 1 in grads:

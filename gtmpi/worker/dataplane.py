@@ -99,6 +99,12 @@ class DataPlane:
         self._count("all_reduce", y)
         return y
 
+    def all_reduce_async(self, x: torch.Tensor, group: int) -> None:
+        """P -> R in x itself, not waited for: take_work() gives what to wait on before x is
+        read (a kernel's own reduction, overlapping what the kernel computes next)."""
+        self._work = dist.all_reduce(x, group=self.groups[group], async_op=True)
+        self._count("all_reduce", x)
+
     def reduce_bucket(self, xs: tuple[torch.Tensor, ...], group: int) -> tuple[torch.Tensor, ...]:
         """P -> R for several tensors in one collective that is not waited for: the sums come
         back as views of one flat buffer, and take_work() gives what to wait on before any of

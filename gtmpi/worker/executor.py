@@ -17,6 +17,7 @@ reported once, at the next read or sync, unless a read of a dependent tensor rep
 """
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -130,7 +131,7 @@ class Executor:
                 self._control[name](out, args)
                 continue
             if poison and tmask and self._propagate(name, op.kind, out, args, tmask):
-                if op.kind is Kind.COMM:
+                if op.kind is Kind.COMM or (kw is not None and "partial" in kw):
                     self._stand_in(op, kw)
                 continue
             try:
@@ -165,12 +166,18 @@ class Executor:
                 env.update(zip(out, res))
             if self.ready and (op.kind is Kind.INPLACE or op.kind is Kind.COMM):
                 self._written(res)
-            if op.kind is Kind.COMM:
+            if kw is not None and "plane" in kw:  # a collective, or a kernel that ran one
                 work = self.plane.take_work()
                 if work is not None:
                     waits.update((o, (work, out)) for o in out)
-                if rec is not None:
+                if rec is None:
+                    pass
+                elif op.kind is Kind.COMM:
                     self._note_comm(name, args, kw, res)
+                elif "partial" in kw:
+                    shape, dtype = kw["partial"]
+                    rec.annotate(nbytes=math.prod(shape) * dtype.itemsize,
+                                 detail=f"all_reduce in group {kw['group']} beside the kernel")
         if marks is not None:
             self._gpu_countdown = countdown
 
@@ -187,9 +194,14 @@ class Executor:
     def _stand_in(self, op, kw: dict) -> None:
         """An operand of a collective failed here: take part with zeros all the same (the
         other members would wait forever), keeping the result poisoned."""
-        shapes = kw.get("shapes") or (kw["shape"],)  # this member's pieces
-        zeros = [torch.zeros(list(s), dtype=kw["dtype"], device=self.device) for s in shapes]
-        op.kernel(*zeros, **kw, plane=self.plane)
+        if op.kind is not Kind.COMM:  # a kernel's own all-reduce of a partial sum
+            shape, dtype = kw["partial"]
+            self.plane.all_reduce_async(torch.zeros(shape, dtype=dtype, device=self.device),
+                                        kw["group"])
+        else:
+            shapes = kw.get("shapes") or (kw["shape"],)  # this member's pieces
+            zeros = [torch.zeros(list(s), dtype=kw["dtype"], device=self.device) for s in shapes]
+            op.kernel(*zeros, **kw, plane=self.plane)
         work = self.plane.take_work()
         if work is not None:
             work.wait()

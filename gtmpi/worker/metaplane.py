@@ -36,6 +36,9 @@ class MetaPlane:
         self._count("all_reduce", y)
         return y
 
+    def all_reduce_async(self, x: torch.Tensor, group: int) -> None:
+        self._count("all_reduce", x)
+
     def reduce_bucket(self, xs: tuple[torch.Tensor, ...], group: int) -> tuple[torch.Tensor, ...]:
         flat = torch.cat([x.reshape(-1) for x in xs])
         self._count("all_reduce", flat)
