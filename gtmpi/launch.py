@@ -26,7 +26,7 @@ from .client.embedded import stop_line, stop_on_sigterm, verbose
 from .client.runtime import Runtime
 from .transport import ending
 from .transport.tags import Tag
-from .worker.device import local_worker_index, select_device, visible_gpus
+from .worker.device import local_worker_index, one_launch_queue, select_device, visible_gpus
 
 END_GRACE_S = 3.0  # how long workers get to leave after an uncaught exception on rank 0
 
@@ -151,6 +151,7 @@ def _serve(comms, workers_comm, node_ranks: list[int], host0: tuple[str, int], d
         rank = comms.base.Get_rank()
         notice = ending.DeathNotice(rank, host0)
         local_index = local_worker_index(os.environ, rank, node_ranks)
+        one_launch_queue(os.environ)
         device = select_device(os.environ, local_index, visible_gpus())
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -6,7 +6,7 @@ dispatcher) takes a task slot but no GPU, so on its node the workers' indices st
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, MutableMapping, Sequence
 
 import torch
 
@@ -40,3 +40,14 @@ def select_device(env: Mapping[str, str], local_index: int, cuda_count: int) -> 
     if cuda_count == 0:
         raise RuntimeError("GTMPI_DEVICE=cuda but this node has no visible GPU")
     return torch.device("cuda", local_index % cuda_count)
+
+
+def one_launch_queue(env: MutableMapping[str, str]) -> None:
+    """Before CUDA starts: one hardware launch queue on the GPU (CUDA_DEVICE_MAX_CONNECTIONS=1,
+    unless the user set it). Kernels of different streams then start in the order they were
+    launched, so an all-reduce launched beside the next GEMM (a tensor-parallel input gradient,
+    ops/table.py's linear_grad) takes its SMs before the GEMM fills them; with several queues
+    the GEMM won and the all-reduce ran after it. Megatron asks the same for its overlapped
+    all-reduces. Measured on 2 H100s, GPT-2 small TP=2: 512k tokens/s without the overlap,
+    510k with it on several queues, 528k on one."""
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
