@@ -70,7 +70,9 @@ class Executor:
         # reads, stats, ...), not ops of the table
         self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
                       "bytes_received": 0, "bytes_sent": 0, "graph_launches": 0,
-                      "graphed_ops": 0, "exec_ns": 0}  # exec_ns: host time in batches
+                      "graphed_ops": 0, "exec_ns": 0, "wait_ns": 0}
+        # exec_ns: host time in batches; wait_ns: the part of it in reads and syncs, which wait
+        # for the device
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
@@ -119,65 +121,77 @@ class Executor:
         marks = rec.marks if rec is not None else None
         gpu_every = self._gpu_every if rec is not None else 0
         countdown = self._gpu_countdown
-        stats, waits = self.stats, self.waits
-        for ins in batch:
-            stats["ops"] += 1  # counted as it runs: a stats word within the batch sees it
-            name, out, args, tmask, kw = ins
-            if marks is not None:
-                marks.append((_clock(), name, out))
-            op = OPS.get(name)
-            if op is None:
-                stats["control"] += 1
-                self._control[name](out, args)
-                continue
-            if poison and tmask and self._propagate(name, op.kind, out, args, tmask):
-                if op.kind is Kind.COMM or (kw is not None and "partial" in kw):
-                    self._stand_in(op, kw)
-                continue
-            try:
-                if tmask:
-                    if waits:
-                        self._settle(args, tmask)
-                    args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
-                inject = self._inject.get(op.kind)
-                if inject is not None:
-                    kw = {**kw, **inject} if kw else inject
-                elif kw is not None and "group" in kw:  # a vocabulary-parallel fused kernel
-                    kw = {**kw, "plane": self.plane}
-                start = None
-                if gpu_every:
-                    countdown -= 1
-                    if not countdown:
-                        countdown = gpu_every
-                        start = _cuda_event()
-                res = op.kernel(*args, **kw) if kw else op.kernel(*args)
-                if start is not None:
-                    rec.gpu_timed(start, _cuda_event())
-            except Exception as e:  # the op's own failure (bad index, out of memory, ...)
-                fault = self._fault(out if type(out) is int else (out or (-1,))[0], name, e)
-                if op.kind is Kind.INPLACE:
-                    self._skip(name, fault)
+        stats, waits, ready, injects = self.stats, self.waits, self.ready, self._inject
+        counted = 0  # ops run since stats["ops"] was brought up to date
+        try:
+            for ins in batch:
+                counted += 1
+                name, out, args, tmask, kw = ins
+                if marks is not None:
+                    marks.append((_clock(), name, out))
+                op = OPS.get(name)
+                if op is None:
+                    stats["ops"] += counted  # a stats word in the batch sees every op before it
+                    counted = 0
+                    stats["control"] += 1
+                    if name in _WAITING:
+                        began = time.perf_counter_ns()
+                        self._control[name](out, args)
+                        stats["wait_ns"] += time.perf_counter_ns() - began
+                    else:
+                        self._control[name](out, args)
+                    continue
+                if poison and tmask and self._propagate(name, op.kind, out, args, tmask):
+                    if op.kind is Kind.COMM or (kw is not None and "partial" in kw):
+                        self._stand_in(op, kw)
+                    continue
+                try:
+                    if tmask:
+                        if waits:
+                            self._settle(args, tmask)
+                        args = (env[args[0]],) + args[1:] if tmask == 1 else \
+                            [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
+                    inject = injects.get(op.kind)
+                    if inject is not None:
+                        kw = {**kw, **inject} if kw else inject
+                    elif kw is not None and "group" in kw:  # a vocabulary-parallel fused kernel
+                        kw = {**kw, "plane": self.plane}
+                    start = None
+                    if gpu_every:
+                        countdown -= 1
+                        if not countdown:
+                            countdown = gpu_every
+                            start = _cuda_event()
+                    res = op.kernel(*args, **kw) if kw else op.kernel(*args)
+                    if start is not None:
+                        rec.gpu_timed(start, _cuda_event())
+                except Exception as e:  # the op's own failure (bad index, out of memory, ...)
+                    fault = self._fault(out if type(out) is int else (out or (-1,))[0], name, e)
+                    if op.kind is Kind.INPLACE:
+                        self._skip(name, fault)
+                    else:
+                        self._fail(out, fault)
+                    continue
+                if type(out) is int:
+                    env[out] = res
                 else:
-                    self._fail(out, fault)
-                continue
-            if type(out) is int:
-                env[out] = res
-            else:
-                env.update(zip(out, res))
-            if self.ready and (op.kind is Kind.INPLACE or op.kind is Kind.COMM):
-                self._written(res)
-            if kw is not None and "plane" in kw:  # a collective, or a kernel that ran one
-                work = self.plane.take_work()
-                if work is not None:
-                    waits.update((o, (work, out)) for o in out)
-                if rec is None:
-                    pass
-                elif op.kind is Kind.COMM:
-                    self._note_comm(name, args, kw, res)
-                elif "partial" in kw:
-                    shape, dtype = kw["partial"]
-                    rec.annotate(nbytes=math.prod(shape) * dtype.itemsize,
-                                 detail=f"all_reduce in group {kw['group']} beside the kernel")
+                    env.update(zip(out, res))
+                if ready and (op.kind is Kind.INPLACE or op.kind is Kind.COMM):
+                    self._written(res)
+                if kw is not None and "plane" in kw:  # a collective, or a kernel that ran one
+                    work = self.plane.take_work()
+                    if work is not None:
+                        waits.update((o, (work, out)) for o in out)
+                    if rec is None:
+                        pass
+                    elif op.kind is Kind.COMM:
+                        self._note_comm(name, args, kw, res)
+                    elif "partial" in kw:
+                        shape, dtype = kw["partial"]
+                        rec.annotate(nbytes=math.prod(shape) * dtype.itemsize,
+                                     detail=f"all_reduce in group {kw['group']} beside the kernel")
+        finally:
+            stats["ops"] += counted
         if marks is not None:
             self._gpu_countdown = countdown
 
@@ -680,6 +694,9 @@ class Executor:
 
 
 _SAID: set[str] = set()
+
+
+_WAITING = frozenset({"read", "sync"})  # control words that wait for the device
 
 
 def _say_once(message: str) -> None:
