@@ -71,6 +71,60 @@ def test_a_dry_run_says_what_does_not_fit(tmp_path):
 
 
 @serial
+def test_a_dry_runs_peak_counts_what_kernels_make_and_free():
+    """The peak is the most bytes alive at once: a kernel's own temporaries count (torch's
+    cross-entropy makes log-probabilities as large as the logits inside one instruction and
+    frees them before it ends), and tensors freed stop counting."""
+    import torch
+    from gtmpi.transport.local import LocalLink
+    from gtmpi.worker.metaplane import MetaExecutor
+    ex = MetaExecutor(1, LocalLink())
+    mib, targets = 2 ** 20, 256 * 8
+    ex.run([("zeros", 1, ((256, 1024), torch.float32), 0, {}),      # 1 MiB of logits
+            ("zeros", 2, ((256,), torch.int64), 0, {})])
+    assert ex.meta_peak == mib + targets
+    ex.run([("cross_entropy", (3, 5), (1, 2, -100, "mean", 0.0), 3, {})])
+    # the log-probabilities while it ran (and the loss, 4 bytes, with its 4-byte sum)
+    assert ex.meta_peak == 2 * mib + targets + 8
+    assert ex.memory()["memory_bytes"] == mib + targets + 4  # not after: the loss alone
+    ex.run([("free", None, (1, 3, 5), 0, None),
+            ("zeros", 4, ((256, 1024), torch.float32), 0, {})])
+    assert ex.meta_peak == 2 * mib + targets + 8  # 1 died before 4 was made
+
+
+@serial
+def test_a_dry_run_skips_replays_it_has_seen_with_the_same_counts(tmp_path):
+    """After a program's third replay a dry run makes only what the replay leaves and counts
+    what it ran: the same collectives and peak as running every replay (which a trace makes
+    it do; the trace's own control words make the instruction counts differ)."""
+    program = """
+        import gtmpi
+        import gtmpi.nn as nn
+        import gtmpi.nn.functional as F
+        gtmpi.load_config({"data": {"shard": {"axis": 0, "workers": [0, 1]}},
+                           "weights": {"shard": {"workers": [0, 1], "replicated": True}}})
+        with gtmpi.signal.context("weights"):
+            model = nn.Linear(4096, 4096)  # 64 MiB of weights: a peak the report shows
+        @gtmpi.replayable
+        def step(x):
+            loss = F.gelu(model(x)).square().mean()
+            loss.backward()
+            return loss
+        for i in range(STEPS):
+            model.zero_grad()
+            step(gtmpi.signal.tensor(gtmpi.randn(1024, 4096), "data")).item()
+    """
+    reports = []
+    for steps, env in ((12, {}), (12, {"GTMPI_TRACE": str(tmp_path / "all.h5")})):
+        proc, _ = run_job(tmp_path, program.replace("STEPS", str(steps)), 120, n=None,
+                          env={"GTMPI_DRY_RUN": "2", **env})
+        assert proc.returncode == 0, proc.stderr
+        reports.append([line.split(" instructions; ")[1] for line in proc.stderr.splitlines()
+                        if line.startswith("  worker")])
+    assert reports[0] == reports[1] and len(reports[0]) == 2, reports
+
+
+@serial
 def test_a_dry_run_writes_a_trace_the_trace_tool_reads(tmp_path):
     """The trace's inserted collectives (gtmpi-trace comms) are the dry run's; its durations
     are the simulated workers' host times, not the GPUs'."""

@@ -11,8 +11,13 @@ default H100), so a program takes its GPU paths (bf16, graphs are refused: meta 
 Reads give zeros (said once): a training loop that prints its loss still runs.
 
 At exit it prints, per worker: instructions, collectives and transfers by kind with bytes,
-and its peak of tensor memory (the tensors it holds between batches: an estimate, below the
-real peak by a step's transient buffers and the allocator's rounding) against the GPU's size.
+and its peak of tensor memory against the GPU's size: the most bytes of tensors alive at once,
+counted as torch's ops make them and as their storages die (worker/metaplane.py), with the
+GPU's fused kernels standing in where torch's meta path would keep more (attention, the
+vocabulary-parallel cross-entropy). An estimate: the allocator's rounding and CUDA graphs'
+pools are not in it. Measured against GPT-2 small on H100s (benchmarks/RESULTS.md): DP=2
+−1.4%, TP=2 −3.8%, TP=2 x PP=2 −15%. A program's replays after its third are not run again:
+the tensors they leave and the collectives they ran are those of the one before.
 GTMPI_TRACE records it as any run: `gtmpi-trace comms` lists what was inserted where; its
 durations are the simulated workers' host times, not a GPU's (no cost model yet).
 """
@@ -26,8 +31,7 @@ import sys
 import torch
 
 from ..transport.local import LocalLink
-from ..worker.executor import Executor
-from ..worker.metaplane import MetaPlane
+from ..worker.metaplane import MetaExecutor
 from .runtime import Runtime, current, set_default_start
 
 GPU_BYTES = {"H100": 80 * 2 ** 30, "H200": 141 * 2 ** 30, "A100": 80 * 2 ** 30}
@@ -41,8 +45,7 @@ def start_dry_run(workers: int, gpu: str) -> Runtime:
     links, infos = {}, {}
     for rank in range(1, workers + 1):
         link = LocalLink()
-        link.executor = Executor(rank, torch.device("meta"), link)
-        link.executor.plane = MetaPlane()
+        link.executor = MetaExecutor(rank, link)
         links[rank] = link
         infos[rank] = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
                        "device": f"cuda:{rank - 1}", "local_index": rank - 1,
@@ -66,7 +69,7 @@ def dry_run(workers: int, gpu: str = "H100") -> None:
     set_default_start(lambda: start_dry_run(workers, gpu))
 
 
-def report(executors: list[Executor], gpu: str) -> list[dict]:
+def report(executors: list[MetaExecutor], gpu: str) -> list[dict]:
     """Per worker: instructions, collectives (kind -> count, bytes), peak tensor bytes."""
     return [{"rank": ex.rank, "instructions": ex.stats["ops"],
              "collectives": {k: tuple(v) for k, v in ex.plane.stats.items()},
@@ -74,10 +77,10 @@ def report(executors: list[Executor], gpu: str) -> list[dict]:
             for ex in executors]
 
 
-def _report(executors: list[Executor], gpu: str) -> None:
+def _report(executors: list[MetaExecutor], gpu: str) -> None:
     rows = report(executors, gpu)
     print(f"gtmpi dry run on {len(rows)} simulated {gpu}(s) of {GPU_BYTES[gpu] / 2 ** 30:.0f} "
-          "GiB (peak: tensors held between batches, an estimate):", file=sys.stderr)
+          "GiB (peak: tensors alive at once, an estimate):", file=sys.stderr)
     for r in rows:
         comms = ", ".join(f"{k} {n} ({b / 1e6:.1f} MB)" for k, (n, b) in sorted(r["collectives"].items()))
         print(f"  worker {r['rank']}: {r['instructions']} instructions; peak "

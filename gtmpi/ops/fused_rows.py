@@ -8,7 +8,8 @@ piece once for the log-sum-exp and once more (writing the gradient) for the back
 float32 registers, so the result equals the float32 composition up to rounding.
 
 ``available(t)`` says whether they run for ``t`` (a CUDA tensor, Triton importable, or
-TRITON_INTERPRET=1 for tests on CPUs); otherwise the caller composes torch ops.
+TRITON_INTERPRET=1 for tests on CPUs; a dry run's meta tensor, whose results are made without
+a launch); otherwise the caller composes torch ops.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ BLOCK = 1024
 
 
 def available(t: torch.Tensor) -> bool:
-    if triton is None or t.dim() != 2 or not t.is_contiguous():
+    if t.dim() != 2 or not t.is_contiguous():
         return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if t.is_meta:  # a dry run stands for GPUs, which run these: their results' memory, no launch
+        return True
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -69,7 +72,8 @@ if triton is not None:
 def row_lse(x: torch.Tensor) -> torch.Tensor:
     """float32 log-sum-exp of each row of ``x`` (2-D, contiguous)."""
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    _lse_kernel[(x.shape[0],)](x, out, x.stride(0), x.shape[1], BLOCK=BLOCK)
+    if not x.is_meta:
+        _lse_kernel[(x.shape[0],)](x, out, x.stride(0), x.shape[1], BLOCK=BLOCK)
     return out
 
 
@@ -78,6 +82,8 @@ def softmax_minus_onehot(x: torch.Tensor, lse: torch.Tensor, target: torch.Tenso
     """(exp(x - lse) - onehot(target)) * coef, row by row, in x's dtype; a target of -1 has no
     one in this piece."""
     grad = torch.empty_like(x)
-    _grad_kernel[(x.shape[0],)](x, grad, lse.contiguous(), target.contiguous(),
-                                coef.float().contiguous(), x.stride(0), x.shape[1], BLOCK=BLOCK)
+    if not x.is_meta:
+        _grad_kernel[(x.shape[0],)](x, grad, lse.contiguous(), target.contiguous(),
+                                    coef.float().contiguous(), x.stride(0), x.shape[1],
+                                    BLOCK=BLOCK)
     return grad

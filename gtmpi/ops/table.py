@@ -354,6 +354,13 @@ def _graph_backward_meta(graph, g, grads: tuple, like: tuple) -> tuple:
 
 
 def _attention(q, k, v, mask, dropout_p, is_causal, scale, seed=None):
+    if q.is_meta and q.dim() == 4:
+        # a dry run stands for GPUs, whose fused kernels keep the log-sum-exp for backward;
+        # torch's composition for meta tensors would keep the whole attention matrix
+        bias = mask if mask is None or mask.is_floating_point() else \
+            torch.empty(mask.shape, dtype=q.dtype, device=q.device)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, q.requires_grad, dropout_p, is_causal, scale=scale)[0]
     if seed is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale)

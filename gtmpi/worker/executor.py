@@ -102,14 +102,11 @@ class Executor:
         # launch the next step before the GPU runs dry. An in-place write drops the entry.
         self.ready: dict[int, tuple[Any, torch.Tensor]] = {}
         self._read_stream = None
-        self.meta_peak = 0  # a dry run's worker (device meta): the most tensor bytes held
 
     def run(self, batch: list[tuple]) -> None:
         start = time.perf_counter_ns()
         self._execute(batch)
         self.stats["exec_ns"] += time.perf_counter_ns() - start
-        if self.device.type == "meta":
-            self.meta_peak = max(self.meta_peak, self._held_bytes())
         rec = self.trace
         if rec is not None:
             rec.marks.append((_clock(), None, None))
