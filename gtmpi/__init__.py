@@ -21,7 +21,7 @@ from .checkpoint import load, save
 from .autograd import (enable_grad, inference_mode, is_grad_enabled, no_grad,
                        set_grad_enabled)
 from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, full_like,
-                              manual_seed, multinomial, ones, ones_like, rand, rand_like, randint, randperm,
+                              linspace, manual_seed, multinomial, ones, ones_like, rand, rand_like, randint, randperm,
                               randn, randn_like, tensor, zeros, zeros_like)
 from .client.dtypes import (bfloat16, bool_, double, float16, float32, float64, half, int8,
                             int16, int32, int64, long, uint8)

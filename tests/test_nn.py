@@ -97,7 +97,7 @@ def test_layers_match_torch():
 
 def test_linear_default_init_is_torchs():
     layer = gnn.Linear(400, 300)
-    w = layer.weight.numpy()
+    w = layer.weight.detach().numpy()
     bound = 1 / math.sqrt(400)
     assert w.min() >= -bound and w.max() <= bound
     assert abs(w.std() - bound / math.sqrt(3)) < 0.05 * bound   # uniform's std

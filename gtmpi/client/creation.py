@@ -117,18 +117,34 @@ def randperm(n: int, dtype=None, **kw: Any) -> Tensor:
     return apply("randperm", int(n), as_dtype(dtype) or torch.int64, runtime().next_seed())
 
 
+def linspace(start, end, steps: int, dtype=None, requires_grad: bool = False,
+             **kw: Any) -> Tensor:
+    """Made on the host and uploaded: a constant of a few numbers, as torch.linspace makes it."""
+    with_device(kw)
+    return _grad(upload(torch.linspace(start, end, steps, dtype=_default(dtype))),
+                 requires_grad)
+
+
 def multinomial(probs: Tensor, num_samples: int, replacement: bool = False) -> Tensor:
     return apply("multinomial", probs, num_samples, replacement, runtime().next_seed())
 
 
+def _tensor_argument(fn: str, t: Any) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}(): argument 'input' (position 1) must be Tensor, not "
+                        f"{type(t).__name__}")
+
+
 def zeros_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
     with_device(kw)
+    _tensor_argument("zeros_like", t)
     with beside(t):
         return zeros(t.shape, dtype=dtype or t.dtype)
 
 
 def ones_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
     with_device(kw)
+    _tensor_argument("ones_like", t)
     with beside(t):
         return ones(t.shape, dtype=dtype or t.dtype)
 
@@ -139,12 +155,14 @@ def empty_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
 
 def full_like(t: Tensor, fill_value, dtype=None, **kw: Any) -> Tensor:
     with_device(kw)
+    _tensor_argument("full_like", t)
     with beside(t):
         return full(t.shape, fill_value, dtype=dtype or t.dtype)
 
 
 def randn_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
     with_device(kw)
+    _tensor_argument("randn_like", t)
     with beside(t):
         return randn(t.shape, dtype=dtype or t.dtype)
 

@@ -6,6 +6,7 @@ hands one instruction to the dispatcher and returns a new handle at once. Only r
 """
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import time
@@ -129,6 +130,9 @@ class Tensor:
         return torch.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
 
     def numpy(self) -> np.ndarray:
+        if self.requires_grad:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use "
+                               "tensor.detach().numpy() instead.")
         np_dtype = NUMPY_DTYPES.get(self.dtype)
         if np_dtype is None:
             return self.cpu_torch().numpy()  # raises torch's own error (bfloat16)
@@ -146,7 +150,7 @@ class Tensor:
         return self.cpu_torch().tolist()
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        arr = self.numpy()
+        arr = self.detach().numpy()
         return arr if dtype is None else arr.astype(dtype)
 
     def __repr__(self) -> str:
@@ -163,10 +167,15 @@ class Tensor:
         return format(repr(self), spec)
 
     def __float__(self) -> float:
-        return float(self.item())
+        return float(self._scalar())
 
     def __int__(self) -> int:
-        return int(self.item())
+        return int(self._scalar())
+
+    def _scalar(self) -> Any:
+        if self.numel() != 1:
+            raise ValueError("only one element tensors can be converted to Python scalars")
+        return self.item()
 
     def __index__(self) -> int:
         if self.dtype.is_floating_point or self.dtype.is_complex or self.numel() != 1:
@@ -450,6 +459,26 @@ class Tensor:
     def permute(self, *dims): return apply("permute", self, _sizes(dims))
     def unsqueeze(self, dim: int): return apply("unsqueeze", self, dim)
     def flatten(self, start_dim: int = 0, end_dim: int = -1): return apply("flatten", self, start_dim, end_dim)
+
+    def narrow(self, dim: int, start: int, length: int) -> Tensor:
+        size = self.shape[dim]
+        if start < 0:
+            start += size
+        if not 0 <= start <= size or length < 0 or start + length > size:
+            raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size "
+                               f"({size}).")
+        return self[(slice(None),) * (dim % self.ndim) + (slice(start, start + length),)]
+
+    def unflatten(self, dim: int, sizes: Sequence[int]) -> Tensor:
+        dim %= self.ndim
+        sizes = list(sizes)
+        known = math.prod(s for s in sizes if s != -1)
+        whole = self.shape[dim]
+        if sizes.count(-1) > 1 or (-1 not in sizes and known != whole) or \
+                (-1 in sizes and (known == 0 or whole % known)):
+            raise RuntimeError(f"unflatten: Provided sizes {sizes} don't multiply up to the "
+                               f"size of dim {dim} ({whole}) in the input tensor")
+        return self.reshape(*self.shape[:dim], *sizes, *self.shape[dim + 1:])
     def expand(self, *sizes): return apply("expand", self, _sizes(sizes))
     def expand_as(self, other): return apply("expand", self, tuple(other.shape))
     def contiguous(self) -> Tensor: return apply("contiguous", self)
@@ -649,7 +678,12 @@ def split_device(args: tuple, kwargs: dict) -> torch.dtype | None:
         elif isinstance(a, str) and _is_device(a):
             continue
         else:
-            dtype = as_dtype(a)
+            try:
+                dtype = as_dtype(a)
+            except TypeError:
+                if isinstance(a, str):
+                    torch.device(a)  # neither a dtype nor a device: torch's error names it
+                raise
     return dtype
 
 

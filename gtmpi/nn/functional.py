@@ -63,8 +63,10 @@ def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -
 
 def one_hot(indices: Tensor, num_classes: int = -1) -> Tensor:
     """int64 one-hot rows; num_classes=-1 reads the largest index (a wait, as in torch)."""
-    if num_classes < 0:
+    if num_classes == -1:
         num_classes = int(indices.max().item()) + 1
+    elif num_classes < 0:
+        raise RuntimeError("Class values must be smaller than num_classes.")
     return apply("one_hot", indices, num_classes)
 
 
@@ -77,6 +79,8 @@ def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Te
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return x
     if p == 1.0:

@@ -22,7 +22,7 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
+        bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
         self.weight = Parameter(_uniform((out_features, in_features), bound))
         self.bias = Parameter(_uniform((out_features,), bound)) if bias else None
 

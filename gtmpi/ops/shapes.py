@@ -85,6 +85,9 @@ _C_NAMES = {torch.int64: "long int", torch.int32: "int", torch.float32: "float",
             torch.bool: "bool", torch.uint8: "unsigned char", torch.int8: "signed char",
             torch.int16: "short int"}
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
+# not reductions, but a dim after the tensor too; checked here, as torch's meta kernels of
+# some versions assert rather than raise IndexError
+_DIM_FIRST = frozenset({"sort", "topk", "gather", "scatter", "scatter_add", "index_select"})
 PROBE_NUMEL = 1 << 16  # integer operands of a non-pointwise op: run the CPU kernel this small
 
 
@@ -92,13 +95,15 @@ def _check(name: str, op, args: tuple, tmask: int, kw: dict | None) -> None:
     """What torch checks at the line and meta tensors do not: dims of reductions, dtypes of
     matrix products and index tensors, and ops with no kernel for integer operands."""
     tensors = [a for i, a in enumerate(args) if tmask >> i & 1]
-    if op.kind is Kind.REDUCE and len(args) > 1 and tmask & 1:
+    if (op.kind is Kind.REDUCE or name in _DIM_FIRST) and len(args) > 1 and tmask & 1:
         ndim = len(args[0][0])
         for d in (args[1] if isinstance(args[1], (tuple, list)) else (args[1],)):
             top = max(ndim, 1)
             if type(d) is int and not -top <= d < top:
                 raise IndexError(f"Dimension out of range (expected to be in range of "
                                  f"[{-top}, {top - 1}], but got {d})")
+    if name in ("clamp", "clamp_") and args[1] is None and args[2] is None:
+        raise RuntimeError(f"torch.{name}: At least one of 'min' or 'max' must not be None")
     if op.kind is Kind.MATMUL and name != "linear_grad" and tmask & 3 == 3 and \
             args[0][1] != args[1][1]:
         a, b = (_C_NAMES.get(t[1], str(t[1])) for t in args[:2])
