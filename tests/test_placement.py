@@ -358,6 +358,18 @@ def test_data_parallel_training_equals_one_worker(gen, optimizer, kw):
     assert moved["all_reduce"] == 3 * 2 * (sum(p.numel() for p in init) * 4 + 2 * 4)
 
 
+def megatron_mlp(sharded: bool, x_host: torch.Tensor, params: tuple) -> tuple:
+    """The input and the MLP's weights, as leaves: Megatron's signals if ``sharded``."""
+    def make(t, signal):
+        if not sharded:
+            return gtmpi.tensor(t, requires_grad=True)
+        with gtmpi.signal.context(signal):
+            return gtmpi.tensor(t, requires_grad=True)
+    w1, b1, w2, b2 = params
+    return make(x_host, "weights"), [make(w1, "col"), make(b1, "col"), make(w2, "row"),
+                                     make(b2, "weights")]
+
+
 @spread
 def test_tensor_parallel_mlp_one_all_reduce_each_way(gen):
     """Megatron's MLP: column-parallel then row-parallel linear layers."""
@@ -365,13 +377,7 @@ def test_tensor_parallel_mlp_one_all_reduce_each_way(gen):
     x_host = torch.randn(8, 4, generator=gen)
 
     def run(sharded: bool):
-        def make(t, signal):
-            if not sharded:
-                return gtmpi.tensor(t, requires_grad=True)
-            with gtmpi.signal.context(signal):
-                return gtmpi.tensor(t, requires_grad=True)
-        x = make(x_host, "weights")
-        p = [make(w1, "col"), make(b1, "col"), make(w2, "row"), make(b2, "weights")]
+        x, p = megatron_mlp(sharded, x_host, (w1, b1, w2, b2))
         before = collectives()
         h = F.gelu(F.linear(x, p[0], p[1]))
         y = F.linear(h, p[2]) + p[3]
@@ -410,13 +416,7 @@ def test_column_parallel_input_gradient_is_summed_inside_its_kernel(gen, tmp_pat
     path = str(tmp_path / "overlap.h5")
 
     def run(sharded: bool):
-        def make(t, signal):
-            if not sharded:
-                return gtmpi.tensor(t, requires_grad=True)
-            with gtmpi.signal.context(signal):
-                return gtmpi.tensor(t, requires_grad=True)
-        x = make(x_host, "weights")
-        p = [make(w1, "col"), make(b1, "col"), make(w2, "row"), make(b2, "weights")]
+        x, p = megatron_mlp(sharded, x_host, (w1, b1, w2, b2))
         before = collectives()
         with gtmpi.signal.context("weights"):
             u = x * 2.0  # read by the first layer only
