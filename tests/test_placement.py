@@ -380,9 +380,9 @@ def test_tensor_parallel_mlp_one_all_reduce_each_way(gen):
         x, p = megatron_mlp(sharded, x_host, (w1, b1, w2, b2))
         before = collectives()
         h = F.gelu(F.linear(x, p[0], p[1]))
-        y = F.linear(h, p[2]) + p[3]
-        fwd = ran_since(before)
+        y = F.linear(h, p[2]) + p[3]  # a partial sum still: the bias taken as one
         loss = (y * y).mean()
+        fwd = ran_since(before)
         loss.backward()
         x_grad = x.grad.numpy()
         return loss, h, p, x_grad, fwd, ran_since(before)
@@ -421,9 +421,10 @@ def test_column_parallel_input_gradient_is_summed_inside_its_kernel(gen, tmp_pat
         with gtmpi.signal.context("weights"):
             u = x * 2.0  # read by the first layer only
         y = F.linear(F.gelu(F.linear(u, p[0], p[1])), p[2]) + p[3]
+        loss = (y * y).mean()
         if sharded:
             gtmpi.trace.start(path)
-        (y * y).mean().backward()
+        loss.backward()
         x_grad = x.grad.numpy()
         if sharded:
             gtmpi.trace.stop()

@@ -135,6 +135,19 @@ def main() -> None:
         pipe = gtmpi.pipeline.Pipeline([run for _, run in parts],
                                        [f"stage{s}" for s in range(n_stages)],
                                        args.micro_batches, args.schedule)
+    # sequence parallelism (Megatron-SP): a 'seq' signal (or 'stageS.seq' per stage) splits
+    # the sequence between the tensor-parallel layers: each block's input and the final norm's
+    # input are cut along the sequence, so norms, residual adds and the head's input run on
+    # pieces; the placement rules then gather the sequence before each column-parallel layer
+    # and reduce-scatter each row-parallel layer's output into pieces (no code in the model)
+    seq_signal = {id(m): f"stage{s}.seq" for s, (owned, _) in enumerate(parts) for m in owned} \
+        if n_stages and all(f"stage{s}.seq" in names for s in range(n_stages)) else \
+        {} if tensor_par and "seq" in names else None
+    if seq_signal is not None:
+        for m in [*model.blocks, model.ln]:
+            m.register_forward_pre_hook(
+                lambda m, args, name=seq_signal.get(id(m), "seq"):
+                (gtmpi.signal.tensor(args[0], name),))
     model.to(dtype)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -166,7 +179,8 @@ def main() -> None:
     mode = (f"{n_stages} pipeline stages ({args.schedule}, {args.micro_batches} micro-batches"
             f"{', tensor parallel in each' if staged_tp else ''})"
             if n_stages else "data parallel" if data_parallel else
-            "tensor parallel (Megatron)" if tensor_par else "one worker")
+            "tensor parallel (Megatron)" if tensor_par else "one worker") + \
+        (", sequence parallel" if seq_signal is not None else "")
     print(f"GPT {args.size}: {n_params:,} parameters ({c.layers} layers, dim {c.dim}, {c.heads} "
           f"heads, vocab {c.vocab}), seq {seq}, batch {args.batch}, {str(dtype)[6:]}; "
           f"{len(world['workers'])} worker(s), {mode}; data: {len(train):,} bytes, unigram "

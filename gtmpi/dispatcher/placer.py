@@ -223,7 +223,10 @@ class Placer:
             starts = p.wants[p.vocab].starts(tuple(sigs[p.vocab][0]))
             group = self._group(mesh)
             local = [{"offset": start, "group": group} for start in starts]
-        elif name == "linear_grad" and self.overlap and kw.get("sole") and len(mesh) > 1:
+        elif name == "linear_grad" and self.overlap and kw.get("sole") and len(mesh) > 1 \
+                and kinds[1] is not None and kinds[1].kind == "R":
+            # (an input that lies split, sequence parallelism's, wants its gradient in pieces:
+            # a reduce-scatter where it is read, not an all-reduce here)
             grads = outs_of(p.out, len(kw["grads"]))
             if grads[0].kind == "P":  # the input's gradient: summed by the kernel, as it goes
                 p = p._replace(out=(grads[0].whole, *grads[1:]))
@@ -394,8 +397,11 @@ class Placer:
                     "for (gtmpi.debug.explain() lists what was inserted where)")
             copy = self._convert(tid, sig, have, want)
             shape = tuple(sig[0])
-            if have.mesh == want.mesh and \
-                    _numel(want.local_shape(shape, 0)) > _numel(have.local_shape(shape, 0)):
+            cut_to_partial = have.kind in ("R", "I") and want.kind == "P" and copy != tid
+            if have.mesh == want.mesh and (cut_to_partial or _numel(want.local_shape(
+                    shape, 0)) > _numel(have.local_shape(shape, 0))):
+                # (a whole tensor taken as a partial sum is cut again at each use: its zeros
+                # cost nothing to make, and kept they would outlive a replayed program)
                 self._passing.append((copy, want.mesh))
             else:
                 self.copies.setdefault(tid, {})[want] = copy

@@ -176,6 +176,12 @@ def _partial(name: str, mesh, kinds) -> Plan | None:
         if name in ("add", "sub") and None in kinds:
             return None  # P + c would add c once per member
         return Plan(tuple(kinds), Placement(mesh, "P"))
+    if name in ("add", "sub") and None not in kinds:
+        # P + R: the whole operand is taken as a partial sum (the first member's piece, zeros
+        # elsewhere: nothing moves), so the sum stays partial until something needs it whole
+        # (a row-parallel layer's bias, added before its output is reduce-scattered)
+        p = Placement(mesh, "P")
+        return Plan(tuple(p for _ in kinds), p)
     if name in _MULTILINEAR and partial == 1:
         return Plan(tuple(kinds), Placement(mesh, "P"))
     return None
@@ -184,10 +190,14 @@ def _partial(name: str, mesh, kinds) -> Plan | None:
 def _elementwise(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """Broadcasting pointwise: S operands agree on one output dim; R operands are cut to
     their piece locally where they span that dim."""
-    if any(p is not None and p.kind == "P" for p in kinds):
+    split = any(p is not None and p.kind == "S" for p in kinds)
+    if any(p is not None and p.kind == "P" for p in kinds) and not split:
         if name == "truediv" and kinds[1] is not None and kinds[1].kind == "P":
             return None
         return _partial("mul" if name == "truediv" else name, mesh, kinds)
+    # beside a split operand a partial sum is summed into pieces lined up with it (a
+    # reduce-scatter, half an all-reduce's bytes): sequence parallelism's residual add of a
+    # row-parallel layer's output
     ndim = max(len(s[0]) for s, p in zip(sigs, kinds) if p is not None)
     dims = {p.dim + ndim - len(s[0]) for s, p in zip(sigs, kinds) if p is not None and p.kind == "S"}
     if len(dims) != 1:
@@ -289,8 +299,11 @@ def _linear(name, mesh, args, kw, kinds, sigs) -> Plan | None:
         return partial if b is None else None
     if x.kind == "S" and x.dim < last and w.kind == "R" and (b is None or b.kind == "R"):
         return Plan((x, w, b), Placement(mesh, "S", x.dim))
-    if x.kind == "R" and w.kind == "S" and w.dim == 0:
-        return Plan((x, w, None if b is None else Placement(mesh, "S", 0)), Placement(mesh, "S", last))
+    if x.kind in ("R", "S") and (x.kind == "R" or x.dim < last) and w.kind == "S" and w.dim == 0:
+        # column parallel; an input split along another dim (sequence parallelism's split
+        # sequence) is gathered whole first, and the weight keeps its split
+        return Plan((Placement(mesh, "R"), w, None if b is None else Placement(mesh, "S", 0)),
+                    Placement(mesh, "S", last))
     if w.kind in ("R", "S") and x.kind in ("R", "S") and (b is None or b.kind in ("R", "P")) \
             and (w.kind != "S" or w.dim == 1) and (x.kind != "S" or x.dim == last):
         p = Placement(mesh, "P")
