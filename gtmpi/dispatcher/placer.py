@@ -14,6 +14,7 @@ which is what sharding saves.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from contextlib import contextmanager
@@ -163,9 +164,10 @@ class Placer:
         wire = args
         if not direct or changed:
             wire = list(args)
-            for i, want in enumerate(p.wants):
-                if want is not None and i not in changed:
-                    wire[i] = self._as(args[i], sigs[i], want)
+            with self.asking() if p.intended else contextlib.nullcontext():
+                for i, want in enumerate(p.wants):
+                    if want is not None and i not in changed:
+                        wire[i] = self._as(args[i], sigs[i], want)
             wire = tuple(wire)
         if changed and len(mesh) > 1:  # replicas or pieces change together, or not at all
             self._agree(mesh, [w for i, w in enumerate(wire) if tmask >> i & 1 and i not in changed])
@@ -243,7 +245,10 @@ class Placer:
             forward = plan("linear", mesh, grid, args[1:], tmask >> 1, None, on_mesh[1:],
                            sigs[1:])
             grad, grads = dual(forward, kw["grads"], mesh, grid)
-            return Plan((grad, *forward.wants), grads)
+            # a split weight's gradient: gathering the incoming gradient or the input where they
+            # lie split along the sequence is the dual of sequence parallelism's own collectives
+            split = on_mesh[2] is not None and on_mesh[2].kind == "S"
+            return Plan((grad, *forward.wants), grads, intended=forward.intended or split)
         grad, grads = dual(forward, kw["grads"], mesh, grid)
         return Plan((outs_of(forward.out)[0], grad), grads)
 

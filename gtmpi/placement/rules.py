@@ -32,6 +32,9 @@ class Plan(NamedTuple):
     # along the vocabulary; each member is given its piece's first index there as ``offset``,
     # and the mesh's group as ``group`` for the collectives the kernel runs itself
     vocab: int | None = None
+    # the conversions of operands are the layout's own (sequence parallelism's gather before a
+    # column-parallel layer), not a fallback that strict placement stops
+    intended: bool = False
 
 
 Rule = Callable[..., Plan]
@@ -303,7 +306,7 @@ def _linear(name, mesh, args, kw, kinds, sigs) -> Plan | None:
         # column parallel; an input split along another dim (sequence parallelism's split
         # sequence) is gathered whole first, and the weight keeps its split
         return Plan((Placement(mesh, "R"), w, None if b is None else Placement(mesh, "S", 0)),
-                    Placement(mesh, "S", last))
+                    Placement(mesh, "S", last), intended=x.kind == "S")
     if w.kind in ("R", "S") and x.kind in ("R", "S") and (b is None or b.kind in ("R", "P")) \
             and (w.kind != "S" or w.dim == 1) and (x.kind != "S" or x.dim == last):
         p = Placement(mesh, "P")
