@@ -3,6 +3,7 @@ placements of the results, and the collectives that ran; bad configs and misuse.
 from __future__ import annotations
 
 import contextlib
+import io
 import warnings
 
 import numpy as np
@@ -887,6 +888,74 @@ def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only():
         kind = {"col": "S(0)", "vocab": "S(0)", "row": "S(1)",
                 "rep": "R"}[tensor_parallel(model)[name]]
         assert where(p) == f"{kind}@{WORKERS[:2]}", name
+
+
+def test_sequence_parallel_rules():
+    """Megatron-SP as placement rules: a column-parallel linear of an input split along the
+    sequence gathers it (the weight keeps its split), a partial sum beside a split operand is
+    reduce-scattered into lined-up pieces, and a whole operand added to a partial sum is taken
+    as one (the row-parallel bias)."""
+    from gtmpi.placement.rules import plan
+    from gtmpi.placement.types import Placement
+    mesh = (1, 2)
+    R, P = Placement(mesh, "R"), Placement(mesh, "P")
+    S = [Placement(mesh, "S", d) for d in range(3)]
+    act, weight, bias = ((4, 8, 6), torch.float32), ((10, 6), torch.float32), ((10,), torch.float32)
+    col = plan("linear", mesh, (), (1, 2, 3), 7, None, [S[1], S[0], S[0]], [act, weight, bias])
+    assert col.wants == (R, S[0], S[0]) and col.out == S[2] and col.intended
+    add = plan("add", mesh, (), (1, 2), 3, None, [S[1], P], [act, act])
+    assert add.wants == (S[1], S[1]) and add.out == S[1]
+    biased = plan("add", mesh, (), (1, 2), 3, None, [P, R], [act, ((6,), torch.float32)])
+    assert biased.wants == (P, P) and biased.out == P
+
+
+@spread
+def test_sequence_parallel_gpt_gives_tensor_parallels_numbers():
+    """The GPT with configs/gpt_tp2_sp.yaml's 'seq' signal cutting each block's input along the
+    sequence (what examples/gpt/train.py does): torch's loss and gradients, and in forward each
+    block's all-reduces become an all-gather before each column-parallel layer and a
+    reduce-scatter after each row-parallel one."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from examples.gpt.model import SIZES, build, tensor_parallel
+    c = SIZES["tiny"]
+    gtmpi.load_config(str(root / "configs" / "gpt_tp2_sp.yaml"))
+    torch.manual_seed(0)
+    ref = build(torch)(c)
+    model = build(gtmpi)(c)
+    model.load_state_dict(ref.state_dict())
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, signal in tensor_parallel(model).items():
+        gtmpi.signal.place(tensors[name], signal)
+    for m in [*model.blocks, model.ln]:
+        m.register_forward_pre_hook(lambda m, args: (gtmpi.signal.tensor(args[0], "seq"),))
+    data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=torch.Generator().manual_seed(1))
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    xs, ys = gtmpi.signal.tensor(x, "act"), gtmpi.signal.tensor(y, "act")
+    def inserted() -> dict[str, int]:  # by kind, as the dispatcher inserted them (gloo runs a
+        counts: dict[str, int] = {}     # reduce-scatter as an all-reduce and a cut)
+        for (_, kind, _), (n, _) in gtmpi.debug.explain(io.StringIO()).items():
+            counts[kind] = counts.get(kind, 0) + n
+        return counts
+
+    before = inserted()
+    loss = model(xs, ys)
+    forward = {k: n - before.get(k, 0) for k, n in inserted().items() if n - before.get(k, 0)}
+    loss.backward()
+    got = loss.item()
+    want = ref(x, y)
+    want.backward()
+    assert abs(got - want.item()) < 1e-5
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_same(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    # per worker: the embedding's sum cut into pieces, then per block 2 gathers and 2
+    # reduce-scatters, and the head's input gathered; no all-reduce of an activation
+    workers = 2
+    assert forward.get("reduce_scatter") == workers * (1 + 2 * c.layers), forward
+    assert forward.get("all_gather") == workers * (2 * c.layers + 1), forward
+    assert not any(k.startswith("all_reduce") for k in forward), forward
 
 
 @spread
