@@ -839,6 +839,27 @@ def test_vocabulary_parallel_embedding_and_cross_entropy_match_torch(gen, reduct
     assert_same(g_logits.grad, t_logits.grad, rtol=1e-5, atol=1e-6)
 
 
+def megatron_gpt(config: str) -> tuple:
+    """The tiny GPT on torch and on gtmpi with the same weights, the latter's placed by
+    Megatron's layout under configs/``config``; and a batch (inputs, targets)."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from examples.gpt.model import SIZES, build, tensor_parallel
+    c = SIZES["tiny"]
+    gtmpi.load_config(str(root / "configs" / config))
+    torch.manual_seed(0)
+    ref = build(torch)(c)
+    model = build(gtmpi)(c)
+    model.load_state_dict(ref.state_dict())
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, signal in tensor_parallel(model).items():
+        gtmpi.signal.place(tensors[name], signal)
+    data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=torch.Generator().manual_seed(1))
+    return c, ref, model, (data[:, :-1].contiguous(), data[:, 1:].contiguous())
+
+
 @spread
 def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only():
     """The GPT with Megatron's layout (configs/gpt_tp2.yaml: QKV and the MLP's first layer
@@ -849,23 +870,8 @@ def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only():
     one after the embedding and one at the head's input in backward: nothing else moves
     (the cross-entropy's own three sums per row run inside its kernel), and the weights stay
     in halves."""
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
-    from examples.gpt.model import SIZES, build, tensor_parallel
-    c = SIZES["tiny"]
-    gtmpi.load_config(str(root / "configs" / "gpt_tp2.yaml"))
-    torch.manual_seed(0)
-    ref = build(torch)(c)
-    model = build(gtmpi)(c)
-    model.load_state_dict(ref.state_dict())
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    for name, signal in tensor_parallel(model).items():
-        gtmpi.signal.place(tensors[name], signal)
-    gen = torch.Generator().manual_seed(1)
-    data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=gen)
-    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    c, ref, model, (x, y) = megatron_gpt("gpt_tp2.yaml")
+    from examples.gpt.model import tensor_parallel
     gtmpi.debug.strict_placement()
     try:
         before, before_bytes = collectives(), collectives(1)
@@ -915,24 +921,9 @@ def test_sequence_parallel_gpt_gives_tensor_parallels_numbers():
     sequence (what examples/gpt/train.py does): torch's loss and gradients, and in forward each
     block's all-reduces become an all-gather before each column-parallel layer and a
     reduce-scatter after each row-parallel one."""
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
-    from examples.gpt.model import SIZES, build, tensor_parallel
-    c = SIZES["tiny"]
-    gtmpi.load_config(str(root / "configs" / "gpt_tp2_sp.yaml"))
-    torch.manual_seed(0)
-    ref = build(torch)(c)
-    model = build(gtmpi)(c)
-    model.load_state_dict(ref.state_dict())
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    for name, signal in tensor_parallel(model).items():
-        gtmpi.signal.place(tensors[name], signal)
+    c, ref, model, (x, y) = megatron_gpt("gpt_tp2_sp.yaml")
     for m in [*model.blocks, model.ln]:
         m.register_forward_pre_hook(lambda m, args: (gtmpi.signal.tensor(args[0], "seq"),))
-    data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=torch.Generator().manual_seed(1))
-    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     xs, ys = gtmpi.signal.tensor(x, "act"), gtmpi.signal.tensor(y, "act")
     def inserted() -> dict[str, int]:  # by kind, as the dispatcher inserted them (gloo runs a
         counts: dict[str, int] = {}     # reduce-scatter as an all-reduce and a cut)
