@@ -14,8 +14,8 @@ The parallelism comes from the config alone, by its signals' names: ``data`` and
 configs/dp_tp.yaml), ``stage0`` ... ``stageN`` (the blocks cut into that many pipeline
 stages, one per signal; with ``stageS.col``, ``stageS.row``, ``stageS.rep`` and
 ``stageS.vocab`` too, each stage tensor parallel over its own workers: configs/gpt_tp2_pp2.yaml,
-configs/gpt_tp2_pp4.yaml). The same command runs on one
-worker with no config.
+configs/gpt_tp2_pp4.yaml); ``seq`` (or ``stageS.seq``) beside tensor parallelism adds sequence
+parallelism (configs/gpt_tp2_sp.yaml). The same command runs on one worker with no config.
 
 AdamW (weight decay on matrices only, as GPT-2 did), a cosine schedule with linear warm-up,
 gradient clipping, bf16 weights and activations on GPUs. Every --log-every steps a line with
