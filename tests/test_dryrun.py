@@ -125,6 +125,44 @@ def test_a_dry_run_skips_replays_it_has_seen_with_the_same_counts(tmp_path):
 
 
 @serial
+def test_a_dry_runs_trace_lasts_what_the_cost_model_says(tmp_path):
+    """A dry run's workers are stamped with a modeled clock: a float32 matmul of two 4096²
+    matrices lasts its arithmetic at the named GPU's share of peak (worker/costmodel.py),
+    a view lasts nothing, and gtmpi-trace draws the timeline."""
+    import subprocess
+    import sys
+    import numpy as np
+    import torch
+    from gtmpi.ops.table import Kind
+    from gtmpi.recording import fileformat
+    from gtmpi.worker import costmodel
+    trace = tmp_path / "modeled.h5"
+    proc, _ = run_job(tmp_path, """
+        import gtmpi
+        a = gtmpi.ones(4096, 4096)
+        b = (a @ a).view(-1)
+        print(b.sum().item())
+    """, 120, n=None, env={"GTMPI_DRY_RUN": "1", "GTMPI_DRY_RUN_GPU": "A100",
+                           "GTMPI_TRACE": str(trace)})
+    assert proc.returncode == 0, proc.stderr
+    t = fileformat.read(str(trace))
+    events = t.events[1]
+    names = [t.name(int(n)) for n in events["name"]]
+    took = {n: int(e["t1"]) - int(e["t0"]) for n, e in zip(names, events) if n in ("matmul", "view")}
+    a = torch.empty(4096, 4096, device="meta")
+    want = costmodel.instruction_ns("matmul", Kind.MATMUL, [a, a], [a.clone()],
+                                    costmodel.GPUS["A100"], 1)
+    assert want > 10_000_000  # 2 * 4096**3 flops at 70% of 19.5 TFLOP/s: about 10 ms
+    assert abs(took["matmul"] - want) < 1_000, (took, want)
+    assert took["view"] == 0
+    assert t.ranks[1]["peak_bytes"] == 2 * 4096 * 4096 * 4 + 4  # a, the product, its sum
+    drawn = subprocess.run([sys.executable, "-m", "gtmpi.cli", "timeline", str(trace), "-o",
+                            str(tmp_path / "t.png")], capture_output=True, text=True, timeout=60)
+    assert drawn.returncode == 0 and (tmp_path / "t.png").stat().st_size > 0, drawn.stderr
+    assert np.all(events["t1"] >= events["t0"])
+
+
+@serial
 def test_a_dry_run_writes_a_trace_the_trace_tool_reads(tmp_path):
     """The trace's inserted collectives (gtmpi-trace comms) are the dry run's; its durations
     are the simulated workers' host times, not the GPUs'."""

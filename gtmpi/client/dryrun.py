@@ -18,8 +18,10 @@ vocabulary-parallel cross-entropy). An estimate: the allocator's rounding and CU
 pools are not in it. Measured against GPT-2 small on H100s (benchmarks/RESULTS.md): DP=2
 −1.4%, TP=2 −3.8%, TP=2 x PP=2 −15%. A program's replays after its third are not run again:
 the tensors they leave and the collectives they ran are those of the one before.
-GTMPI_TRACE records it as any run: `gtmpi-trace comms` lists what was inserted where; its
-durations are the simulated workers' host times, not a GPU's (no cost model yet).
+GTMPI_TRACE records it as any run: `gtmpi-trace comms` lists what was inserted where, and the
+workers' instructions last what worker/costmodel.py estimates for the named GPU (arithmetic at
+a share of its peak or memory traffic at a share of its bandwidth, collectives over NVLink):
+estimates, with no overlap and no worker waiting for another.
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ import sys
 import torch
 
 from ..transport.local import LocalLink
+from ..worker import costmodel
 from ..worker.metaplane import MetaExecutor
 from .runtime import Runtime, current, set_default_start
 
-GPU_BYTES = {"H100": 80 * 2 ** 30, "H200": 141 * 2 ** 30, "A100": 80 * 2 ** 30}
+GPU_BYTES = {name: spec.memory for name, spec in costmodel.GPUS.items()}
 
 
 def start_dry_run(workers: int, gpu: str) -> Runtime:
@@ -45,7 +48,7 @@ def start_dry_run(workers: int, gpu: str) -> Runtime:
     links, infos = {}, {}
     for rank in range(1, workers + 1):
         link = LocalLink()
-        link.executor = MetaExecutor(rank, link)
+        link.executor = MetaExecutor(rank, link, costmodel.GPUS[gpu], workers)
         links[rank] = link
         infos[rank] = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
                        "device": f"cuda:{rank - 1}", "local_index": rank - 1,

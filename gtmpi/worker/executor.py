@@ -21,7 +21,7 @@ import math
 import resource
 import sys
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -36,7 +36,6 @@ from . import graphs
 from .profiler import KernelProfiler
 from ..ops import settings
 
-_clock = time.perf_counter_ns
 _ABSENT = object()
 
 
@@ -81,6 +80,8 @@ class Executor:
                          "commit": self._commit, "rename": self._rename,
                          "backend": lambda out, args: settings.apply(*args)}
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
+        # what traces are stamped with: a dry run's worker keeps a modeled clock instead
+        self.now: Callable[[], int] = time.perf_counter_ns
         self._inject = {Kind.CREATE: {"device": device}}  # keyword arguments by kind of op
         self.trace: Recorder | None = None  # while a trace runs
         self._gpu_every = 0  # while tracing on a GPU: time every this many ops with CUDA events
@@ -109,7 +110,7 @@ class Executor:
         self.stats["exec_ns"] += time.perf_counter_ns() - start
         rec = self.trace
         if rec is not None:
-            rec.marks.append((_clock(), None, None))
+            rec.marks.append((self.now(), None, None))
             rec.compact()
         self.stats["batches"] += 1
 
@@ -119,13 +120,14 @@ class Executor:
         gpu_every = self._gpu_every if rec is not None else 0
         countdown = self._gpu_countdown
         stats, waits, ready, injects = self.stats, self.waits, self.ready, self._inject
+        now = self.now
         counted = 0  # ops run since stats["ops"] was brought up to date
         try:
             for ins in batch:
                 counted += 1
                 name, out, args, tmask, kw = ins
                 if marks is not None:
-                    marks.append((_clock(), name, out))
+                    marks.append((now(), name, out))
                 op = OPS.get(name)
                 if op is None:
                     stats["ops"] += counted  # a stats word in the batch sees every op before it
@@ -378,7 +380,7 @@ class Executor:
         key, binds, renames, mode, seeds = args
         if self.profiler is not None:
             self.profiler.replay()
-        start = _clock()
+        start = self.now()
         if mode == "graph":
             self._launch(self.graphs[key], binds, renames, seeds)
         elif mode == "emulate":
@@ -392,7 +394,7 @@ class Executor:
         if self.device.type == "cuda" and mode != "capture":
             self._note_ready(new for _, new in renames)
         if self.trace is not None:
-            self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, _clock(), mode,
+            self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, self.now(), mode,
                              key, count=len(self.programs[key]))
 
     def _instructions(self, key: int, seeds: tuple[int, int] | None) -> list[tuple]:
@@ -630,7 +632,7 @@ class Executor:
                 torch.cuda.synchronize(self.device)
                 ref = _cuda_event()
                 ref.synchronize()
-                self.trace.gpu_reference(ref, _clock())
+                self.trace.gpu_reference(ref, self.now())
             return
         rec = self.trace
         if args[0] == "collect":
@@ -638,12 +640,12 @@ class Executor:
         if rec is None:
             self.link.reply(Tag.TRACE, None)
             return
-        rec.marks.append((_clock(), None, None))  # this instruction ends the part
+        rec.marks.append((self.now(), None, None))  # this instruction ends the part
         self.link.reply_later(Tag.TRACE, rec.take())
 
     def received(self, start: int, seq: int, nbytes: int, count: int) -> None:
         """A batch arrived (traces only): from when it was noticed until it was unpickled."""
-        self.trace.event(events.Kind.RECV, events.Lane.WORKER, start, _clock(), "batch", seq, 0, nbytes, count)
+        self.trace.event(events.Kind.RECV, events.Lane.WORKER, start, self.now(), "batch", seq, 0, nbytes, count)
 
     def _dist_init(self, out, args: tuple) -> None:
         self.plane.init(*args)

@@ -5,6 +5,7 @@ counted with its bytes as a real run counts it, and makes results of the right s
 moves and nobody waits."""
 from __future__ import annotations
 
+import time
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..ops.table import OPS
+from . import costmodel
 from .executor import Executor
 
 
@@ -23,20 +26,29 @@ class MetaExecutor(Executor):
     once of the tensors its kernels made, counted as torch's aten ops make them and as their
     storages die (torch keeps one Python object per storage while anything holds it, tensors
     that autograd saved too), so a fused kernel's temporaries count, as the gradient of the
-    logits inside a cross-entropy's backward does."""
+    logits inside a cross-entropy's backward does. Its clock (what a trace is stamped with)
+    advances by each instruction's modeled time on ``gpu`` (worker/costmodel.py)."""
 
-    def __init__(self, rank: int, link: Any) -> None:
+    def __init__(self, rank: int, link: Any, gpu: costmodel.Gpu = costmodel.GPUS["H100"],
+                 workers: int = 1) -> None:
         super().__init__(rank, torch.device("meta"), link)
-        self.plane = MetaPlane()
+        self.plane = MetaPlane(workers)
+        self.gpu = gpu
+        self._modeled = time.perf_counter_ns()
+        self.now = lambda: self._modeled
         self._made = _Made()
         self._replays: dict[int, int] = {}  # program -> replays run
         # program -> what one replay did: (instructions, collectives by kind as (count,
-        # bytes), (shape, stride, dtype) of each tensor that outlives it)
+        # bytes), (shape, stride, dtype) of each tensor that outlives it, modeled ns)
         self._effects: dict[int, tuple] = {}
 
     @property
     def meta_peak(self) -> int:
         return self._made.peak
+
+    def memory(self) -> dict[str, int]:
+        """As a GPU worker's: tensor bytes held and at peak (the modeled GPU's)."""
+        return {**super().memory(), "peak_bytes": self.meta_peak}
 
     def _replay(self, out, args: tuple) -> None:
         # a program's replays make and free the same tensors and run the same collectives each
@@ -48,6 +60,7 @@ class MetaExecutor(Executor):
         known = self._effects.get(key)
         if runs <= REPLAYS_METERED or known is None or self.trace is not None:
             ops, comms = self.stats["ops"], {k: tuple(v) for k, v in self.plane.stats.items()}
+            began = self._modeled
             super()._replay(out, args)
             self._effects[key] = (
                 self.stats["ops"] - ops,
@@ -55,10 +68,12 @@ class MetaExecutor(Executor):
                  for k, (n, b) in self.plane.stats.items()},
                 [None if not isinstance(self.env.get(new), torch.Tensor) else
                  (self.env[new].shape, self.env[new].stride(), self.env[new].dtype)
-                 for _, new in renames])
+                 for _, new in renames],
+                self._modeled - began)
             return
-        ops, comms, made = known
+        ops, comms, made, modeled = known
         self.stats["ops"] += ops
+        self._modeled += modeled
         for kind, (n, nbytes) in comms.items():
             entry = self.plane.stats[kind]
             entry[0] += n
@@ -70,16 +85,41 @@ class MetaExecutor(Executor):
                 if self._made.active:
                     self._made.count(t)
 
+    def run(self, batch: list[tuple]) -> None:
+        # a batch starts no earlier than it arrived: the modeled GPU waits for the host
+        self._modeled = max(self._modeled, time.perf_counter_ns())
+        super().run(batch)
+
+    def received(self, start: int, seq: int, nbytes: int, count: int) -> None:
+        self._modeled = max(self._modeled, start)
+        super().received(self._modeled, seq, nbytes, count)  # at once: nothing travels
+
     def _execute(self, batch: list[tuple]) -> None:
         if self._made.active:  # a replayed program, run by an instruction of the batch
-            super()._execute(batch)
+            self._timed(batch)
             return
         self._made.active = True
         try:
             with self._made:
-                super()._execute(batch)
+                self._timed(batch)
         finally:
             self._made.active = False
+
+    def _timed(self, batch: list[tuple]) -> None:
+        """Each instruction run, then the clock moved on by its modeled time."""
+        env, groups = self.env, self.plane.sizes
+        for ins in batch:
+            name, out, args, tmask, kw = ins
+            inputs = [t for i, a in enumerate(args) if tmask >> i & 1
+                      for t in costmodel.tensors(env.get(a))]
+            super()._execute((ins,))
+            op = OPS.get(name)
+            if op is None:
+                continue
+            made = [t for o in ((out,) if type(out) is int else out or ())
+                    for t in costmodel.tensors(env.get(o))]
+            self._modeled += costmodel.instruction_ns(name, op.kind, inputs, made, self.gpu,
+                                                      costmodel.members_of(kw, groups))
 
 
 class _Made(TorchDispatchMode):
@@ -119,9 +159,10 @@ class _Made(TorchDispatchMode):
 class MetaPlane:
     backend = "meta"
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int = 1) -> None:
         self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
         self.started = False
+        self.sizes: dict[int, int] = {0: workers}  # group -> members, for the cost model
         # what fused kernels pass to torch.distributed themselves (the vocabulary-parallel
         # cross-entropy's reductions skip meta tensors): no group exists
         self.groups: dict[int, None] = defaultdict(lambda: None)
@@ -130,7 +171,7 @@ class MetaPlane:
         self.started = True
 
     def new_group(self, gid: int, ranks: tuple[int, ...]) -> None:
-        pass
+        self.sizes[gid] = len(ranks)
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         entry = self.stats[kind]
