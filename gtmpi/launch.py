@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
 import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -244,13 +246,29 @@ def _launcher_on_path() -> None:
         real = shutil.which("mpiexec")
         if real is None:
             return
-    folder = tempfile.mkdtemp(prefix="gtmpi-launcher-")
-    atexit.register(shutil.rmtree, folder, True)
+    # one folder per user, Python and mpiexec, kept and reused: a folder per process was left
+    # behind by every process that was killed (atexit does not run)
+    text = (f"#!{sys.executable}\nimport os, sys\nos.setpgid(0, 0)\n"
+            f"os.execv({real!r}, [{real!r}, *sys.argv[1:]])\n")
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    folder = os.path.join(tempfile.gettempdir(), f"gtmpi-launcher-{os.getuid()}-{key}")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        seen = os.lstat(folder)
+        ours = seen.st_uid == os.getuid() and stat.S_ISDIR(seen.st_mode) and \
+            not seen.st_mode & 0o022
+    except OSError:
+        ours = False
+    if not ours:
+        folder = tempfile.mkdtemp(prefix="gtmpi-launcher-")  # not ours alone: never trusted
+        atexit.register(shutil.rmtree, folder, True)
     path = os.path.join(folder, "mpiexec")
-    with open(path, "w") as f:
-        f.write(f"#!{sys.executable}\nimport os, sys\nos.setpgid(0, 0)\n"
-                f"os.execv({real!r}, [{real!r}, *sys.argv[1:]])\n")
-    os.chmod(path, 0o755)
+    if not os.path.exists(path):
+        fd, scratch = tempfile.mkstemp(dir=folder)  # written whole, then renamed into place
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(scratch, 0o755)
+        os.replace(scratch, path)
     os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
 
 
