@@ -931,11 +931,15 @@ def test_sequence_parallel_gpt_gives_tensor_parallels_numbers():
             counts[kind] = counts.get(kind, 0) + n
         return counts
 
-    before = inserted()
-    loss = model(xs, ys)
-    forward = {k: n - before.get(k, 0) for k, n in inserted().items() if n - before.get(k, 0)}
-    loss.backward()
-    got = loss.item()
+    gtmpi.debug.strict_placement()  # every collective is the layout's own
+    try:
+        before = inserted()
+        loss = model(xs, ys)
+        forward = {k: n - before.get(k, 0) for k, n in inserted().items() if n - before.get(k, 0)}
+        loss.backward()
+        got = loss.item()
+    finally:
+        gtmpi.debug.strict_placement(False)
     want = ref(x, y)
     want.backward()
     assert abs(got - want.item()) < 1e-5

@@ -250,7 +250,10 @@ class Placer:
             split = on_mesh[2] is not None and on_mesh[2].kind == "S"
             return Plan((grad, *forward.wants), grads, intended=forward.intended or split)
         grad, grads = dual(forward, kw["grads"], mesh, grid)
-        return Plan((outs_of(forward.out)[0], grad), grads)
+        # the incoming gradient is brought to the dual of where the forward result lay: the
+        # signals that placed the forward op chose that (sequence parallelism's pieces of a
+        # whole position table's gradient are gathered), not a fallback strict mode stops
+        return Plan((outs_of(forward.out)[0], grad), grads, intended=True)
 
     def _upload(self, ins: tuple, host: torch.Tensor) -> int:
         """Each member of the signal's placement gets its own piece of the host data (the
