@@ -14,7 +14,6 @@ which is what sharding saves.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from contextlib import contextmanager
@@ -64,6 +63,9 @@ class Placer:
         self.overlap = True
         self.site: Callable[[], str] = lambda: "?"  # the program's file:line now (the client's)
         self._asked = 0  # > 0 while a signal or a read asks for the conversions made
+        # while an op's plan says its conversions are the layout's own (Plan.intended): strict
+        # placement lets them pass, and they are counted and made as any other
+        self._intended = False
         # constants made on the home worker outside any signal (masks, arange, ones, and what
         # is computed from them alone): how to make them again, so that an op elsewhere makes
         # its own copy instead of having it sent. id -> (instruction, operands' recipes, depth)
@@ -164,10 +166,13 @@ class Placer:
         wire = args
         if not direct or changed:
             wire = list(args)
-            with self.asking() if p.intended else contextlib.nullcontext():
+            self._intended = p.intended
+            try:
                 for i, want in enumerate(p.wants):
                     if want is not None and i not in changed:
                         wire[i] = self._as(args[i], sigs[i], want)
+            finally:
+                self._intended = False
             wire = tuple(wire)
         if changed and len(mesh) > 1:  # replicas or pieces change together, or not at all
             self._agree(mesh, [w for i, w in enumerate(wire) if tmask >> i & 1 and i not in changed])
@@ -397,7 +402,8 @@ class Placer:
             return tid
         copy = self.copies.get(tid, _NONE).get(want)
         if copy is None:
-            fallback = self.strict and not self._asked and _fallback(have, want)
+            fallback = self.strict and not (self._asked or self._intended) and \
+                _fallback(have, want)
             if fallback:
                 raise PlacementError(
                     f"strict placement: this op would {fallback} a tensor of shape "

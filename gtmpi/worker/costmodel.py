@@ -32,8 +32,9 @@ MATMUL_SHARE = 0.7   # of peak arithmetic that large matrix products reach
 MEMORY_SHARE = 0.8   # of peak bandwidth that streaming kernels reach
 LAUNCH_NS = 3_000    # a kernel launched outside a graph
 COLLECTIVE_NS = 15_000  # a collective's latency
+# the bytes a member moves over its link, as a multiple of the whole tensor's and (n-1)/n
 RING = {"all_reduce": 2.0, "all_reduce_": 2.0, "all_reduce_bucket": 2.0, "all_gather": 1.0,
-        "reduce_scatter": 1.0, "all_to_all": 1.0, "send": 0.0, "recv": 0.0}
+        "reduce_scatter": 1.0, "all_to_all": 1.0}
 
 
 def instruction_ns(name: str, kind: Kind | None, inputs: list[torch.Tensor],
@@ -41,18 +42,17 @@ def instruction_ns(name: str, kind: Kind | None, inputs: list[torch.Tensor],
     """Modeled nanoseconds of one instruction; 0 for control words (``kind`` None)."""
     if kind is None:
         return 0
+    if kind is Kind.COMM:
+        largest = max((t.numel() * t.element_size() for t in (*inputs, *outputs)), default=0)
+        if name in ("send", "recv"):
+            return COLLECTIVE_NS + int(largest / gpu.link * 1e9)
+        n = max(members, 1)
+        return COLLECTIVE_NS + int(largest * RING.get(name, 2.0) * (n - 1) / n / gpu.link * 1e9)
     read = {_storage(t) for t in inputs}
     made = [t for t in outputs if _storage(t) not in read]  # views of an operand move nothing
-    if not made and kind is not Kind.COMM and not (kind is Kind.INPLACE and outputs):
+    if not made and not (kind is Kind.INPLACE and outputs):
         return 0
     moved = sum(t.numel() * t.element_size() for t in (*inputs, *(made or outputs)))
-    if kind is Kind.COMM:
-        if name in ("send", "recv"):
-            return COLLECTIVE_NS + int(moved / gpu.link * 1e9)
-        n = max(members, 1)
-        ring = RING.get(name, 2.0) * (n - 1) / n
-        return COLLECTIVE_NS + int(max(t.numel() * t.element_size() for t in (*inputs, *outputs))
-                                   * ring / gpu.link * 1e9)
     flops = _flops(name, kind, inputs, outputs)
     half = any(t.dtype in (torch.bfloat16, torch.float16) for t in inputs)
     peak = (gpu.half_flops if half else gpu.float_flops) * MATMUL_SHARE

@@ -181,11 +181,9 @@ class Executor:
                     work = self.plane.take_work()
                     if work is not None:
                         waits.update((o, (work, out)) for o in out)
-                    if rec is None:
-                        pass
-                    elif op.kind is Kind.COMM:
+                    if rec is not None and op.kind is Kind.COMM:
                         self._note_comm(name, args, kw, res)
-                    elif "partial" in kw:
+                    elif rec is not None and "partial" in kw:
                         shape, dtype = kw["partial"]
                         rec.annotate(nbytes=math.prod(shape) * dtype.itemsize,
                                      detail=f"all_reduce in group {kw['group']} beside the kernel")
