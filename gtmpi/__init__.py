@@ -38,6 +38,7 @@ from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, b
                                tril, triu, trunc, unbind,
                                unsqueeze, var, where)
 from .client.dryrun import dry_run
+from .client.remote import connect
 from .client.replay import replayable
 from .client.runtime import runtime as _runtime
 from .client.tensor import Tensor

@@ -6,6 +6,8 @@
     gtmpi-trace timeline run.h5 -o run.png     a picture (PNG, SVG or PDF)
     gtmpi-trace export run.h5 -o run.json      Chrome trace-event JSON for Perfetto
     gtmpi-trace comms run.h5                   collectives and transfers inserted, by line
+    gtmpi-trace top PORTFILE                   a running server's (or GTMPI_MONITOR run's)
+                                               workers and clients, live
 
 A missing, truncated or foreign file is one line on stderr and exit status 2.
 """
@@ -172,11 +174,19 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--ops", help="only these ops, e.g. matmul,add")
     c = command("export", export, "Chrome trace-event JSON for Perfetto or chrome://tracing")
     c.add_argument("-o", "--output", required=True, help="the JSON file to write")
+    help = ("a running job's workers (and a server's clients), refreshed: attaches to a server "
+            "or to a run started with GTMPI_MONITOR=PORTFILE; Ctrl-C detaches")
+    c = sub.add_parser("top", help=help, description=help)
+    c.add_argument("port_file", help="the server's --port-file, or the run's GTMPI_MONITOR")
+    c.add_argument("--frames", type=int, help="stop after this many frames (default: Ctrl-C)")
     return p
 
 
 def trace_main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "top":
+        from .monitor.top import watch
+        return watch(args.port_file, args.frames)
     try:
         trace = fileformat.read(args.trace)
         args.run(trace, args, sys.stdout)

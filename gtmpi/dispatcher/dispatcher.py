@@ -13,6 +13,11 @@ that wants its result), and sharing one message saves the worker a whole receive
 Workers acknowledge executed batches; at most MAX_INFLIGHT batches are unacknowledged per
 worker, so a client that runs ahead of its workers blocks instead of growing memory.
 
+Under a server (gtmpi/server), whose workers run other clients' work between this one's, what
+is sent goes in rounds (end_round): the server hands a round to the workers whole, and a round
+ends only where every transfer and collective in it has all its parts, so no worker can wait
+in one for a part that another client's work holds up.
+
 A transfer's receive is deferred: its send goes into the sender's stream when the transfer is
 asked for, its receive into the receiver's stream only before the first instruction there
 that uses what it brings (or before rank 0 waits for anything). On a GPU a receive holds its
@@ -60,6 +65,14 @@ class Link(Protocol):
     def wait_bye(self, deadline: float) -> bool: ...
 
 
+class Rounds(Protocol):
+    """A server connection's side of rounds (transport/remote.py)."""
+
+    pending: bool  # something was sent since the last round ended
+
+    def end(self) -> None: ...
+
+
 class Dispatcher:
     def __init__(self, links: dict[int, Link], watchdog: Callable[[], None]):
         self.links = links
@@ -86,6 +99,7 @@ class Dispatcher:
         self._inserted_before: dict = {}  # and its count of inserted collectives
         self._programs = 0
         self.graph_notes: dict[str, str] = {}  # program name -> its graph's fate, for explain()
+        self.rounds: Rounds | None = None  # under a server: its connection, which ends rounds
         from .placer import Placer
         self.placer = Placer(self)
 
@@ -114,6 +128,8 @@ class Dispatcher:
             if self.log is not None:
                 self.log.received(ins, rank)
             self.enqueue(rank, ins, urgent)
+        if self.rounds is not None:
+            self.end_round()
         if rec is not None:
             rec.issues.append((issued or received, received, _clock(), ins[0], ins[1], rank))
 
@@ -223,6 +239,7 @@ class Dispatcher:
         if self.placer.active:
             self.placer.release()
         self.flush(rank)
+        self.end_round()
         fault = link.finish_read(handle, self.watchdog)
         if self.trace is not None:
             self.trace.event(Kind.WAIT, Lane.CLIENT, start, _clock(), "read", tensor_id,
@@ -247,6 +264,7 @@ class Dispatcher:
         for rank in ranks:
             self._batch[rank].append((word, None, args, 0, None))
             self.flush(rank)
+        self.end_round()
 
     def measure_clocks(self, ranks: list[int], rounds: int = 64) -> dict[int, tuple[int, int, int]]:
         """Per worker: (its clock minus ours, the round trip it was measured with, our time
@@ -264,7 +282,7 @@ class Dispatcher:
         self._batch[rank] = []
         self._frees_in[rank] = 0
         self._unflushed.discard(rank)
-        if self._seq[rank] - self._acked[rank] >= MAX_INFLIGHT:
+        if self.rounds is None and self._seq[rank] - self._acked[rank] >= MAX_INFLIGHT:
             if self._deferred or self._unflushed:
                 # the worker may be waiting for a receive not yet sent: send those first (this
                 # batch may go with them)
@@ -416,6 +434,7 @@ class Dispatcher:
             if self.log is not None:
                 self.log.received(word, rank)
             self.flush(rank)
+        self.end_round()
         if mode in ("capture", "emulate"):
             self._commit(program)
         placer = self.placer
@@ -478,10 +497,29 @@ class Dispatcher:
         for rank in self.links:
             self.flush(rank)
 
+    def end_round(self) -> None:
+        """Under a server, once anything was sent since the last round: every deferred receive
+        and every held batch sent too, then the round closed; a worker more than MAX_INFLIGHT
+        batches behind is then waited for (never inside a round, which the server holds back
+        until it is whole)."""
+        rounds = self.rounds
+        if rounds is None or not rounds.pending:
+            return
+        self.settle_transfers()
+        for rank, batch in self._batch.items():
+            if batch:
+                self.flush(rank)
+        rounds.end()
+        for rank in self.links:
+            if self._seq[rank] - self._acked[rank] >= MAX_INFLIGHT:
+                wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None,
+                         self.watchdog)
+
     def shutdown(self, timeout_s: float) -> list[int]:
         """Stop every worker; return the ranks that did not confirm within the timeout."""
         self.settle_transfers()
         self.flush_all()
+        self.end_round()
         for link in self.links.values():
             link.shutdown()
         deadline = time.monotonic() + timeout_s

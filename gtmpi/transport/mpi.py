@@ -17,7 +17,7 @@ from mpi4py import MPI
 from ..errors import Fault
 from ..recording.events import now
 from .poll import wait_for
-from .tags import Tag
+from .tags import SLOT_STRIDE, Tag
 
 _EMPTY = np.empty(0, np.uint8)
 
@@ -58,42 +58,45 @@ def _finished(req: MPI.Request) -> tuple[bool, Any] | None:
 
 
 class WorkerLink:
-    """Rank 0's end of the conversation with one worker."""
+    """Rank 0's end of the conversation with one worker: directly, or through a server
+    (``peer``, the server's rank; the worker's rank then rides in every tag, see tags.py)."""
 
-    def __init__(self, comms: Comms, rank: int):
+    def __init__(self, comms: Comms, rank: int, peer: int | None = None):
         self.comms = comms
         self.rank = rank
+        self.peer = rank if peer is None else peer
+        self._o = 0 if peer is None else SLOT_STRIDE * rank
         self._sends = _Sends()
         self._receiving: dict[Tag, MPI.Request] = {}  # replies whose bytes are still coming
 
     def send(self, batch: list, seq: int) -> None:
-        self._sends.keep(self.comms.ctrl.isend(batch, self.rank, Tag.BATCH))
+        self._sends.keep(self.comms.ctrl.isend(batch, self.peer, Tag.BATCH + self._o))
 
     def upload(self, data: np.ndarray) -> None:
         """Raw bytes for the next 'upload' instruction this worker executes."""
-        self._sends.keep(self.comms.data.Isend([data, MPI.BYTE], self.rank, Tag.UPLOAD), data)
+        self._sends.keep(self.comms.data.Isend([data, MPI.BYTE], self.peer, Tag.UPLOAD + self._o), data)
 
     def start_read(self, buf: np.ndarray) -> MPI.Request:
         """Post the receive before the 'read' instruction is sent, so the worker never waits."""
-        return self.comms.data.Irecv([buf, MPI.BYTE], self.rank, MPI.ANY_TAG)
+        return self.comms.data.Irecv([buf, MPI.BYTE], self.peer, MPI.ANY_TAG)
 
     def finish_read(self, req: MPI.Request, watchdog: Callable[[], None]) -> Fault | None:
         status = MPI.Status()
         wait_for(lambda: True if req.Test(status) else None, watchdog)
-        if status.Get_tag() == Tag.READ_FAULT:
+        if status.Get_tag() == Tag.READ_FAULT + self._o:
             return self.wait_reply(Tag.FAULT, watchdog)
         return None
 
     def poll_ack(self) -> int | None:
         latest = None
-        while (msg := self.comms.reply.improbe(self.rank, Tag.ACK)) is not None:
+        while (msg := self.comms.reply.improbe(self.peer, Tag.ACK + self._o)) is not None:
             latest = msg.recv()
         return latest
 
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
         req = self._receiving.pop(tag, None)
         if req is None:
-            return wait_for(lambda: self.comms.reply.improbe(self.rank, tag), watchdog).recv()
+            return wait_for(lambda: self.comms.reply.improbe(self.peer, tag + self._o), watchdog).recv()
         return wait_for(lambda: _finished(req), watchdog)[1]  # begun by poll_reply: it is first
 
     def poll_reply(self, tag: Tag) -> Any:
@@ -102,7 +105,7 @@ class WorkerLink:
         members get their part of it, which rank 0 may still have to send them."""
         req = self._receiving.get(tag)
         if req is None:
-            msg = self.comms.reply.improbe(self.rank, tag)
+            msg = self.comms.reply.improbe(self.peer, tag + self._o)
             if msg is None:
                 return None
             req = self._receiving[tag] = msg.irecv()
@@ -120,7 +123,7 @@ class WorkerLink:
         best = None
         for _ in range(rounds):
             sent = now()
-            self.comms.ctrl.send(None, self.rank, Tag.CLOCK_PING)
+            self.comms.ctrl.send(None, self.peer, Tag.CLOCK_PING + self._o)
             theirs = self.wait_reply(Tag.CLOCK)
             back = now()
             if best is None or back - sent < best[1]:
@@ -130,11 +133,11 @@ class WorkerLink:
 
     def shutdown(self) -> None:
         self._sends.drain()
-        self.comms.ctrl.send(None, self.rank, Tag.SHUTDOWN)
+        self.comms.ctrl.send(None, self.peer, Tag.SHUTDOWN + self._o)
 
     def wait_bye(self, deadline: float) -> bool:
         def bye() -> bool | None:
-            msg = self.comms.reply.improbe(self.rank, Tag.BYE)
+            msg = self.comms.reply.improbe(self.peer, Tag.BYE + self._o)
             if msg is not None:
                 msg.recv()
                 return True
@@ -143,11 +146,18 @@ class WorkerLink:
 
 
 class HostLink:
-    """A worker's end of the conversation with rank 0 (see worker.executor.HostLink)."""
+    """A worker's end of the conversation with rank 0 (see worker.executor.HostLink): of the
+    ordinary session (slot 0), or of one client of a server (its slot rides in every tag)."""
 
-    def __init__(self, comms: Comms):
+    def __init__(self, comms: Comms, slot: int = 0, sends: "_Sends | None" = None):
         self.comms = comms
-        self._sends = _Sends()
+        self.slot = slot
+        self._o = SLOT_STRIDE * slot
+        self._sends = sends if sends is not None else _Sends()
+
+    def for_slot(self, slot: int) -> "HostLink":
+        """The same worker's link for a server's client ``slot`` (one queue of sends)."""
+        return HostLink(self.comms, slot, self._sends)
 
     def next_message(self, status: MPI.Status) -> MPI.Message | None:
         return self.comms.ctrl.improbe(0, MPI.ANY_TAG, status)
@@ -156,32 +166,32 @@ class HostLink:
         return self.comms.ctrl.iprobe(0, MPI.ANY_TAG)
 
     def recv_upload(self, buf: np.ndarray) -> None:
-        req = self.comms.data.Irecv([buf, MPI.BYTE], 0, Tag.UPLOAD)
+        req = self.comms.data.Irecv([buf, MPI.BYTE], 0, Tag.UPLOAD + self._o)
         wait_for(lambda: True if req.Test() else None)
 
     def send_read(self, data: np.ndarray) -> None:
-        self.comms.data.Send([data, MPI.BYTE], 0, Tag.READ_OK)
+        self.comms.data.Send([data, MPI.BYTE], 0, Tag.READ_OK + self._o)
 
     def send_read_fault(self, fault: Fault) -> None:
-        self.comms.data.Send([_EMPTY, MPI.BYTE], 0, Tag.READ_FAULT)
-        self.comms.reply.send(fault, 0, Tag.FAULT)
+        self.comms.data.Send([_EMPTY, MPI.BYTE], 0, Tag.READ_FAULT + self._o)
+        self.comms.reply.send(fault, 0, Tag.FAULT + self._o)
 
     def reply(self, tag: int, obj: Any) -> None:
-        self.comms.reply.send(obj, 0, tag)
+        self.comms.reply.send(obj, 0, tag + self._o)
 
     def reply_later(self, tag: int, obj: Any) -> None:
         """A reply rank 0 will collect when it gets to it: never blocks this worker, however
         big (trace snapshots, while rank 0 may be waiting for this worker's next result)."""
-        self._sends.keep(self.comms.reply.isend(obj, 0, tag))
+        self._sends.keep(self.comms.reply.isend(obj, 0, tag + self._o))
 
     def clock_pongs(self, rounds: int) -> None:
         self.reply(Tag.CLOCK, None)  # ready: pings sent before this would reach the main loop
         for _ in range(rounds):
-            wait_for(lambda: self.comms.ctrl.improbe(0, Tag.CLOCK_PING)).recv()
+            wait_for(lambda: self.comms.ctrl.improbe(0, Tag.CLOCK_PING + self._o)).recv()
             self.reply(Tag.CLOCK, now())
 
     def ack(self, seq: int) -> None:
-        self._sends.keep(self.comms.reply.isend(seq, 0, Tag.ACK))
+        self._sends.keep(self.comms.reply.isend(seq, 0, Tag.ACK + self._o))
 
     def drain(self) -> None:
         self._sends.drain()

@@ -4,12 +4,18 @@ from enum import IntEnum
 
 ACK_EVERY = 8  # while more batches wait, a worker acknowledges every this many (any link)
 
+# A server's clients (gtmpi/server) share its workers: a message for or from one client's part
+# of a worker carries the client's slot in its tag, SLOT_STRIDE * slot + the Tag, and between a
+# client and the server the worker's rank in the same way. Slot 0 is the ordinary session.
+SLOT_STRIDE = 32
+
 
 class Tag(IntEnum):
     # ctrl communicator, rank 0 -> worker: pickled lists of instructions
     BATCH = 1
     SHUTDOWN = 2
     CLOCK_PING = 3  # only while the worker runs a 'clock' control word
+    DROP = 4        # server -> worker: forget a client's slot (its tensors, programs, groups)
     # reply communicator, worker -> rank 0: small pickled objects
     HELLO = 10
     ACK = 11      # payload: the sequence number of the last batch executed
@@ -20,7 +26,15 @@ class Tag(IntEnum):
     CLOCK = 16    # the worker's clock, answering a CLOCK_PING (the first one: "ready")
     TRACE = 17    # the worker's recorded events
     GRAPH = 18    # whether a program's CUDA graph was captured (None) or why not
+    DROPPED = 19  # a worker has forgotten a client's slot
     # data communicator: raw tensor bytes, never pickled
     UPLOAD = 20      # rank 0 -> worker
     READ_OK = 21     # worker -> rank 0
     READ_FAULT = 22  # worker -> rank 0, empty; the Fault follows on the reply communicator
+    # between a server and one client (their intercommunicator), client -> server
+    ROUND = 24       # the messages sent since the last ROUND go to the workers together
+    LEAVE = 25       # the client is done: its tensors may go
+    # server -> client
+    WELCOME = 26     # the client's slot and the workers
+    GOODBYE = 27     # answers LEAVE: nothing of the client is left
+    ENDING = 28      # the server is shutting down (payload: why)

@@ -51,8 +51,12 @@ class DataPlane:
         return dist.is_available() and dist.is_initialized()
 
     def init(self, backend: str) -> None:
-        """Collective over every worker: the first one hosts the rendezvous store."""
+        """Collective over every worker: the first one hosts the rendezvous store. A server's
+        second client finds the process group made and makes only its own groups."""
         comm = self.workers_comm
+        if self.started:
+            self._own_groups(dist.get_backend())
+            return
         first = comm.Get_rank() == 0
         one_host = len(set(comm.allgather(socket.gethostname()))) == 1
         if one_host:  # keep gloo on loopback: other interfaces may be down or firewalled
@@ -70,9 +74,13 @@ class DataPlane:
         # dispatcher gives them all; NCCL warns about exactly that serialisation
         os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         kw = {"device_id": self.device} if backend == "nccl" else {}
-        self.backend = backend
         dist.init_process_group(backend, store=store, rank=comm.Get_rank(),
                                 world_size=comm.Get_size(), **kw)
+        self._own_groups(backend)
+
+    def _own_groups(self, backend: str) -> None:
+        comm = self.workers_comm
+        self.backend = backend
         self.groups[0] = dist.group.WORLD
         self.comms[0] = (comm, tuple(range(1, comm.Get_size() + 1)))
         self._upward = dist.new_group(list(range(comm.Get_size())))
@@ -218,14 +226,24 @@ class DataPlane:
         for work, _ in sends:
             work.wait()
 
-    def finish(self) -> None:
+    def finish(self, everything: bool = True) -> None:
+        """Free this plane's groups and, with ``everything``, the process group (a server keeps
+        it for its other clients when one leaves)."""
         self.settle_sends()
         for gid, (comm, _) in self.comms.items():
             if gid:
                 comm.Free()
         self.comms.clear()
-        if self.started:
+        if not self.started:
+            return
+        if everything:
             dist.destroy_process_group()
+            return
+        for group in [*(g for gid, g in self.groups.items() if gid), self._upward]:
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.groups.clear()
+        self._upward = None
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -78,7 +78,12 @@ class Executor:
                          "new_group": self._new_group, "agree": self._agree,
                          "program": self._program, "replay": self._replay,
                          "commit": self._commit, "rename": self._rename,
-                         "backend": lambda out, args: settings.apply(*args)}
+                         "backend": lambda out, args: settings.apply(*args),
+                         "serving": self._serving, "monitor": self._monitor}
+        # what a monitor is sent: this worker's executors by slot (worker/loop.py sets it)
+        self.executors: dict[int, "Executor"] = {0: self}
+        self._pusher = None
+        self.client_quota: int | None = None  # under a server: bytes each client may hold
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         # what traces are stamped with: a dry run's worker keeps a modeled clock instead
         self.now: Callable[[], int] = time.perf_counter_ns
@@ -645,6 +650,18 @@ class Executor:
         """A batch arrived (traces only): from when it was noticed until it was unpickled."""
         self.trace.event(events.Kind.RECV, events.Lane.WORKER, start, self.now(), "batch", seq, 0, nbytes, count)
 
+    def _serving(self, out, args: tuple) -> None:
+        """(quota,): this worker serves a server's clients (the server's own word, slot 0)."""
+        (self.client_quota,) = args
+
+    def _monitor(self, out, args: tuple) -> None:
+        """(address, token): push this worker's figures to rank 0's monitor hub from now on."""
+        if self._pusher is None:
+            from ..monitor import push
+            executors = self.executors
+            self._pusher = push.start(tuple(args[0]), args[1], self.rank,
+                                      lambda: push.figures(executors))
+
     def _dist_init(self, out, args: tuple) -> None:
         self.plane.init(*args)
         self._inject[Kind.COMM] = {"plane": self.plane}
@@ -676,6 +693,22 @@ class Executor:
                     "reserved_bytes": torch.cuda.memory_reserved(self.device),
                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device), **rss}
         return {"memory_bytes": self._held_bytes(), **rss}
+
+    def enforce_quota(self, limit: int, before: set[int]) -> None:
+        """A server's client may hold at most ``limit`` bytes here: past it, what the last
+        batch made (the ids not in ``before``) is dropped and poisoned with a MemoryError that
+        its reads raise, and what the client held before stays as it was."""
+        held = self._held_bytes()
+        if held <= limit:
+            return
+        fresh = [i for i in self.env if i not in before]
+        fault = Fault(fresh[0] if fresh else -1, "quota", self.rank,
+                      f"MemoryError: this client's tensors on worker {self.rank} would hold "
+                      f"{held / 1e9:.3f} GB, over the server's quota of {limit / 1e9:.3f} GB per "
+                      "client; what the last instructions made was dropped (free tensors, or "
+                      "ask for a larger quota: python -m gtmpi.server --quota-gb)")
+        for i in fresh:
+            self._fail(i, fault)
 
     def _held_bytes(self) -> int:
         """Bytes of the storages behind the tensors held here, each storage once."""

@@ -4,6 +4,11 @@ The loop never blocks in MPI: between batches it waits with transport.poll.wait_
 spin, since the next batch usually follows at once, then sleeps of growing length), so an idle
 worker costs almost no CPU. While sleeping it checks that rank 0 is still alive when they
 share a host.
+
+Under a server (gtmpi/server) the worker serves several clients: each has a slot, carried in
+the tags of its messages, and an executor of its own (its tensors, programs, CUDA graphs and
+process groups), so that no client can reach another's tensors whatever ids it sends. Slot 0 is
+the ordinary session, and the server's own.
 """
 from __future__ import annotations
 
@@ -18,10 +23,48 @@ from mpi4py import MPI
 from ..transport.mpi import Comms, HostLink
 from ..transport.ending import alive
 from ..transport.poll import wait_for
-from ..transport.tags import ACK_EVERY, Tag
+from ..transport.tags import ACK_EVERY, SLOT_STRIDE, Tag
 from .dataplane import DataPlane
 from .executor import Executor
 
+
+class Slots:
+    """The executors of one worker, by slot, made at a slot's first batch."""
+
+    def __init__(self, rank: int, device: torch.device, link: HostLink,
+                 workers_comm: MPI.Intracomm) -> None:
+        self.rank, self.device, self.link, self.workers_comm = rank, device, link, workers_comm
+        self.executors: dict[int, Executor] = {}
+        self.seq: dict[int, int] = {}  # batches executed per slot (what its acks count)
+        self.get(0).executors = self.executors  # slot 0's monitor reports every slot
+
+    def get(self, slot: int) -> Executor:
+        ex = self.executors.get(slot)
+        if ex is None:
+            ex = self.executors[slot] = Executor(self.rank, self.device, self.link.for_slot(slot))
+            ex.plane = DataPlane(self.rank, self.device, self.workers_comm)
+            self.seq[slot] = 0
+        return ex
+
+    def drop(self, slot: int) -> None:
+        """A server's client has gone: everything it had here goes too."""
+        ex = self.executors.pop(slot, None)
+        self.seq.pop(slot, None)
+        if ex is not None:
+            ex.close()
+            ex.plane.finish(everything=False)
+            ex.env.clear()
+            ex.poison.clear()
+            ex.programs.clear()
+            ex.ready.clear()
+            ex.waits.clear()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        # bytes a killed client sent for uploads it never asked for: received into nothing
+        status, data = MPI.Status(), self.link.comms.data
+        while (msg := data.improbe(0, Tag.UPLOAD + SLOT_STRIDE * slot, status)) is not None:
+            msg.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+        self.link.reply(Tag.DROPPED, slot)
 
 
 def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local_index: int,
@@ -30,33 +73,45 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
     and its death watcher must not say it did."""
     rank = comms.base.Get_rank()
     link = HostLink(comms)
-    executor = Executor(rank, device, link)
-    executor.plane = DataPlane(rank, device, workers_comm)
+    slots = Slots(rank, device, link, workers_comm)
+    executor = slots.get(0)
     link.reply(Tag.HELLO, {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
                            "device": str(device), "local_index": local_index, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None})
     status = MPI.Status()
     watchdog = _exit_if_gone(host0[1], leaving) if host0[0] == socket.gethostname() else None
-    seq = 0
     while True:
         msg = wait_for(lambda: link.next_message(status), watchdog)
-        if status.Get_tag() == Tag.SHUTDOWN:
+        slot, tag = divmod(status.Get_tag(), SLOT_STRIDE)
+        if tag == Tag.SHUTDOWN:
             msg.recv()
+            for other in [s for s in slots.executors if s]:
+                slots.drop(other)
             executor.close()
             executor.plane.finish()
             link.drain()
             link.reply(Tag.BYE, executor.stats)
             return
-        seq += 1
-        if executor.trace is None:
-            executor.run(msg.recv())
+        if tag == Tag.DROP:
+            msg.recv()
+            slots.drop(slot)
+            continue
+        ex = executor if not slot else slots.get(slot)
+        seq = slots.seq[slot] = slots.seq[slot] + 1
+        if ex.trace is None:
+            batch = msg.recv()
         else:
             start = time.perf_counter_ns()
             batch = msg.recv()
-            executor.received(start, seq, status.Get_count(MPI.BYTE), len(batch))
-            executor.run(batch)
-        if seq % ACK_EVERY == 0 or not link.more_waiting():
-            link.ack(seq)
+            ex.received(start, seq, status.Get_count(MPI.BYTE), len(batch))
+        quota = executor.client_quota if slot else None
+        before = set(ex.env) if quota else None
+        ex.run(batch)
+        if quota:
+            ex.enforce_quota(quota, before)
+        # a server's client is acknowledged every batch: the server paces each client by them
+        if slot or seq % ACK_EVERY == 0 or not link.more_waiting():
+            ex.link.ack(seq)
 
 
 def _exit_if_gone(pid: int, leaving: Callable[[], None]):

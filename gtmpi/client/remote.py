@@ -1,0 +1,87 @@
+"""A session that joins a gtmpi server (gtmpi/server) instead of starting workers.
+
+    GTMPI_CONNECT=PATH mpiexec -n 1 python train.py     (an unchanged script)
+    gtmpi.connect(PATH)                                  (before the first tensor op)
+
+The client keeps everything of a session but the workers: its ids, autograd, signals, configs,
+placement and replayed programs are its own. MPICH joins two jobs only if each was started by
+mpiexec, so a client is started by its own ``mpiexec -n 1`` (Open MPI 4 needs both jobs to reach
+one PMIx server: start ``ompi-server --report-uri FILE`` once and give every mpiexec
+``--ompi-server file:FILE``).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+
+from ..transport.rendezvous import dial, read_port_file
+from ..transport.remote import RemoteLink, ServerConnection, ServerGone
+from ..transport.tags import Tag
+from .runtime import Runtime
+
+CONNECT_TIMEOUT_S = 30.0
+
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_STEP_ID")
+
+
+def start_remote(path: str) -> Runtime:
+    """Connect to the server whose port file is ``path``: a Runtime whose links go through it."""
+    if not any(k in os.environ for k in _MPI_ENV):
+        raise RuntimeError(f"gtmpi: joining the server of {path} needs MPI's launcher: start this "
+                           "program with `mpiexec -n 1 python ...` (MPI connects two jobs only "
+                           "if each was started by mpiexec)")
+    from mpi4py import MPI
+    info = read_port_file(path)
+    if info.get("kind") != "server":
+        raise RuntimeError(f"gtmpi: {path} is the port file of a {info.get('kind')}, not of a "
+                           "server: use it with gtmpi-trace top")
+    port = MPI.Open_port()
+    try:
+        lines = dial(info, {"role": "client", "port": port, "pid": os.getpid(),
+                            "host": socket.gethostname(), "name": _program_name()})
+        answer = lines.recv(timeout_s=CONNECT_TIMEOUT_S)
+        if not answer or "refused" in answer or not answer.get("connecting"):
+            why = (answer or {}).get("refused", "no answer")
+            raise ConnectionRefusedError(f"gtmpi: the server of {path} refused this client: {why}")
+        inter = MPI.COMM_SELF.Accept(port)
+        data = inter.Dup()
+    finally:
+        MPI.Close_port(port)
+    welcome = inter.recv(source=0, tag=Tag.WELCOME)
+    conn = ServerConnection(inter, data, lines, path, welcome["slot"])
+    workers = {int(r): w for r, w in welcome["workers"].items()}
+    links = {r: RemoteLink(conn, r) for r in workers}
+    rt = Runtime(links, workers)
+    rt.dispatcher.rounds = conn
+    inner = rt.dispatcher.watchdog
+
+    def watchdog() -> None:
+        conn.check()
+        inner()
+    rt.dispatcher.watchdog = watchdog
+    atexit.register(_leave, rt)
+    return rt
+
+
+def _program_name() -> str:
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def _leave(rt: Runtime) -> None:
+    if rt.closed:
+        return
+    try:
+        rt.close(timeout_s=10.0)
+    except ServerGone as e:
+        print(f"gtmpi: {e}", file=sys.stderr)
+
+
+def connect(path: str) -> None:
+    """Join the server whose port file is ``path``; before the first tensor op."""
+    from . import runtime as session
+    if session.current() is not None:
+        raise RuntimeError("gtmpi: this session has already started; gtmpi.connect(path) must "
+                           "come before the first tensor op (or set GTMPI_CONNECT=path)")
+    session.set_runtime(start_remote(path))

@@ -1,0 +1,58 @@
+"""A worker's figures, pushed to rank 0's hub every interval by a thread of its own.
+
+The thread reads the executors' counters without locks (the worker's loop keeps writing them):
+a figure may be one batch old, never wrong by more. It costs the worker a wake-up and one small
+TCP write per interval.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from ..transport.rendezvous import dial
+from .hub import INTERVAL_S
+
+
+def start(address: tuple[str, int], token: str, rank: int,
+          figures: Callable[[], dict[str, Any]]) -> threading.Thread:
+    """Push ``figures()`` (plus the rank and the time) to the hub at ``address``."""
+    def run() -> None:
+        try:
+            lines = dial({"host": address[0], "port": address[1], "token": token},
+                         {"role": "worker", "rank": rank})
+        except OSError:
+            return  # no hub (it ended): nothing to report to
+        while True:
+            try:
+                body = figures()
+            except RuntimeError:  # a table changed size while it was read: next time
+                time.sleep(INTERVAL_S)
+                continue
+            if not lines.send({"rank": rank, "time": time.time(), **body}):
+                return
+            time.sleep(INTERVAL_S)
+    thread = threading.Thread(target=run, name="gtmpi-monitor-push", daemon=True)
+    thread.start()
+    return thread
+
+
+def figures(executors: dict[int, Any]) -> dict[str, Any]:
+    """A worker's figures: its device memory (or, on a CPU, the tensors' bytes) and, per slot
+    (0: the ordinary session or the server itself; others: a server's clients), counters of
+    what ran: instructions by kind, host time busy in batches and waiting in them, tensors held."""
+    first = executors[min(executors)]
+    slots = {}
+    for slot, ex in list(executors.items()):
+        st = ex.stats
+        comm = dict(ex.plane.stats) if ex.plane is not None else {}
+        transfers = sum(v[0] for k, v in comm.items() if k in ("send", "recv"))
+        collectives = sum(v[0] for k, v in comm.items() if k not in ("send", "recv"))
+        slots[str(slot)] = {
+            "ops": st["ops"], "control": st["control"], "collectives": collectives,
+            "transfers": transfers, "batches": st["batches"], "faults": st["faults"],
+            "exec_ns": st["exec_ns"], "wait_ns": st["wait_ns"],
+            "bytes_moved": st["bytes_received"] + st["bytes_sent"]
+            + sum(v[1] for v in comm.values()),
+            "tensors": len(ex.env), "held_bytes": ex._held_bytes()}
+    return {"device": str(first.device), **first.memory(), "slots": slots}

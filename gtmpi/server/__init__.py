@@ -1,0 +1,369 @@
+"""A server: one set of workers shared by many client programs.
+
+    mpiexec -n N python -m gtmpi.server --port-file PATH
+
+Rank 0 runs no program of its own: it waits for clients and forwards their work; ranks 1..N-1
+are workers as in any run. A client (``gtmpi.connect(PATH)``, or ``GTMPI_CONNECT=PATH`` for an
+unchanged script, started by ``mpiexec -n 1``) keeps its own session: its tensors, autograd,
+signals, configs and placement are its own, and its dispatcher turns its ops into per-worker
+batches as in an ordinary run. Those batches, and the workers' replies, travel through this
+process over MPI (the client's intercommunicator, made by Connect/Accept).
+
+What the server guarantees:
+- Isolation. Each client has a slot; a worker keeps every slot's tensors, programs, graphs and
+  process groups apart (worker/loop.py), and a client's messages reach only its own slot,
+  whatever ids they name. A per-client quota (``--quota-gb``) bounds the bytes a client's
+  tensors hold on each worker; past it, what it made last is dropped with a MemoryError.
+- Order. A client sends in rounds (dispatcher.end_round): a round has every part of each
+  transfer and collective in it. The server hands a round to the workers whole, so every worker
+  sees the clients' collectives in one order and none waits in one for a part held back.
+- Fairness. Rounds go out one per client in turn, and a client with more than
+  INFLIGHT unacknowledged batches at the workers waits for its turn, so a client in a tight
+  loop keeps the workers' queues short for the others.
+- Clients that go. A client leaves with LEAVE (at exit); one killed is seen by the end of its
+  TCP connection (transport/rendezvous.py). Either way its slot is dropped on every worker,
+  freeing its memory, and the server carries on.
+- Shutdown on request (``python -m gtmpi.server --stop --port-file PATH``) or SIGTERM: every
+  client is told (ENDING), then the workers stop.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from mpi4py import MPI
+
+from ..monitor.hub import Hub
+from ..transport.rendezvous import Lines
+from ..transport.tags import SLOT_STRIDE, Tag
+
+INFLIGHT = 4  # a client's batches at the workers, unacknowledged, before its next round waits
+RECV_DEADLINE_S = 10.0  # a message that started to arrive and does not finish: its sender died
+LIVENESS_EVERY_S = 0.05  # how often the clients' TCP connections are checked for their end
+GRACE_S = 2.0  # how long clients get, once told the server ends, before the workers stop
+
+
+class Client:
+    def __init__(self, slot: int, inter: MPI.Intercomm, data: MPI.Intercomm, lines: Lines,
+                 hello: dict[str, Any]) -> None:
+        self.slot = slot
+        self.inter, self.data, self.lines = inter, data, lines
+        self.name = str(hello.get("name", "?"))[:80]
+        self.pid, self.host = hello.get("pid"), hello.get("host")
+        self.rounds: collections.deque[list] = collections.deque()  # whole, not yet sent on
+        self.current: list = []  # the round still arriving: (rank, tag, bytes)
+        self.unacked = 0
+        self.sends: list[tuple[MPI.Request, Any]] = []  # to the client, with their buffers
+        self.state = "live"  # live, leaving (asked), dropping (slot being freed), gone
+        self.killed = False
+        self.drops = 0  # workers yet to confirm the slot dropped
+        self.joined = time.time()
+        self.counts = {"rounds": 0, "batches": 0, "bytes_in": 0, "bytes_out": 0}
+
+    def about(self) -> dict[str, Any]:
+        return {"slot": self.slot, "name": self.name, "pid": self.pid, "host": self.host,
+                "state": self.state, "queued_rounds": len(self.rounds),
+                "unacked": self.unacked, "since": self.joined, **self.counts}
+
+
+class Server:
+    def __init__(self, port_file: str, quota_gb: float | None = None) -> None:
+        from ..client import runtime as session
+        rt = session.current()
+        if rt is None or not rt.workers or any(w.get("embedded") for w in rt.workers.values()):
+            raise SystemExit("gtmpi.server: start it with mpiexec (or srun), with one rank for "
+                             "the server and one per worker: mpiexec -n 3 python -m gtmpi.server "
+                             "--port-file PATH")
+        self.rt = rt
+        d = rt.dispatcher
+        self.ranks = sorted(d.links)
+        self.comms = d.links[self.ranks[0]].comms
+        self.clients: dict[int, Client] = {}
+        self.gone: list[dict] = []  # clients that left or were dropped, for the monitor
+        self._next_slot = 1
+        self._max_slot = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) // SLOT_STRIDE - 1
+        self._turn = 0
+        self._out: list[tuple[MPI.Request, Any]] = []  # sends to workers, with their buffers
+        self.ending: str | None = None
+        self.hub = Hub(port_file, "server", extra=self._figures, workers=len(self.ranks),
+                       ranks=self.ranks)
+        self.quota = int(quota_gb * 1e9) if quota_gb else None
+        d.post("serving", (self.quota,), self.ranks)
+        d.post("monitor", (self.hub.address, self.hub.token), self.ranks)
+        self._last_liveness = 0.0
+
+    def _figures(self) -> dict[str, Any]:
+        return {"clients": [c.about() for c in list(self.clients.values())],
+                "left": self.gone[-20:], "quota_bytes": self.quota}
+
+    # the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        previous = signal.signal(signal.SIGTERM, lambda *_: self.stop("SIGTERM"))
+        print(f"gtmpi.server: {len(self.ranks)} worker(s) ready; clients connect with "
+              f"GTMPI_CONNECT={self.hub.port_file}", file=sys.stderr, flush=True)
+        idle_since = None
+        try:
+            while True:
+                moved = self._arrivals()
+                for c in list(self.clients.values()):
+                    moved |= self._from_client(c)
+                moved |= self._from_workers()
+                moved |= self._schedule()
+                self._liveness()
+                self._prune()
+                if self.ending is not None and self._ended():
+                    return
+                if moved:
+                    idle_since = None
+                    continue
+                now = time.perf_counter()
+                idle_since = idle_since or now
+                time.sleep(0 if now - idle_since < 0.002 else 0.0005)
+        except KeyboardInterrupt:
+            self.stop("Ctrl-C")
+            while not self._ended():
+                self._from_workers()
+                time.sleep(0.001)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.hub.close()
+
+    def stop(self, why: str) -> None:
+        """Shut down: every client is told, and GRACE_S later the rest is dropped."""
+        if self.ending is not None:
+            return
+        self.ending = why
+        self._ending_at = time.monotonic() + GRACE_S
+        print(f"gtmpi.server: shutting down ({why})", file=sys.stderr, flush=True)
+        for c in self.clients.values():
+            if c.state in ("live", "leaving"):
+                self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps(why))
+
+    def _ended(self) -> bool:
+        if time.monotonic() > self._ending_at:
+            for c in list(self.clients.values()):
+                if c.state in ("live", "leaving"):
+                    self._drop(c, killed=False)
+        return not self.clients
+
+    # clients arriving -------------------------------------------------------------------------
+
+    def _arrivals(self) -> bool:
+        moved = False
+        while not self.hub.arrivals.empty():
+            role, lines, hello = self.hub.arrivals.get()
+            moved = True
+            if role == "stop":
+                lines.send({"stopping": True})
+                lines.close()
+                self.stop("asked by a stop request")
+            elif self.ending is not None:
+                lines.send({"refused": f"the server is shutting down ({self.ending})"})
+                lines.close()
+            else:
+                self._admit(lines, hello)
+        return moved
+
+    def _admit(self, lines: Lines, hello: dict[str, Any]) -> None:
+        slot = self._new_slot()
+        if slot is None:
+            lines.send({"refused": "the server has no free client slot"})
+            lines.close()
+            return
+        lines.send({"connecting": True, "slot": slot})
+        try:
+            inter = MPI.COMM_SELF.Connect(str(hello["port"]))
+            data = inter.Dup()
+        except (MPI.Exception, KeyError) as e:
+            print(f"gtmpi.server: a client (pid {hello.get('pid')}) could not be connected: {e}",
+                  file=sys.stderr, flush=True)
+            lines.close()
+            return
+        c = self.clients[slot] = Client(slot, inter, data, lines, hello)
+        inter.send({"slot": slot, "workers": self.rt.workers, "quota_bytes": self.quota}, 0,
+                   Tag.WELCOME)
+
+    def _new_slot(self) -> int | None:
+        for _ in range(self._max_slot):
+            slot = self._next_slot
+            self._next_slot = slot + 1 if slot < self._max_slot else 1
+            if slot not in self.clients:
+                return slot
+        return None
+
+    # clients' messages ------------------------------------------------------------------------
+
+    def _from_client(self, c: Client) -> bool:
+        if c.state not in ("live", "leaving"):
+            return False
+        moved = False
+        status = MPI.Status()
+        while (msg := c.inter.improbe(0, MPI.ANY_TAG, status)) is not None:
+            moved = True
+            rank, tag = divmod(status.Get_tag(), SLOT_STRIDE)
+            buf = self._take(msg, status.Get_count(MPI.BYTE))
+            if buf is None or (rank and rank not in self.ranks):
+                self._drop(c, killed=True)
+                return True
+            c.counts["bytes_in"] += len(buf)
+            if tag == Tag.BATCH:
+                c.current.append((rank, buf))
+            elif tag == Tag.ROUND:
+                if c.current:
+                    c.rounds.append(c.current)
+                    c.current = []
+            elif tag == Tag.CLOCK_PING:  # a worker waits in its 'clock' word: now, not in turn
+                self._to_worker(rank, self.comms.ctrl, Tag.CLOCK_PING + SLOT_STRIDE * c.slot, buf)
+            elif tag == Tag.LEAVE:
+                c.state = "leaving"
+        while (msg := c.data.improbe(0, MPI.ANY_TAG, status)) is not None:
+            moved = True
+            rank, tag = divmod(status.Get_tag(), SLOT_STRIDE)
+            buf = self._take(msg, status.Get_count(MPI.BYTE))
+            if buf is None or tag != Tag.UPLOAD or rank not in self.ranks:
+                self._drop(c, killed=True)
+                return True
+            c.counts["bytes_in"] += len(buf)
+            # the upload instruction's batch may still be in a round held back: the bytes wait
+            # at the worker, matched by their tag, until it runs
+            self._to_worker(rank, self.comms.data, Tag.UPLOAD + SLOT_STRIDE * c.slot, buf)
+        if c.state == "leaving" and not c.rounds and not c.current:
+            self._drop(c, killed=False)
+        return moved
+
+    def _take(self, msg: MPI.Message, nbytes: int) -> bytearray | None:
+        """A matched message's bytes, or None if it does not finish arriving in time."""
+        buf = bytearray(nbytes)
+        req = msg.Irecv([buf, MPI.BYTE])
+        deadline = time.monotonic() + RECV_DEADLINE_S
+        while not req.Test():
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(1e-5)
+        return buf
+
+    def _schedule(self) -> bool:
+        """One whole round per client in turn, from clients not too far ahead."""
+        live = [c for c in self.clients.values() if c.rounds and c.unacked <= INFLIGHT]
+        if not live:
+            return False
+        self._turn += 1
+        start = self._turn % len(live)
+        for c in live[start:] + live[:start]:
+            for rank, buf in c.rounds.popleft():
+                self._to_worker(rank, self.comms.ctrl, Tag.BATCH + SLOT_STRIDE * c.slot, buf)
+                c.unacked += 1
+                c.counts["batches"] += 1
+            c.counts["rounds"] += 1
+        return True
+
+    # workers' messages ------------------------------------------------------------------------
+
+    def _from_workers(self) -> bool:
+        moved = False
+        status = MPI.Status()
+        for comm in (self.comms.reply, self.comms.data):
+            while (msg := comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+                moved = True
+                buf = bytearray(status.Get_count(MPI.BYTE))
+                msg.Recv([buf, MPI.BYTE])
+                rank = status.Get_source()
+                slot, tag = divmod(status.Get_tag(), SLOT_STRIDE)
+                if slot == 0:
+                    if tag == Tag.DROPPED:
+                        self._dropped(MPI.pickle.loads(buf))
+                    continue  # acks of the server's own words
+                c = self.clients.get(slot)
+                if c is None:
+                    continue
+                if tag == Tag.ACK:
+                    c.unacked -= 1
+                if c.state in ("live", "leaving"):
+                    c.counts["bytes_out"] += len(buf)
+                    self._to_client(c, c.data if comm is self.comms.data else c.inter,
+                                    tag + SLOT_STRIDE * rank, buf)
+        return moved
+
+    def _to_worker(self, rank: int, comm: MPI.Intracomm, tag: int, buf: Any) -> None:
+        self._out.append((comm.Isend([buf, MPI.BYTE], rank, tag), buf))
+
+    def _to_client(self, c: Client, comm: MPI.Intercomm, tag: int, buf: Any) -> None:
+        c.sends.append((comm.Isend([buf, MPI.BYTE], 0, tag), buf))
+
+    def _prune(self) -> None:
+        if len(self._out) > 64:
+            self._out = [(r, b) for r, b in self._out if not r.Test()]
+        for c in self.clients.values():
+            if len(c.sends) > 64:
+                c.sends = [(r, b) for r, b in c.sends if not r.Test()]
+
+    # clients going ----------------------------------------------------------------------------
+
+    def _liveness(self) -> None:
+        now = time.monotonic()
+        if now - self._last_liveness < LIVENESS_EVERY_S:
+            return
+        self._last_liveness = now
+        for c in list(self.clients.values()):
+            if c.state in ("live", "leaving"):
+                c.lines.poll()
+                if c.lines.closed:
+                    self._drop(c, killed=True)
+
+    def _drop(self, c: Client, killed: bool) -> None:
+        """Free a client's slot on every worker, behind the rounds it was sent (a killed
+        client's held-back rounds are dropped: they may lack their ends)."""
+        c.killed = killed
+        c.rounds.clear()
+        c.current = []
+        if killed:
+            for req, _ in c.sends:  # a dead peer never takes them
+                if not req.Test():
+                    req.Cancel()
+                    req.Free()
+            c.sends = []
+        c.state = "dropping"
+        c.drops = len(self.ranks)
+        for rank in self.ranks:
+            self._to_worker(rank, self.comms.ctrl, Tag.DROP + SLOT_STRIDE * c.slot,
+                            MPI.pickle.dumps(None))
+
+    def _dropped(self, slot: int) -> None:
+        c = self.clients.get(slot)
+        if c is None:
+            return
+        c.drops -= 1
+        if c.drops:
+            return
+        del self.clients[slot]
+        if c.killed:
+            c.inter.Free()
+            c.data.Free()
+            c.lines.close()
+            how = "gone (its connection ended)"
+        else:
+            c.inter.send(None, 0, Tag.GOODBYE)
+            for req, _ in c.sends:
+                req.Wait()
+            c.data.Disconnect()
+            c.inter.Disconnect()
+            c.lines.close()
+            how = "left"
+        c.state = how.split()[0]
+        self.gone.append({**c.about(), "ended": time.time()})
+        print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}) {how}; its tensors are "
+              "freed", file=sys.stderr, flush=True)
+
+
+def serve(port_file: str, quota_gb: float | None = None) -> None:
+    """Run a server until it is stopped (rank 0 of an mpiexec job)."""
+    Server(port_file, quota_gb).run()
+    try:
+        os.unlink(port_file)
+    except OSError:
+        pass

@@ -1,0 +1,30 @@
+"""python -m gtmpi.server --port-file PATH [--quota-gb G]   (under mpiexec or srun)
+python -m gtmpi.server --stop --port-file PATH              (anywhere the port file is readable)"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gtmpi.server", description=__doc__.splitlines()[0])
+    p.add_argument("--port-file", required=True,
+                   help="where to write how to reach the server (readable by its owner only)")
+    p.add_argument("--quota-gb", type=float, default=None,
+                   help="most GB one client's tensors may hold on each worker (default: none)")
+    p.add_argument("--stop", action="store_true", help="ask the server of PORT_FILE to shut down")
+    args = p.parse_args(argv)
+    if args.stop:
+        from ..transport.rendezvous import dial, read_port_file
+        lines = dial(read_port_file(args.port_file), {"role": "stop"})
+        answer = lines.recv(timeout_s=10)
+        print(f"gtmpi.server: {answer}", file=sys.stderr)
+        return 0 if answer and answer.get("stopping") else 1
+    import gtmpi  # noqa: F401  (under mpiexec the workers start serving here)
+    from . import serve
+    serve(args.port_file, args.quota_gb)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

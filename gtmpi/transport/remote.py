@@ -1,0 +1,115 @@
+"""A client's end of a server (gtmpi/server): one intercommunicator for the instruction stream
+and replies, a second (its duplicate) for tensor bytes, both to the server's rank 0, which
+forwards them; the worker's rank rides in every tag (tags.py)."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mpi4py import MPI
+
+from .mpi import Comms, WorkerLink
+from .poll import wait_for
+from .rendezvous import Lines
+from .tags import Tag
+
+
+class ServerGone(RuntimeError):
+    """The server this client joined shut down or went away."""
+
+
+class ServerConnection:
+    """The rounds of dispatcher.Rounds, the client's leaving, and news of the server's end."""
+
+    def __init__(self, inter: MPI.Intercomm, data: MPI.Intercomm, lines: Lines, path: str,
+                 slot: int) -> None:
+        self.comms = Comms(inter, inter, inter, data)
+        self.lines = lines
+        self.path = path
+        self.slot = slot
+        self.pending = False
+        self.left = False
+        self._goodbye: bool | None = None  # whether the server said goodbye, once asked
+        self._ended: str | None = None
+        self._sends: list[Any] = []
+
+    def end(self) -> None:
+        self._sends.append(self.comms.ctrl.isend(None, 0, Tag.ROUND))
+        if len(self._sends) > 64:
+            self._sends = [r for r in self._sends if not r.Test()]
+        self.pending = False
+
+    def check(self) -> None:
+        """Raise ServerGone if the server said it ends, or its connection ended."""
+        if self._ended is None:
+            msg = self.comms.ctrl.improbe(0, Tag.ENDING)
+            if msg is not None:
+                self._ended = f"the gtmpi server ({self.path}) is shutting down: {msg.recv()}"
+            else:
+                self.lines.poll()
+                if self.lines.closed and not self.left:
+                    self._ended = f"the gtmpi server ({self.path}) is gone"
+        if self._ended is not None:
+            raise ServerGone(self._ended)
+
+    def leave(self) -> None:
+        """Done: the server frees this client's tensors on every worker."""
+        if self.left:
+            return
+        self.left = True
+        self.comms.ctrl.send(None, 0, Tag.LEAVE)
+
+    def wait_goodbye(self, deadline: float) -> bool:
+        if self._goodbye is not None:
+            return self._goodbye
+
+        def goodbye() -> bool | None:
+            msg = self.comms.ctrl.improbe(0, Tag.GOODBYE)
+            if msg is not None:
+                msg.recv()
+                return True
+            if self.comms.ctrl.iprobe(0, Tag.ENDING) or self.lines.poll() or self.lines.closed \
+                    or time.monotonic() > deadline:
+                return False
+            return None
+        self._goodbye = wait_for(goodbye)
+        for req in self._sends:
+            req.Wait()
+        for comm in (self.comms.ctrl, self.comms.data):  # replies nobody waits for (acks)
+            while (msg := comm.improbe(0, MPI.ANY_TAG)) is not None:
+                msg.recv()
+        if self._goodbye:
+            self.comms.data.Disconnect()
+            self.comms.ctrl.Disconnect()
+        else:
+            self.comms.data.Free()
+            self.comms.ctrl.Free()
+        self.lines.close()
+        return self._goodbye
+
+
+class RemoteLink(WorkerLink):
+    """One worker, reached through the server."""
+
+    def __init__(self, conn: ServerConnection, rank: int) -> None:
+        super().__init__(conn.comms, rank, peer=0)
+        self.conn = conn
+
+    def send(self, batch: list, seq: int) -> None:
+        super().send(batch, seq)
+        self.conn.pending = True
+
+    def upload(self, data: Any) -> None:
+        super().upload(data)
+        self.conn.pending = True
+
+    def poll_ack(self) -> int | None:
+        return None if self.conn._goodbye is not None else super().poll_ack()
+
+    def shutdown(self) -> None:
+        """The workers are the server's: this client only leaves."""
+        self._sends.drain()
+        self.conn.leave()
+
+    def wait_bye(self, deadline: float) -> bool:
+        return self.conn.wait_goodbye(deadline)
