@@ -65,6 +65,7 @@ class Runtime:
         self.thread: threading.Thread | None = None  # the program thread it serves
         self.thread_id: int | None = None
         self.tracing = None  # a recording.session.TraceRun while a trace records
+        self.monitor = None  # a monitor.hub.Hub while GTMPI_MONITOR is set
         self.autocast = None  # an amp.Region while gtmpi.autocast is on
         # while a replayable call is recorded (client/replay.py): id(leaf) -> (leaf, the
         # gradient it had before backward gave it one)
@@ -87,6 +88,17 @@ class Runtime:
             self.dispatcher.log = InstructionLog(log)
         if os.environ.get("GTMPI_TRACE"):
             self.start_trace(os.environ["GTMPI_TRACE"])
+        monitor = os.environ.get("GTMPI_MONITOR")
+        if monitor and self.dispatcher.rounds is None:
+            self.start_monitor(monitor)
+
+    def start_monitor(self, port_file: str) -> None:
+        """Workers push their figures to a hub on this rank; ``gtmpi-trace top port_file``
+        shows them while the program runs."""
+        from ..monitor.hub import Hub
+        self.monitor = Hub(port_file, "run", workers=len(self.workers), ranks=sorted(self.workers))
+        self.dispatcher.post("monitor", (self.monitor.address, self.monitor.token),
+                             sorted(self.workers))
 
     # ids, sites, seeds ---------------------------------------------------------------------
 
@@ -290,6 +302,12 @@ class Runtime:
             self.stop_trace()
         self.closed = True
         missing = self.dispatcher.shutdown(timeout_s)
+        if self.monitor is not None:
+            self.monitor.close()
+            try:
+                os.unlink(self.monitor.port_file)
+            except OSError:
+                pass
         if self.dispatcher.log is not None:
             self.dispatcher.log.close()
         return missing

@@ -41,8 +41,9 @@ def _slot_rates(now: dict, before: dict | None, dt: float) -> dict[str, float | 
             "busy": None if busy is None else busy / 1e7, "wait": None if wait is None else wait / 1e7}
 
 
-def render(snap: dict[str, Any], before: dict[str, Any] | None) -> str:
-    """One frame: the job's workers, then (a server's) clients."""
+def render(snap: dict[str, Any], before: dict[str, dict]) -> str:
+    """One frame: the job's workers, then (a server's) clients; ``before``: per worker, its
+    latest earlier push (rates are taken against it)."""
     out = [f"gtmpi {snap['kind']}: up {snap['up_s']:,.0f} s, {len(snap['workers'])} worker(s), "
            f"{snap.get('monitors', 0)} monitor(s) attached   {time.strftime('%H:%M:%S')}", ""]
     head = (f"{'worker':>6} {'device':<8} {'instr/s':>9} {'compute':>8} {'collect':>8} "
@@ -51,7 +52,7 @@ def render(snap: dict[str, Any], before: dict[str, Any] | None) -> str:
     out.append(head)
     per_client: dict[str, dict[str, float]] = {}
     for rank, w in snap["workers"].items():
-        prev = (before or {}).get("workers", {}).get(rank)
+        prev = before.get(rank)
         dt = w["time"] - prev["time"] if prev else 0.0
         total = {k: sum(s.get(k, 0) for s in w["slots"].values())
                  for k in ("ops", "control", "collectives", "transfers", "exec_ns", "wait_ns")}
@@ -105,7 +106,8 @@ def watch(port_file: str, frames: int | None = None, out: TextIO = sys.stdout) -
         return 2
     clear = out.isatty()
     shown = 0
-    before = None
+    latest: dict[str, dict] = {}  # per worker, its newest push
+    before: dict[str, dict] = {}  # and the one before that
     try:
         while frames is None or shown < frames:
             snap = lines.recv(timeout_s=30)
@@ -116,11 +118,15 @@ def watch(port_file: str, frames: int | None = None, out: TextIO = sys.stdout) -
             if "refused" in snap:
                 print(f"gtmpi-trace top: error: {snap['refused']}", file=sys.stderr)
                 return 2
-            if before is not None:
+            for rank, w in snap["workers"].items():
+                if rank not in latest or latest[rank]["time"] != w["time"]:
+                    if rank in latest:
+                        before[rank] = latest[rank]
+                    latest[rank] = w
+            if before:
                 frame = render(snap, before)
                 print(("\x1b[H\x1b[2J" if clear else "\n") + frame, file=out, flush=True)
                 shown += 1
-            before = snap
     except KeyboardInterrupt:
         pass
     finally:

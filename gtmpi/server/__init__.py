@@ -147,8 +147,8 @@ class Server:
     def _ended(self) -> bool:
         if time.monotonic() > self._ending_at:
             for c in list(self.clients.values()):
-                if c.state in ("live", "leaving"):
-                    self._drop(c, killed=False)
+                if c.state in ("live", "leaving"):  # told, and not gone: never waited for
+                    self._drop(c, killed=True)
         return not self.clients
 
     # clients arriving -------------------------------------------------------------------------

@@ -16,7 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.stop:
         from ..transport.rendezvous import dial, read_port_file
-        lines = dial(read_port_file(args.port_file), {"role": "stop"})
+        try:
+            lines = dial(read_port_file(args.port_file), {"role": "stop"})
+        except OSError as e:
+            print(f"gtmpi.server: {e}", file=sys.stderr)
+            return 2
         answer = lines.recv(timeout_s=10)
         print(f"gtmpi.server: {answer}", file=sys.stderr)
         return 0 if answer and answer.get("stopping") else 1

@@ -68,8 +68,8 @@ class ServerConnection:
             if msg is not None:
                 msg.recv()
                 return True
-            if self.comms.ctrl.iprobe(0, Tag.ENDING) or self.lines.poll() or self.lines.closed \
-                    or time.monotonic() > deadline:
+            # a server shutting down still says goodbye within its grace; one gone cannot
+            if self.lines.poll() or self.lines.closed or time.monotonic() > deadline:
                 return False
             return None
         self._goodbye = wait_for(goodbye)
@@ -102,6 +102,11 @@ class RemoteLink(WorkerLink):
     def upload(self, data: Any) -> None:
         super().upload(data)
         self.conn.pending = True
+
+    def finish_read(self, req: Any, watchdog: Any) -> Any:
+        if self.conn._ended is None and self.comms.ctrl.iprobe(0, Tag.ENDING):
+            self.conn.check()  # told the server ends: say so now, not after its grace
+        return super().finish_read(req, watchdog)
 
     def poll_ack(self) -> int | None:
         return None if self.conn._goodbye is not None else super().poll_ack()

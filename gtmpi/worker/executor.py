@@ -84,6 +84,7 @@ class Executor:
         self.executors: dict[int, "Executor"] = {0: self}
         self._pusher = None
         self.client_quota: int | None = None  # under a server: bytes each client may hold
+        self.quota: int | None = None  # this executor's, if it is a client's under a quota
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         # what traces are stamped with: a dry run's worker keeps a modeled clock instead
         self.now: Callable[[], int] = time.perf_counter_ns
@@ -111,7 +112,10 @@ class Executor:
 
     def run(self, batch: list[tuple]) -> None:
         start = time.perf_counter_ns()
-        self._execute(batch)
+        if self.quota is None:
+            self._execute(batch)
+        else:
+            self._execute_within(batch, self.quota)
         self.stats["exec_ns"] += time.perf_counter_ns() - start
         rec = self.trace
         if rec is not None:
@@ -694,6 +698,19 @@ class Executor:
                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device), **rss}
         return {"memory_bytes": self._held_bytes(), **rss}
 
+    def _execute_within(self, batch: list[tuple], limit: int) -> None:
+        """A batch of a server's client with a quota: checked before each value leaves (a
+        read, a sync) and at the end, so nothing made past the quota is ever seen."""
+        before = set(self.env)
+        start = 0
+        for i, ins in enumerate(batch):
+            if ins[0] in _WAITING and i > start:
+                self._execute(batch[start:i])
+                self.enforce_quota(limit, before)
+                start = i
+        self._execute(batch[start:])
+        self.enforce_quota(limit, before)
+
     def enforce_quota(self, limit: int, before: set[int]) -> None:
         """A server's client may hold at most ``limit`` bytes here: past it, what the last
         batch made (the ids not in ``before``) is dropped and poisoned with a MemoryError that
@@ -713,7 +730,7 @@ class Executor:
     def _held_bytes(self) -> int:
         """Bytes of the storages behind the tensors held here, each storage once."""
         held = []
-        for t in self.env.values():
+        for t in list(self.env.values()):  # one step under the GIL: a monitor reads it too
             if isinstance(t, Graph):
                 held += [t.output, *t.leaves]
             elif t is not None:

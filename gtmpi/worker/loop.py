@@ -43,6 +43,8 @@ class Slots:
         if ex is None:
             ex = self.executors[slot] = Executor(self.rank, self.device, self.link.for_slot(slot))
             ex.plane = DataPlane(self.rank, self.device, self.workers_comm)
+            if slot:
+                ex.quota = self.executors[0].client_quota
             self.seq[slot] = 0
         return ex
 
@@ -104,11 +106,7 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
             start = time.perf_counter_ns()
             batch = msg.recv()
             ex.received(start, seq, status.Get_count(MPI.BYTE), len(batch))
-        quota = executor.client_quota if slot else None
-        before = set(ex.env) if quota else None
         ex.run(batch)
-        if quota:
-            ex.enforce_quota(quota, before)
         # a server's client is acknowledged every batch: the server paces each client by them
         if slot or seq % ACK_EVERY == 0 or not link.more_waiting():
             ex.link.ack(seq)

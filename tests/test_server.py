@@ -1,0 +1,351 @@
+"""A server shared by clients (gtmpi/server): each client gets what it gets alone, cannot reach
+another's tensors, and may die without harming the others; the live monitor (gtmpi-trace top).
+
+Every job here is bounded: the server by its own deadline, each client by a timeout."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import UNDER_MPI, launcher_env, mpiexec
+
+MPIEXEC = mpiexec()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [
+    pytest.mark.skipif(UNDER_MPI, reason="starts its own jobs; run once, from the serial suite"),
+    pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"),
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GTMPI_VERBOSE", "GTMPI_TRACE", "GTMPI_CONFIG", "GTMPI_MONITOR")}
+    env.update({**launcher_env(), "GTMPI_DEVICE": os.environ.get("GTMPI_TEST_JOB_DEVICE", "cpu"),
+                "PYTHONPATH": ROOT, **extra})
+    return env
+
+
+class Server:
+    """``mpiexec -n 3 python -m gtmpi.server`` (2 workers), stopped at the end of the test."""
+
+    def __init__(self, tmp_path, *args: str, limit_s: float = 240) -> None:
+        self.port_file = str(tmp_path / "server.port")
+        self.log = open(tmp_path / "server.log", "w+")
+        self.proc = subprocess.Popen(
+            ["timeout", str(limit_s), MPIEXEC, "-n", "3", sys.executable, "-m", "gtmpi.server",
+             "--port-file", self.port_file, *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.port_file):
+            assert self.proc.poll() is None, self.text()
+            assert time.monotonic() < deadline, "no port file within 60 s: " + self.text()
+            time.sleep(0.1)
+
+    def text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def client(self, tmp_path, name: str, body: str, *args: str, **env: str) -> subprocess.Popen:
+        script = tmp_path / f"{name}.py"
+        script.write_text(textwrap.dedent(body))
+        return subprocess.Popen(
+            ["timeout", "150", MPIEXEC, "-n", "1", sys.executable, str(script), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=_env(**{"GTMPI_CONNECT": self.port_file, **env}), start_new_session=True)
+
+    def snapshot(self) -> dict:
+        """What a monitor is sent (the workers' figures, the clients), after the next push."""
+        from gtmpi.transport.rendezvous import dial, read_port_file
+        lines = dial(read_port_file(self.port_file), {"role": "monitor"})
+        asked = time.time()
+        try:
+            while (snap := lines.recv(timeout_s=10))["time"] < asked + 1.1:
+                pass  # until every worker has pushed since it was asked
+            return snap
+        finally:
+            lines.close()
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            subprocess.run([sys.executable, "-m", "gtmpi.server", "--stop", "--port-file",
+                            self.port_file], env=_env(), timeout=60, capture_output=True)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                raise AssertionError("the server did not stop within 30 s: " + self.text())
+        return self.text()
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path)
+    yield s
+    s.stop()
+
+
+def finish(proc: subprocess.Popen, limit_s: float = 150) -> str:
+    out, err = proc.communicate(timeout=limit_s)
+    assert proc.returncode == 0, f"status {proc.returncode}\n{out}\n{err}"
+    return out
+
+
+GPT = [os.path.join(ROOT, "examples", "gpt", "train.py"), "--size", "tiny", "--steps", "8"]
+
+MLP = """
+    import gtmpi as t
+    t.manual_seed(1)
+    net = t.nn.Sequential(t.nn.Linear(8, 32), t.nn.ReLU(), t.nn.Linear(32, 1))
+    opt = t.optim.SGD(net.parameters(), lr=0.05)
+    x = t.randn(64, 8)
+    y = (x[:, :1] * 2 - x[:, 1:2]).detach()
+    for step in range(40):
+        loss = ((net(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 8 == 0:
+            print(f"{step} {loss.item():.6f}")
+"""
+
+READS = """
+    import sys
+    import gtmpi as t
+    k = int(sys.argv[1])
+    x = t.zeros(16)
+    for i in range(1, 301):
+        x = x + k
+        assert float(x[3]) == i * k, (i, k, float(x[3]))
+    print("reads", float(x.sum()))
+"""
+
+
+def _gpt_losses(out: str) -> list[float]:
+    return json.loads(out.strip().splitlines()[-1])["losses"]
+
+
+@pytest.mark.timeout(400)
+def test_three_clients_at_once_get_what_they_get_alone(server, tmp_path):
+    def start():
+        return [server.client(tmp_path, "gpt", "import runpy, sys\nsys.argv = sys.argv[1:]\n"
+                              "runpy.run_path(sys.argv[0], run_name='__main__')\n", *GPT,
+                              GTMPI_CONFIG=os.path.join(ROOT, "configs", "data_parallel.yaml")),
+                server.client(tmp_path, "mlp", MLP),
+                server.client(tmp_path, "reads", READS, "7")]
+    alone = [finish(p) for p in start()[:1]] + [finish(p) for p in start()[1:2]] + \
+        [finish(p) for p in start()[2:]]
+    together = [finish(p) for p in start()]
+    assert _gpt_losses(together[0]) == _gpt_losses(alone[0])
+    assert together[1:] == alone[1:]
+    assert "reads 33600.0" in together[2]
+    assert len(_gpt_losses(alone[0])) == 8
+
+
+def test_the_port_file_is_the_owners_and_its_token_is_required(server, tmp_path):
+    assert stat.S_IMODE(os.stat(server.port_file).st_mode) == 0o600
+    from gtmpi.transport.rendezvous import dial, read_port_file
+    info = read_port_file(server.port_file)
+    lines = dial({**info, "token": "guess"}, {"role": "client", "port": "x"})
+    assert "wrong token" in lines.recv(timeout_s=10)["refused"]
+    lines.close()
+    # a client given a forged port file is refused the same way, with one clear error
+    forged = tmp_path / "forged.port"
+    forged.write_text(json.dumps({**info, "token": "0" * 48}))
+    proc = server.client(tmp_path, "forged", "import gtmpi\ngtmpi.zeros(2).numpy()\n",
+                         GTMPI_CONNECT=str(forged))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "refused this client: wrong token" in err, err
+
+
+ISOLATION_VICTIM = """
+    import os, sys, time
+    import gtmpi as t
+    secret = t.arange(4.0) * 10
+    ready, go = sys.argv[1], sys.argv[2]
+    with open(ready, "w") as f:
+        f.write(str(secret.id))
+    while not os.path.exists(go):
+        time.sleep(0.05)
+    t.synchronize()
+    print("secret", secret.numpy().tolist())
+"""
+
+ISOLATION_ATTACKER = """
+    import sys
+    import torch
+    import gtmpi as t
+    victim = int(open(sys.argv[1]).read())
+    guesses = range(max(1, victim - 3), victim + 4)
+    print("guesses", len(guesses))
+    for guess in guesses:
+        forged = t.Tensor(guess, (torch.Size([4]), torch.float32))
+        try:
+            forged.numpy()
+            print("read", guess)
+        except t.WorkerError as e:
+            print("refused read", guess, str(e).splitlines()[0][:60])
+        forged.add_(1000.0)  # an in-place write into whatever the id names here
+        forged.id = None  # no free of what the forger never made
+    try:
+        t.synchronize()
+    except t.WorkerError as e:
+        print("write skipped:", str(e).splitlines()[0][:80])
+    mine = t.ones(3) * 2
+    print("mine", mine.numpy().tolist())
+"""
+
+
+def test_another_clients_ids_reach_nothing_of_it(server, tmp_path):
+    ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
+    victim = server.client(tmp_path, "victim", ISOLATION_VICTIM, ready, go)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(ready):
+        assert victim.poll() is None and time.monotonic() < deadline, victim.communicate()
+        time.sleep(0.1)
+    out = finish(server.client(tmp_path, "attacker", ISOLATION_ATTACKER, ready))
+    assert "read " not in out.replace("refused read", ""), out
+    guesses = int(out.split("guesses ")[1].split()[0])
+    assert guesses >= 4 and out.count("refused read") == guesses, out
+    assert "mine [2.0, 2.0, 2.0]" in out, out
+    open(go, "w").close()
+    assert "secret [0.0, 10.0, 20.0, 30.0]" in finish(victim)
+
+
+KEEPER = """
+    import sys, time
+    import gtmpi as t
+    big = t.ones(2_000_000)  # 8 MB on a worker
+    print("ready", float(big[0]), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_client_is_freed_and_the_others_carry_on(server, tmp_path):
+    keeper = server.client(tmp_path, "keeper", KEEPER)
+    assert keeper.stdout.readline().strip() == "ready 1.0"
+    other = server.client(tmp_path, "reads", READS, "3")
+    held = server.snapshot()
+    slot = [c for c in held["clients"] if c["name"] == "keeper.py"][0]["slot"]
+    assert sum(w["slots"].get(str(slot), {}).get("held_bytes", 0)
+               for w in held["workers"].values()) >= 8e6, held
+    start = time.monotonic()
+    os.killpg(keeper.pid, signal.SIGKILL)
+    keeper.wait(30)
+    while f"client {slot} (keeper.py" not in server.text():
+        assert time.monotonic() - start < 10, "not seen dead within 10 s: " + server.text()
+        time.sleep(0.1)
+    assert f"client {slot} (keeper.py, pid" in server.text() and "gone" in server.text()
+    assert "reads 14400.0" in finish(other)
+    after = server.snapshot()
+    assert all(str(slot) not in w["slots"] for w in after["workers"].values())
+    assert "mine" not in server.text()
+    # and a new client is served
+    assert "reads 9600.0" in finish(server.client(tmp_path, "reads2", READS, "2"))
+
+
+def test_a_client_over_its_quota_gets_a_memory_error_and_keeps_the_rest(tmp_path):
+    s = Server(tmp_path, "--quota-gb", "0.004")
+    try:
+        out = finish(s.client(tmp_path, "greedy", """
+            import gtmpi as t
+            small = t.ones(1000) * 3
+            try:
+                big = t.ones(2_000_000) + 1   # 8 MB of each: over 4 MB
+                print(float(big[0]))
+            except t.WorkerError as e:
+                print("refused:", "MemoryError" in str(e), "quota" in str(e))
+            print("small", float(small.sum()))
+        """))
+    finally:
+        s.stop()
+    assert "refused: True True" in out and "small 3000.0" in out, out
+
+
+def test_sigterm_ends_the_server_and_tells_its_clients(tmp_path):
+    s = Server(tmp_path)
+    waiting = s.client(tmp_path, "waiting", """
+        import time
+        import gtmpi as t
+        x = t.ones(4)
+        print("ready", flush=True)
+        try:
+            while True:
+                x = x + 1
+                x.numpy()
+                time.sleep(0.05)
+        except RuntimeError as e:
+            print("told:", e)
+    """)
+    assert waiting.stdout.readline().strip() == "ready"
+    os.kill(s.proc.pid, signal.SIGTERM)  # timeout passes it to mpiexec, which passes it on
+    out = finish(waiting, 60)
+    assert "told: the gtmpi server" in out and "shutting down: SIGTERM" in out, out
+    s.proc.wait(60)
+    assert "shutting down (SIGTERM)" in s.text()
+
+
+LOAD = """
+    import sys
+    import gtmpi as t
+    k = int(sys.argv[1])
+    x = t.full((8,), float(k))
+    for i in range(1, 5001):
+        x = x + k
+        if i % 500 == 0:
+            got = float(x[k % 8])
+            assert got == (i + 1) * k, (k, i, got)
+    print("ok", k, float(x.sum()))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_eight_clients_of_five_thousand_ops_each(server, tmp_path):
+    before = server.snapshot()
+    procs = [server.client(tmp_path, f"load{k}", LOAD, str(k)) for k in range(1, 9)]
+    for k, p in enumerate(procs, 1):
+        assert f"ok {k} {8.0 * 5001 * k}" in finish(p, 500)
+    time.sleep(1)
+    after = server.snapshot()
+    assert not after["clients"]
+    assert {c["name"] for c in after["left"]} >= {f"load{k}.py" for k in range(1, 9)}
+    for rank, w in after["workers"].items():
+        assert set(w["slots"]) == {"0"}, w["slots"]  # every client's executor is gone
+        assert w["slots"]["0"]["tensors"] == before["workers"][rank]["slots"]["0"]["tensors"]
+
+
+def test_the_monitor_shows_a_running_train_py_and_leaves_its_losses_alone(tmp_path):
+    port = str(tmp_path / "run.port")
+    cmd = ["timeout", "200", MPIEXEC, "-n", "3", sys.executable,
+           os.path.join(ROOT, "examples", "gpt", "train.py"), "--size", "tiny", "--steps", "300"]
+    env = _env(GTMPI_CONFIG=os.path.join(ROOT, "configs", "data_parallel.yaml"))
+    plain = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=220)
+    assert plain.returncode == 0, plain.stderr
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**env, "GTMPI_MONITOR": port}, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(port):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.1)
+    top = subprocess.run([sys.executable, "-m", "gtmpi.cli", "top", port, "--frames", "2"],
+                         capture_output=True, text=True, env=_env(), timeout=60)
+    out, err = run.communicate(timeout=220)
+    assert run.returncode == 0, err
+    assert top.returncode == 0, top.stderr
+    frame = top.stdout.strip().split("\n\n")[-2:]
+    rows = [line.split() for line in top.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert {r[0] for r in rows} == {"1", "2"}, top.stdout
+    assert any(int(r[2].replace(",", "")) > 0 and int(r[4].replace(",", "")) > 0 for r in rows), \
+        top.stdout  # instructions and all-reduces per second while it trains
+    assert frame and _gpt_losses(out) == _gpt_losses(plain.stdout)
+    assert not os.path.exists(port)  # the run took its port file with it
