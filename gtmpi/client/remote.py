@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 
+from ..dispatcher.dispatcher import SHARED_BATCH_MAX
 from ..transport.rendezvous import dial, read_port_file
 from ..transport.remote import RemoteLink, ServerConnection, ServerGone
 from ..transport.tags import Tag
@@ -55,6 +56,7 @@ def start_remote(path: str) -> Runtime:
     links = {r: RemoteLink(conn, r) for r in workers}
     rt = Runtime(links, workers)
     rt.dispatcher.rounds = conn
+    rt.dispatcher.batch_max = SHARED_BATCH_MAX
     inner = rt.dispatcher.watchdog
 
     def watchdog() -> None:

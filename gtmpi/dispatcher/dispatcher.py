@@ -44,6 +44,9 @@ from .programs import Program, Recording
 _clock = time.perf_counter_ns
 
 BATCH_MAX = 256
+# under a server: a batch is the unit the workers run one client's work in before another's
+# turn, so a smaller one bounds what another client's read waits behind
+SHARED_BATCH_MAX = 8
 MAX_INFLIGHT = 64
 FREES_AHEAD = 64  # dropped ids that travel before the next instruction even if it is small
 ACK_POLL_S = 5e-5  # how often a busy worker's acks are polled while ops are issued
@@ -100,6 +103,7 @@ class Dispatcher:
         self._programs = 0
         self.graph_notes: dict[str, str] = {}  # program name -> its graph's fate, for explain()
         self.rounds: Rounds | None = None  # under a server: its connection, which ends rounds
+        self.batch_max = BATCH_MAX
         from .placer import Placer
         self.placer = Placer(self)
 
@@ -168,7 +172,7 @@ class Dispatcher:
         # a lone cheap op waits for the next (often the read of it); frees riding along with
         # it do not count
         alone = len(batch) - self._frees_in[rank] <= 1
-        if len(batch) >= BATCH_MAX or ((urgent or not alone) and self._idle(rank)):
+        if len(batch) >= self.batch_max or ((urgent or not alone) and self._idle(rank)):
             self.flush(rank)
 
     def defer(self, rank: int, ins: tuple) -> None:

@@ -17,9 +17,10 @@ What the server guarantees:
 - Order. A client sends in rounds (dispatcher.end_round): a round has every part of each
   transfer and collective in it. The server hands a round to the workers whole, so every worker
   sees the clients' collectives in one order and none waits in one for a part held back.
-- Fairness. Rounds go out one per client in turn, and a client with more than
-  INFLIGHT unacknowledged batches at the workers waits for its turn, so a client in a tight
-  loop keeps the workers' queues short for the others.
+- Fairness. Rounds go out one per client in turn, and while several clients have work a
+  client's next round waits until the workers have acknowledged its last batch, so a client in
+  a tight loop keeps the workers' queues short for the others (clients batch at most
+  SHARED_BATCH_MAX instructions).
 - Clients that go. A client leaves with LEAVE (at exit); one killed is seen by the end of its
   TCP connection (transport/rendezvous.py). Either way its slot is dropped on every worker,
   freeing its memory, and the server carries on.
@@ -41,7 +42,11 @@ from ..monitor.hub import Hub
 from ..transport.rendezvous import Lines
 from ..transport.tags import SLOT_STRIDE, Tag
 
-INFLIGHT = 4  # a client's batches at the workers, unacknowledged, before its next round waits
+# a client's batches at the workers, unacknowledged, before its next round waits: several
+# while no other client has work (the workers never idle between its rounds), one otherwise
+# (another client's read then waits behind at most one batch of each)
+INFLIGHT_ALONE = 4
+INFLIGHT_SHARED = 1
 RECV_DEADLINE_S = 10.0  # a message that started to arrive and does not finish: its sender died
 LIVENESS_EVERY_S = 0.05  # how often the clients' TCP connections are checked for their end
 GRACE_S = 2.0  # how long clients get, once told the server ends, before the workers stop
@@ -249,7 +254,9 @@ class Server:
 
     def _schedule(self) -> bool:
         """One whole round per client in turn, from clients not too far ahead."""
-        live = [c for c in self.clients.values() if c.rounds and c.unacked <= INFLIGHT]
+        busy = [c for c in self.clients.values() if c.rounds or c.unacked > 0]
+        limit = INFLIGHT_ALONE if len(busy) <= 1 else INFLIGHT_SHARED
+        live = [c for c in busy if c.rounds and c.unacked < limit]
         if not live:
             return False
         self._turn += 1
