@@ -10,6 +10,9 @@ Starts ``mpiexec -n W+1 python -m gtmpi.server`` itself, then runs clients (each
 (b) examples/gpt/train.py --size tiny (80 steps): tokens/s alone and while a second client runs
     a tight loop (issue 22 asks at least 0.45x, a fair half); plain torch's one-process figure
     is train.py's own embedded run, measured here too
+(c) the live monitor's cost: train.py as its own mpiexec job, with GTMPI_MONITOR and
+    ``gtmpi-trace top`` attached for the whole run against without, in alternating pairs
+    (issue 22 asks under 2%)
 Prints a table, then one JSON line.
 """
 from __future__ import annotations
@@ -127,6 +130,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--device", default="auto", help="the workers' GTMPI_DEVICE")
     p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--monitor-size", default="tiny", help="train.py --size for (c)")
+    p.add_argument("--monitor-steps", type=int, default=1200)
+    p.add_argument("--pairs", type=int, default=3, help="runs with and without a monitor, (c)")
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": ROOT, "GTMPI_DEVICE": args.device,
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -151,9 +157,10 @@ def main() -> None:
         device = tok_alone.get("device") or args.device
     finally:
         bench.close()
-    own = subprocess.run([MPIEXEC, "-n", str(args.workers + 1), sys.executable, *train],
-                         env=env, capture_output=True, text=True, timeout=600)
-    tok_own = json.loads([ln for ln in own.stdout.splitlines() if ln.startswith("{")][-1])
+    tok_own = own_job(args.workers, train, env)
+    watched, plain = monitor_cost(args.workers, [*train[:2], args.monitor_size, "--steps",
+                                                 str(args.monitor_steps)], env, args.pairs)
+    monitor_ratio = statistics.median(watched) / statistics.median(plain)
     torch_us = torch_latency("cuda" if args.device.startswith("cuda") or (
         args.device == "auto" and _has_cuda()) else "cpu")
     lat_ratio = crowded["median_us"] / alone["median_us"]
@@ -170,6 +177,10 @@ def main() -> None:
     print(f"{'    beside 1 busy client':44} {tok_shared['tokens_per_s']:>10,} {'':>10} "
           f"{tok_ratio:>7.2f} {'>= 0.45':>8}")
     print(f"{'    its own mpiexec job (no server)':44} {tok_own['tokens_per_s']:>10,}")
+    print(f"{'(c) train.py ' + args.monitor_size + ', tokens/s, no monitor':44} "
+          f"{statistics.median(plain):>10,.0f}")
+    print(f"{'    with GTMPI_MONITOR and top attached':44} {statistics.median(watched):>10,.0f} "
+          f"{'':>10} {monitor_ratio:>7.3f} {'>= 0.98':>8}")
     print(json.dumps({"workers": args.workers, "device": args.device,
                       "latency_alone_us": round(alone["median_us"], 1),
                       "latency_busy_us": round(crowded["median_us"], 1),
@@ -180,7 +191,40 @@ def main() -> None:
                       "tokens_alone": tok_alone["tokens_per_s"],
                       "tokens_shared": tok_shared["tokens_per_s"],
                       "tokens_ratio": round(tok_ratio, 3),
-                      "tokens_own_job": tok_own["tokens_per_s"]}))
+                      "tokens_own_job": tok_own["tokens_per_s"],
+                      "monitor_size": args.monitor_size, "monitor_plain": plain,
+                      "monitor_watched": watched, "monitor_ratio": round(monitor_ratio, 4)}))
+
+
+def own_job(workers: int, train: list[str], env: dict[str, str]) -> dict:
+    own = subprocess.run([MPIEXEC, "-n", str(workers + 1), sys.executable, *train],
+                         env=env, capture_output=True, text=True, timeout=600)
+    if own.returncode:
+        raise SystemExit(f"train.py failed: {own.stderr[-2000:]}")
+    return json.loads([ln for ln in own.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def monitor_cost(workers: int, train: list[str], env: dict[str, str],
+                 pairs: int) -> tuple[list[int], list[int]]:
+    """tokens/s of train.py with a monitor attached throughout, and without, in pairs."""
+    watched, plain = [], []
+    for i in range(pairs):
+        plain.append(own_job(workers, train, env)["tokens_per_s"])
+        port = os.path.join(tempfile.mkdtemp(prefix="gtmpi-monitor-"), "run.port")
+        run = subprocess.Popen([MPIEXEC, "-n", str(workers + 1), sys.executable, *train],
+                               env={**env, "GTMPI_MONITOR": port}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        while not os.path.exists(port) and run.poll() is None:
+            time.sleep(0.05)
+        top = subprocess.Popen([sys.executable, "-m", "gtmpi.cli", "top", port], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out, err = run.communicate(timeout=900)
+        top.wait(60)  # it ends with the run
+        if run.returncode:
+            raise SystemExit(f"train.py with a monitor failed: {err[-2000:]}")
+        watched.append(json.loads([ln for ln in out.splitlines()
+                                   if ln.startswith("{")][-1])["tokens_per_s"])
+    return watched, plain
 
 
 def _has_cuda() -> bool:

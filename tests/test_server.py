@@ -68,7 +68,7 @@ class Server:
         lines = dial(read_port_file(self.port_file), {"role": "monitor"})
         asked = time.time()
         try:
-            while (snap := lines.recv(timeout_s=10))["time"] < asked + 1.1:
+            while (snap := lines.recv(timeout_s=10))["time"] < asked + 2.1:
                 pass  # until every worker has pushed since it was asked
             return snap
         finally:

@@ -18,7 +18,7 @@ def plugin() -> str:
     return "pmix" if "Open MPI" in MPI.Get_library_version() else "pmi2"
 
 
-def run_script(tmp_path, name: str, env: dict) -> str:
+def run_script(tmp_path, name: str, env: dict, args=("train.py", "--lr", "3e-4")) -> str:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'n1\\nn2\\nn3\\n'\n")
@@ -31,7 +31,7 @@ def run_script(tmp_path, name: str, env: dict) -> str:
         f.chmod(0o755)
     full_env = {**{k: v for k, v in os.environ.items() if k != "GTMPI_CONFIG"},
                 "PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
-    proc = subprocess.run(["bash", str(ROOT / "slurm" / name), "train.py", "--lr", "3e-4"],
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / name), *args],
                           capture_output=True, text=True, timeout=30, env=full_env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -74,3 +74,14 @@ def test_gpt_scripts_run_the_seeds_layout_through_the_generic_ones(tmp_path):
                       "SLURM_JOB_NODELIST": "n[1-2]"}).splitlines()
     assert two[0].startswith(f"SRUN --mpi={plugin()} --distribution=arbitrary --ntasks=9 ")
     assert two[2:11] == ["n1"] * 5 + ["n2"] * 4 and "CONFIG configs/gpt_tp2_pp4.yaml" in two
+
+
+def test_serve_starts_a_server_on_every_gpu_with_a_private_port_file(tmp_path):
+    port = tmp_path / "shared" / "team.port"
+    out = run_script(tmp_path, "serve.sbatch", {"SLURM_GPUS_ON_NODE": "4",
+                                                "GTMPI_QUOTA_GB": "20"}, args=(str(port),))
+    srun = [line for line in out.splitlines() if line.startswith("SRUN")][0]
+    assert srun.startswith(f"SRUN --mpi={plugin()} --ntasks=5 ")
+    assert srun.endswith(f"python -m gtmpi.server --port-file {port} --quota-gb 20")
+    assert f"GTMPI_CONNECT={port}" in out
+    assert (port.parent.stat().st_mode & 0o777) == 0o700

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..transport.rendezvous import Lines, listen, write_port_file
 
-INTERVAL_S = 0.5  # how often workers push and monitors are sent the figures
+INTERVAL_S = 1.0  # how often workers push and monitors are sent the figures
 
 
 class Hub:
