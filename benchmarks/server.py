@@ -30,6 +30,8 @@ import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from gtmpi.transport.joining import joining_jobs  # noqa: E402
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 if not os.path.exists(MPIEXEC):
     MPIEXEC = "mpiexec"
@@ -77,8 +79,9 @@ class Bench:
         self.dir = tempfile.mkdtemp(prefix="gtmpi-server-bench-")
         self.port = os.path.join(self.dir, "server.port")
         self.env = env
+        self.launch, self.pmix = joining_jobs(MPIEXEC, self.dir, env=env)
         self.server = subprocess.Popen(
-            [MPIEXEC, "-n", str(workers + 1), sys.executable, "-m", "gtmpi.server",
+            [MPIEXEC, *self.launch, "-n", str(workers + 1), sys.executable, "-m", "gtmpi.server",
              "--port-file", self.port], env=env, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(self.dir, "server.log"), "w"), start_new_session=True)
         deadline = time.monotonic() + 120
@@ -93,7 +96,7 @@ class Bench:
         path = os.path.join(self.dir, f"{name}.py")
         with open(path, "w") as f:
             f.write(textwrap.dedent(body))
-        return subprocess.Popen([MPIEXEC, "-n", "1", sys.executable, path, *args],
+        return subprocess.Popen([MPIEXEC, *self.launch, "-n", "1", sys.executable, path, *args],
                                 env={**self.env, "GTMPI_CONNECT": self.port, **env},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -123,6 +126,8 @@ class Bench:
             self.server.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(self.server.pid, signal.SIGKILL)
+        if self.pmix is not None:
+            os.killpg(self.pmix.pid, signal.SIGTERM)
 
 
 def main() -> None:

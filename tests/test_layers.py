@@ -10,11 +10,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gtmpi"
 # lower number: lower layer; a module may import its own layer and those below
 LAYERS = {
     "errors": 0, "ops": 0, "placement": 0, "recording": 0, "transport": 0, "signals.config": 0,
+    "monitor": 0,
     "dispatcher": 1, "worker": 1,
     "client": 2, "autograd": 2,
     "nn": 3, "optim": 3, "signals": 3, "trace": 3, "debug": 3, "checkpoint": 3, "launch": 3,
     "cli": 3, "pipeline": 3, "cuda": 3, "interop": 3, "amp": 3, "backends": 3, "utils": 3,
-    "__init__": 3, "__main__": 3,
+    "server": 3, "__init__": 3, "__main__": 3,
 }
 
 

@@ -62,12 +62,15 @@ class ServerConnection:
     def wait_goodbye(self, deadline: float) -> bool:
         if self._goodbye is not None:
             return self._goodbye
+        status = MPI.Status()
 
         def goodbye() -> bool | None:
-            msg = self.comms.ctrl.improbe(0, Tag.GOODBYE)
-            if msg is not None:
+            # any tag, so that what the server sent before its goodbye (the last acks) is
+            # received first: a receive of the goodbye's tag alone may overtake them
+            while (msg := self.comms.ctrl.improbe(0, MPI.ANY_TAG, status)) is not None:
                 msg.recv()
-                return True
+                if status.Get_tag() == Tag.GOODBYE:
+                    return True
             # a server shutting down still says goodbye within its grace; one gone cannot
             if self.lines.poll() or self.lines.closed or time.monotonic() > deadline:
                 return False
