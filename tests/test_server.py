@@ -273,10 +273,15 @@ def test_a_client_over_its_quota_gets_a_memory_error_and_keeps_the_rest(tmp_path
             except t.WorkerError as e:
                 print("refused:", "MemoryError" in str(e), "quota" in str(e))
             print("small", float(small.sum()))
+            del big
+            mine = t.debug.worker_stats()[1]  # this client's figures, not the server's
+            print("held", mine["memory_bytes"], mine["tensors"])
         """))
     finally:
         s.stop()
     assert "refused: True True" in out and "small 3000.0" in out, out
+    held = int(out.split("held ")[1].split()[0])
+    assert 4000 <= held < 4100, out  # small's 1,000 floats (and a scalar): the 8 MB are gone
 
 
 def test_sigterm_ends_the_server_and_tells_its_clients(tmp_path):

@@ -85,6 +85,7 @@ class Executor:
         self._pusher = None
         self.client_quota: int | None = None  # under a server: bytes each client may hold
         self.quota: int | None = None  # this executor's, if it is a client's under a quota
+        self.slot = 0  # a server's client's slot (worker/loop.py), 0 for an ordinary session
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         # what traces are stamped with: a dry run's worker keeps a modeled clock instead
         self.now: Callable[[], int] = time.perf_counter_ns
@@ -687,10 +688,15 @@ class Executor:
 
     def memory(self) -> dict[str, int]:
         """Bytes of tensor memory in use and at peak (torch's allocator on a GPU: allocated and
-        reserved), and the process's resident size now and at peak: the whole process, so
-        memory held outside the tensor table (a leak) shows too."""
+        reserved; a server's client: the bytes of its own tensors), and the process's resident
+        size now and at peak: the whole process, so memory held outside the tensor table (a
+        leak) shows too."""
         rss = {"rss_bytes": _rss(),
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if self.slot:  # a server's client: its own tensors; the device's too, beside them
+            device = {"device_bytes": torch.cuda.memory_allocated(self.device)} \
+                if self.device.type == "cuda" else {}
+            return {"memory_bytes": self._held_bytes(), **device, **rss}
         if self.device.type == "cuda":
             return {"memory_bytes": torch.cuda.memory_allocated(self.device),
                     "peak_bytes": torch.cuda.max_memory_allocated(self.device),

@@ -44,7 +44,7 @@ class Slots:
             ex = self.executors[slot] = Executor(self.rank, self.device, self.link.for_slot(slot))
             ex.plane = DataPlane(self.rank, self.device, self.workers_comm)
             if slot:
-                ex.quota = self.executors[0].client_quota
+                ex.slot, ex.quota = slot, self.executors[0].client_quota
             self.seq[slot] = 0
         return ex
 
