@@ -361,3 +361,22 @@ def test_the_monitor_shows_a_running_train_py_and_leaves_its_losses_alone(tmp_pa
         top.stdout  # instructions and all-reduces per second while it trains
     assert frame and _gpt_losses(out) == _gpt_losses(plain.stdout)
     assert not os.path.exists(port)  # the run took its port file with it
+
+
+def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(server, tmp_path):
+    out = finish(server.client(tmp_path, "hostile", """
+        import gtmpi as t
+        from gtmpi.client.runtime import runtime
+        x = t.ones(3)
+        print("before", x.numpy().tolist(), flush=True)
+        d = runtime().dispatcher
+        d.links[1].send([("no such instruction",)], 99)  # not a 5-tuple: no op can run it
+        d.rounds.end()
+        try:
+            (x + 1).numpy()
+        except RuntimeError as e:
+            print("told:", e)
+    """))
+    assert "before [1.0, 1.0, 1.0]" in out and "could not run a batch of this client" in out, out
+    assert "reads 4800.0" in finish(server.client(tmp_path, "reads", READS, "1"))
+    assert "dropped the client" in server.text()

@@ -88,6 +88,7 @@ class Server:
         self.ranks = sorted(d.links)
         self.comms = d.links[self.ranks[0]].comms
         self.clients: dict[int, Client] = {}
+        self.lingering: list[Client] = []  # dropped, their communicators not yet freed
         self.gone: list[dict] = []  # clients that left or were dropped, for the monitor
         self._next_slot = 1
         self._max_slot = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) // SLOT_STRIDE - 1
@@ -137,6 +138,11 @@ class Server:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.hub.close()
+            for c in self.lingering:  # the server ends: what they still send goes nowhere
+                _settle(c.sends, 0.5)
+                c.inter.Free()
+                c.data.Free()
+                c.lines.close()
 
     def stop(self, why: str) -> None:
         """Shut down: every client is told, and GRACE_S later the rest is dropped."""
@@ -197,7 +203,7 @@ class Server:
         for _ in range(self._max_slot):
             slot = self._next_slot
             self._next_slot = slot + 1 if slot < self._max_slot else 1
-            if slot not in self.clients:
+            if slot not in self.clients and all(c.slot != slot for c in self.lingering):
                 return slot
         return None
 
@@ -284,6 +290,8 @@ class Server:
                 if slot == 0:
                     if tag == Tag.DROPPED:
                         self._dropped(MPI.pickle.loads(buf))
+                    elif tag == Tag.BROKEN:
+                        self._broken(rank, *MPI.pickle.loads(buf))
                     continue  # acks of the server's own words
                 c = self.clients.get(slot)
                 if c is None:
@@ -321,6 +329,18 @@ class Server:
                 c.lines.poll()
                 if c.lines.closed:
                     self._drop(c, killed=True)
+        for c in list(self.lingering):
+            for comm in (c.inter, c.data):
+                while (msg := comm.improbe(0, MPI.ANY_TAG)) is not None:
+                    msg.recv()  # the rest of what it sent, into nothing
+            if not c.lines.closed:
+                c.lines.poll()
+            if c.lines.closed:
+                _settle(c.sends)
+                c.inter.Free()
+                c.data.Free()
+                c.lines.close()
+                self.lingering.remove(c)
 
     def _drop(self, c: Client, killed: bool) -> None:
         """Free a client's slot on every worker, behind the rounds it was sent (a killed
@@ -328,17 +348,25 @@ class Server:
         c.killed = killed
         c.rounds.clear()
         c.current = []
-        if killed:
-            for req, _ in c.sends:  # a dead peer never takes them
-                if not req.Test():
-                    req.Cancel()
-                    req.Free()
-            c.sends = []
+        if killed and c.lines.closed:
+            _settle(c.sends, 0.0)  # a dead peer never takes them
         c.state = "dropping"
         c.drops = len(self.ranks)
         for rank in self.ranks:
             self._to_worker(rank, self.comms.ctrl, Tag.DROP + SLOT_STRIDE * c.slot,
                             MPI.pickle.dumps(None))
+
+    def _broken(self, rank: int, slot: int, why: str) -> None:
+        """A worker could not run a client's batch at all: the client is told, then dropped."""
+        c = self.clients.get(slot)
+        if c is None or c.state not in ("live", "leaving"):
+            return
+        message = (f"worker rank {rank} could not run a batch of this client ({why}); the "
+                   "server has dropped the client")
+        print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}): {message}",
+              file=sys.stderr, flush=True)
+        self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps(message))
+        self._drop(c, killed=True)
 
     def _dropped(self, slot: int) -> None:
         c = self.clients.get(slot)
@@ -349,14 +377,15 @@ class Server:
             return
         del self.clients[slot]
         if c.killed:
-            c.inter.Free()
-            c.data.Free()
-            c.lines.close()
-            how = "gone (its connection ended)"
+            # its communicators are freed only once its process has let go of them (its TCP
+            # connection ended) and what it sent is drained: MPI gives a freed communicator's
+            # context to the next one, and a message still on its way would be matched there,
+            # as if the next client had sent it
+            self.lingering.append(c)
+            how = "gone (its connection ended)" if c.lines.closed else "dropped"
         else:
             c.inter.send(None, 0, Tag.GOODBYE)
-            for req, _ in c.sends:
-                req.Wait()
+            _settle(c.sends)
             c.data.Disconnect()
             c.inter.Disconnect()
             c.lines.close()
@@ -365,6 +394,20 @@ class Server:
         self.gone.append({**c.about(), "ended": time.time()})
         print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}) {how}; its tensors are "
               "freed", file=sys.stderr, flush=True)
+
+
+def _settle(sends: list, within_s: float = 2.0) -> None:
+    """Sends to a client: each completes within ``within_s`` or is cancelled (a client that
+    died never receives it)."""
+    deadline = time.monotonic() + within_s
+    for req, _ in sends:
+        while not req.Test():
+            if time.monotonic() > deadline:
+                req.Cancel()
+                req.Free()
+                break
+            time.sleep(1e-4)
+    sends.clear()
 
 
 def serve(port_file: str, quota_gb: float | None = None) -> None:

@@ -44,7 +44,9 @@ class ServerConnection:
         if self._ended is None:
             msg = self.comms.ctrl.improbe(0, Tag.ENDING)
             if msg is not None:
-                self._ended = f"the gtmpi server ({self.path}) is shutting down: {msg.recv()}"
+                why = msg.recv()
+                self._ended = f"the gtmpi server ({self.path}) " + (
+                    why if why.startswith("worker rank") else f"is shutting down: {why}")
             else:
                 self.lines.poll()
                 if self.lines.closed and not self.left:
@@ -53,16 +55,28 @@ class ServerConnection:
             raise ServerGone(self._ended)
 
     def leave(self) -> None:
-        """Done: the server frees this client's tensors on every worker."""
+        """Done: the server frees this client's tensors on every worker (unless it dropped
+        this client already)."""
         if self.left:
             return
         self.left = True
-        self.comms.ctrl.send(None, 0, Tag.LEAVE)
+        if not self.dropped:
+            self.comms.ctrl.send(None, 0, Tag.LEAVE)
+
+    @property
+    def dropped(self) -> bool:
+        return self._ended is not None and self._ended.endswith("dropped the client")
 
     def wait_goodbye(self, deadline: float) -> bool:
         if self._goodbye is not None:
             return self._goodbye
         status = MPI.Status()
+        if self.dropped:  # no goodbye comes: let go, which lets the server free its end
+            self._goodbye = False
+            self.comms.data.Free()
+            self.comms.ctrl.Free()
+            self.lines.close()
+            return False
 
         def goodbye() -> bool | None:
             # any tag, so that what the server sent before its goodbye (the last acks) is

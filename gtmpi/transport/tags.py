@@ -31,6 +31,7 @@ class Tag(IntEnum):
     UPLOAD = 20      # rank 0 -> worker
     READ_OK = 21     # worker -> rank 0
     READ_FAULT = 22  # worker -> rank 0, empty; the Fault follows on the reply communicator
+    BROKEN = 23      # reply communicator, worker -> server: a client's batch was not gtmpi's
     # between a server and one client (their intercommunicator), client -> server
     ROUND = 24       # the messages sent since the last ROUND go to the workers together
     LEAVE = 25       # the client is done: its tensors may go

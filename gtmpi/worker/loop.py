@@ -36,6 +36,7 @@ class Slots:
         self.rank, self.device, self.link, self.workers_comm = rank, device, link, workers_comm
         self.executors: dict[int, Executor] = {}
         self.seq: dict[int, int] = {}  # batches executed per slot (what its acks count)
+        self.broken: set[int] = set()  # slots whose batches this worker could not run
         self.get(0).executors = self.executors  # slot 0's monitor reports every slot
 
     def get(self, slot: int) -> Executor:
@@ -48,10 +49,23 @@ class Slots:
             self.seq[slot] = 0
         return ex
 
+    def run(self, slot: int, ex: Executor, batch: list) -> bool:
+        """A client's batch. One this worker cannot run at all (not instructions as gtmpi's
+        dispatcher makes them: a bug, or a hostile client) must not end the server: the
+        client's later batches are skipped here, and the server is told, which drops it."""
+        try:
+            ex.run(batch)
+            return True
+        except Exception as e:  # an op's own failure never gets here: it poisons its result
+            self.broken.add(slot)
+            self.link.reply(Tag.BROKEN, (slot, f"{type(e).__name__}: {e}"[:500]))
+            return False
+
     def drop(self, slot: int) -> None:
         """A server's client has gone: everything it had here goes too."""
         ex = self.executors.pop(slot, None)
         self.seq.pop(slot, None)
+        self.broken.discard(slot)
         if ex is not None:
             ex.close()
             ex.plane.finish(everything=False)
@@ -99,6 +113,9 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
             slots.drop(slot)
             continue
         ex = executor if not slot else slots.get(slot)
+        if slot in slots.broken:
+            msg.recv()
+            continue
         seq = slots.seq[slot] = slots.seq[slot] + 1
         if ex.trace is None:
             batch = msg.recv()
@@ -106,7 +123,10 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
             start = time.perf_counter_ns()
             batch = msg.recv()
             ex.received(start, seq, status.Get_count(MPI.BYTE), len(batch))
-        ex.run(batch)
+        if not slot:
+            ex.run(batch)
+        elif not slots.run(slot, ex, batch):
+            continue
         # a server's client is acknowledged every batch: the server paces each client by them
         if slot or seq % ACK_EVERY == 0 or not link.more_waiting():
             ex.link.ack(seq)
