@@ -382,3 +382,39 @@ def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(server, tmp_
     assert "before [1.0, 1.0, 1.0]" in out and "could not run a batch of this client" in out, out
     assert "reads 4800.0" in finish(server.client(tmp_path, "reads", READS, "1"))
     assert "dropped the client" in server.text()
+
+
+def test_a_server_trace_has_a_lane_per_client(tmp_path):
+    path = str(tmp_path / "server.h5")
+    s = Server(tmp_path, "--trace", path)
+    try:
+        procs = [s.client(tmp_path, f"reads{k}", READS, str(k)) for k in (2, 5)]
+        outs = [finish(p) for p in procs]
+    finally:
+        log = s.stop()
+    assert "reads 9600.0" in outs[0] and "reads 24000.0" in outs[1]
+    assert f"trace written to {path}" in log, log
+    from gtmpi.recording import fileformat
+    from gtmpi.recording.events import Kind, Lane
+    trace = fileformat.read(path)
+    clients = {r: info for r, info in trace.ranks.items() if info.get("role") == "client"}
+    assert trace.ranks[0]["role"] == "server"
+    assert sorted(info["name"] for info in clients.values()) == ["reads2.py", "reads5.py"]
+    for rank in clients:
+        events = trace.events[rank]
+        assert (events["lane"] == Lane.CLIENT).all()
+        names = [trace.name(n) for n in events["name"]]
+        assert any(n.startswith("client ") for n in names)  # its connection, joined to left
+        rounds = events[events["kind"] == Kind.WAIT]
+        assert len(rounds) >= 300 and (rounds["t1"] >= rounds["t0"]).all()  # a read per round
+        assert (events["kind"] == Kind.TRANSFER).sum() >= 300  # the reads' bytes, relayed
+    forwarded = trace.events[0][trace.events[0]["kind"] == Kind.SEND]
+    assert set(forwarded["peer"]) == set(clients)
+    summary = subprocess.run([sys.executable, "-m", "gtmpi.cli", "summary", path],
+                             capture_output=True, text=True, timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    assert summary.stdout.count(" client ") >= 2 and " dispatcher " in summary.stdout
+    png = str(tmp_path / "server.png")
+    drawn = subprocess.run([sys.executable, "-m", "gtmpi.cli", "timeline", path, "-o", png],
+                           capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0 and os.path.getsize(png) > 0, drawn.stderr

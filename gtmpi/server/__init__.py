@@ -39,8 +39,10 @@ from typing import Any
 from mpi4py import MPI
 
 from ..monitor.hub import Hub
+from ..recording.events import now
 from ..transport.rendezvous import Lines
 from ..transport.tags import SLOT_STRIDE, Tag
+from .tracing import ServerTrace
 
 # a client's batches at the workers, unacknowledged, before its next round waits: several
 # while no other client has work (the workers never idle between its rounds), one otherwise
@@ -59,7 +61,8 @@ class Client:
         self.inter, self.data, self.lines = inter, data, lines
         self.name = str(hello.get("name", "?"))[:80]
         self.pid, self.host = hello.get("pid"), hello.get("host")
-        self.rounds: collections.deque[list] = collections.deque()  # whole, not yet sent on
+        # whole rounds not yet sent on: (their batches, when the last part arrived)
+        self.rounds: collections.deque[tuple[list, int]] = collections.deque()
         self.current: list = []  # the round still arriving: (rank, tag, bytes)
         self.unacked = 0
         self.sends: list[tuple[MPI.Request, Any]] = []  # to the client, with their buffers
@@ -76,7 +79,8 @@ class Client:
 
 
 class Server:
-    def __init__(self, port_file: str, quota_gb: float | None = None) -> None:
+    def __init__(self, port_file: str, quota_gb: float | None = None,
+                 trace: str | None = None) -> None:
         from ..client import runtime as session
         rt = session.current()
         if rt is None or not rt.workers or any(w.get("embedded") for w in rt.workers.values()):
@@ -98,6 +102,7 @@ class Server:
         self.hub = Hub(port_file, "server", extra=self._figures, workers=len(self.ranks),
                        ranks=self.ranks)
         self.quota = int(quota_gb * 1e9) if quota_gb else None
+        self.trace = ServerTrace(trace, rt.workers) if trace else None
         d.post("serving", (self.quota,), self.ranks)
         d.post("monitor", (self.hub.address, self.hub.token), self.ranks)
         self._last_liveness = 0.0
@@ -143,6 +148,9 @@ class Server:
                 c.inter.Free()
                 c.data.Free()
                 c.lines.close()
+            if self.trace is not None:
+                print(f"gtmpi.server: trace written to {self.trace.write()}", file=sys.stderr,
+                      flush=True)
 
     def stop(self, why: str) -> None:
         """Shut down: every client is told, and GRACE_S later the rest is dropped."""
@@ -196,6 +204,8 @@ class Server:
             lines.close()
             return
         c = self.clients[slot] = Client(slot, inter, data, lines, hello)
+        if self.trace is not None:
+            self.trace.joined(slot, c.name, c.pid, c.host)
         inter.send({"slot": slot, "workers": self.rt.workers, "quota_bytes": self.quota}, 0,
                    Tag.WELCOME)
 
@@ -226,7 +236,7 @@ class Server:
                 c.current.append((rank, buf))
             elif tag == Tag.ROUND:
                 if c.current:
-                    c.rounds.append(c.current)
+                    c.rounds.append((c.current, now()))
                     c.current = []
             elif tag == Tag.CLOCK_PING:  # a worker waits in its 'clock' word: now, not in turn
                 self._to_worker(rank, self.comms.ctrl, Tag.CLOCK_PING + SLOT_STRIDE * c.slot, buf)
@@ -240,6 +250,8 @@ class Server:
                 self._drop(c, killed=True)
                 return True
             c.counts["bytes_in"] += len(buf)
+            if self.trace is not None:
+                self.trace.relayed(c.slot, "upload", len(buf), rank)
             # the upload instruction's batch may still be in a round held back: the bytes wait
             # at the worker, matched by their tag, until it runs
             self._to_worker(rank, self.comms.data, Tag.UPLOAD + SLOT_STRIDE * c.slot, buf)
@@ -268,11 +280,15 @@ class Server:
         self._turn += 1
         start = self._turn % len(live)
         for c in live[start:] + live[:start]:
-            for rank, buf in c.rounds.popleft():
+            batches, whole_at = c.rounds.popleft()
+            for rank, buf in batches:
                 self._to_worker(rank, self.comms.ctrl, Tag.BATCH + SLOT_STRIDE * c.slot, buf)
                 c.unacked += 1
                 c.counts["batches"] += 1
             c.counts["rounds"] += 1
+            if self.trace is not None:
+                self.trace.forwarded(c.slot, whole_at, len(batches),
+                                     sum(len(buf) for _, buf in batches))
         return True
 
     # workers' messages ------------------------------------------------------------------------
@@ -300,6 +316,8 @@ class Server:
                     c.unacked -= 1
                 if c.state in ("live", "leaving"):
                     c.counts["bytes_out"] += len(buf)
+                    if self.trace is not None and tag == Tag.READ_OK:
+                        self.trace.relayed(slot, "read", len(buf), rank)
                     self._to_client(c, c.data if comm is self.comms.data else c.inter,
                                     tag + SLOT_STRIDE * rank, buf)
         return moved
@@ -391,6 +409,8 @@ class Server:
             c.lines.close()
             how = "left"
         c.state = how.split()[0]
+        if self.trace is not None:
+            self.trace.left(slot, how)
         self.gone.append({**c.about(), "ended": time.time()})
         print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}) {how}; its tensors are "
               "freed", file=sys.stderr, flush=True)
@@ -410,9 +430,9 @@ def _settle(sends: list, within_s: float = 2.0) -> None:
     sends.clear()
 
 
-def serve(port_file: str, quota_gb: float | None = None) -> None:
+def serve(port_file: str, quota_gb: float | None = None, trace: str | None = None) -> None:
     """Run a server until it is stopped (rank 0 of an mpiexec job)."""
-    Server(port_file, quota_gb).run()
+    Server(port_file, quota_gb, trace).run()
     try:
         os.unlink(port_file)
     except OSError:

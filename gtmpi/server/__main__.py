@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to write how to reach the server (readable by its owner only)")
     p.add_argument("--quota-gb", type=float, default=None,
                    help="most GB one client's tensors may hold on each worker (default: none)")
+    p.add_argument("--trace", help="write a trace of the server (a lane per client) at its end")
     p.add_argument("--stop", action="store_true", help="ask the server of PORT_FILE to shut down")
     args = p.parse_args(argv)
     if args.stop:
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if answer and answer.get("stopping") else 1
     import gtmpi  # noqa: F401  (under mpiexec the workers start serving here)
     from . import serve
-    serve(args.port_file, args.quota_gb)
+    serve(args.port_file, args.quota_gb, args.trace)
     return 0
 
 

@@ -38,6 +38,11 @@ def duration_ns(trace: Trace) -> int:
 
 
 def rank_lanes(trace: Trace, rank: int) -> list[Lane]:
+    role = trace.ranks.get(rank, {}).get("role")
+    if role == "server":  # a server's trace (gtmpi/server/tracing.py): rank 0 forwards
+        return [Lane.DISPATCHER]
+    if role == "client":  # and each of its clients has a rank of its own
+        return [Lane.CLIENT]
     return [Lane.CLIENT, Lane.DISPATCHER] if rank == 0 else [Lane.WORKER]
 
 

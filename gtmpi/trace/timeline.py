@@ -34,7 +34,12 @@ def lanes(trace: Trace, ranks: list[int] | None = None) -> list[tuple[int, Lane,
     for rank in trace.events:
         if ranks is not None and rank not in ranks:
             continue
-        if rank == 0:
+        info = trace.ranks.get(rank, {})
+        if info.get("role") == "server":
+            out.append((0, Lane.DISPATCHER, "rank 0 server"))
+        elif info.get("role") == "client":
+            out.append((rank, Lane.CLIENT, f"client {info.get('slot')} {info.get('name', '')}"))
+        elif rank == 0:
             out += [(0, Lane.CLIENT, "rank 0 client"), (0, Lane.DISPATCHER, "rank 0 dispatcher")]
         else:
             device = trace.ranks.get(rank, {}).get("device", "")
