@@ -63,7 +63,7 @@ class Client:
         self.pid, self.host = hello.get("pid"), hello.get("host")
         # whole rounds not yet sent on: (their batches, when the last part arrived)
         self.rounds: collections.deque[tuple[list, int]] = collections.deque()
-        self.current: list = []  # the round still arriving: (rank, tag, bytes)
+        self.current: list = []  # the round still arriving: (worker rank, batch bytes)
         self.unacked = 0
         self.sends: list[tuple[MPI.Request, Any]] = []  # to the client, with their buffers
         self.state = "live"  # live, leaving (asked), dropping (slot being freed), gone
@@ -93,7 +93,7 @@ class Server:
         self.comms = d.links[self.ranks[0]].comms
         self.clients: dict[int, Client] = {}
         self.lingering: list[Client] = []  # dropped, their communicators not yet freed
-        self.gone: list[dict] = []  # clients that left or were dropped, for the monitor
+        self.gone: list[dict] = []  # the last 100 clients that left or were dropped (monitor)
         self._next_slot = 1
         self._max_slot = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) // SLOT_STRIDE - 1
         self._turn = 0
@@ -132,9 +132,9 @@ class Server:
                 if moved:
                     idle_since = None
                     continue
-                now = time.perf_counter()
-                idle_since = idle_since or now
-                time.sleep(0 if now - idle_since < 0.002 else 0.0005)
+                t = time.perf_counter()
+                idle_since = idle_since or t
+                time.sleep(0 if t - idle_since < 0.002 else 0.0005)
         except KeyboardInterrupt:
             self.stop("Ctrl-C")
             while not self._ended():
@@ -411,7 +411,7 @@ class Server:
         c.state = how.split()[0]
         if self.trace is not None:
             self.trace.left(slot, how)
-        self.gone.append({**c.about(), "ended": time.time()})
+        self.gone = [*self.gone[-99:], {**c.about(), "ended": time.time()}]
         print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}) {how}; its tensors are "
               "freed", file=sys.stderr, flush=True)
 
