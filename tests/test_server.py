@@ -418,3 +418,18 @@ def test_a_server_trace_has_a_lane_per_client(tmp_path):
     drawn = subprocess.run([sys.executable, "-m", "gtmpi.cli", "timeline", path, "-o", png],
                            capture_output=True, text=True, timeout=120)
     assert drawn.returncode == 0 and os.path.getsize(png) > 0, drawn.stderr
+
+
+def test_a_server_or_client_started_without_mpiexec_says_how_to_start(tmp_path):
+    env = {k: v for k, v in _env().items()
+           if k not in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+                        "SLURM_STEP_ID")}
+    port = str(tmp_path / "x.port")
+    server = subprocess.run([sys.executable, "-m", "gtmpi.server", "--port-file", port],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert server.returncode == 1 and "mpiexec -n 3 python -m gtmpi.server" in server.stderr
+    assert not os.path.exists(port)
+    client = subprocess.run([sys.executable, "-c", "import gtmpi; gtmpi.zeros(1).numpy()"],
+                            capture_output=True, text=True, env={**env, "GTMPI_CONNECT": port},
+                            timeout=120)
+    assert client.returncode == 1 and "start this program with `mpiexec -n 1" in client.stderr
