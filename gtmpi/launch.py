@@ -27,18 +27,17 @@ from .client import runtime as session
 from .client.embedded import stop_line, stop_on_sigterm, verbose
 from .client.runtime import Runtime
 from .transport import ending
+from .transport.joining import LAUNCHER_ENV
 from .transport.tags import Tag
 from .worker.device import local_worker_index, one_launch_queue, select_device, visible_gpus
 
 END_GRACE_S = 3.0  # how long workers get to leave after an uncaught exception on rank 0
 
-# Set by every launcher we know of (MPICH/hydra, Open MPI, PMIx, SLURM's srun).
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_STEP_ID")
 
 
 def start_role() -> None:
     """Called when gtmpi is imported: under an MPI launcher, ranks > 0 serve until shutdown."""
-    if session.current() is not None or not any(k in os.environ for k in _MPI_ENV):
+    if session.current() is not None or not any(k in os.environ for k in LAUNCHER_ENV):
         return
     from mpi4py import MPI
     if MPI.Comm.Get_parent() != MPI.COMM_NULL:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import UNDER_MPI, launcher_env, mpiexec
-from gtmpi.transport.joining import joining_jobs
+from gtmpi.transport.joining import LAUNCHER_ENV, joining_jobs
 
 MPIEXEC = mpiexec()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -421,9 +421,7 @@ def test_a_server_trace_has_a_lane_per_client(tmp_path):
 
 
 def test_a_server_or_client_started_without_mpiexec_says_how_to_start(tmp_path):
-    env = {k: v for k, v in _env().items()
-           if k not in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                        "SLURM_STEP_ID")}
+    env = {k: v for k, v in _env().items() if k not in LAUNCHER_ENV}
     port = str(tmp_path / "x.port")
     server = subprocess.run([sys.executable, "-m", "gtmpi.server", "--port-file", port],
                             capture_output=True, text=True, env=env, timeout=120)

@@ -17,6 +17,7 @@ import socket
 import sys
 
 from ..dispatcher.dispatcher import SHARED_BATCH_MAX
+from ..transport.joining import LAUNCHER_ENV
 from ..transport.rendezvous import dial, read_port_file
 from ..transport.remote import RemoteLink, ServerConnection, ServerGone
 from ..transport.tags import Tag
@@ -24,12 +25,10 @@ from .runtime import Runtime
 
 CONNECT_TIMEOUT_S = 30.0
 
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_STEP_ID")
-
 
 def start_remote(path: str) -> Runtime:
     """Connect to the server whose port file is ``path``: a Runtime whose links go through it."""
-    if not any(k in os.environ for k in _MPI_ENV):
+    if not any(k in os.environ for k in LAUNCHER_ENV):
         raise RuntimeError(f"gtmpi: joining the server of {path} needs MPI's launcher: start this "
                            "program with `mpiexec -n 1 python ...` (MPI connects two jobs only "
                            "if each was started by mpiexec)")

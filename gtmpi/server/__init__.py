@@ -40,6 +40,7 @@ from mpi4py import MPI
 
 from ..monitor.hub import Hub
 from ..recording.events import now
+from ..transport.mpi import Sends
 from ..transport.rendezvous import Lines
 from ..transport.tags import SLOT_STRIDE, Tag
 from .tracing import ServerTrace
@@ -65,7 +66,7 @@ class Client:
         self.rounds: collections.deque[tuple[list, int]] = collections.deque()
         self.current: list = []  # the round still arriving: (worker rank, batch bytes)
         self.unacked = 0
-        self.sends: list[tuple[MPI.Request, Any]] = []  # to the client, with their buffers
+        self.sends = Sends()  # to the client
         self.state = "live"  # live, leaving (asked), dropping (slot being freed), gone
         self.killed = False
         self.drops = 0  # workers yet to confirm the slot dropped
@@ -97,7 +98,7 @@ class Server:
         self._next_slot = 1
         self._max_slot = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) // SLOT_STRIDE - 1
         self._turn = 0
-        self._out: list[tuple[MPI.Request, Any]] = []  # sends to workers, with their buffers
+        self._out = Sends()  # to the workers
         self.ending: str | None = None
         self.hub = Hub(port_file, "server", extra=self._figures, workers=len(self.ranks),
                        ranks=self.ranks)
@@ -126,7 +127,6 @@ class Server:
                 moved |= self._from_workers()
                 moved |= self._schedule()
                 self._liveness()
-                self._prune()
                 if self.ending is not None and self._ended():
                     return
                 if moved:
@@ -144,7 +144,7 @@ class Server:
             signal.signal(signal.SIGTERM, previous)
             self.hub.close()
             for c in self.lingering:  # the server ends: what they still send goes nowhere
-                _settle(c.sends, 0.5)
+                c.sends.settle(0.5)
                 c.inter.Free()
                 c.data.Free()
                 c.lines.close()
@@ -161,7 +161,7 @@ class Server:
         print(f"gtmpi.server: shutting down ({why})", file=sys.stderr, flush=True)
         for c in self.clients.values():
             if c.state in ("live", "leaving"):
-                self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps(why))
+                self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps((False, why)))
 
     def _ended(self) -> bool:
         if time.monotonic() > self._ending_at:
@@ -323,17 +323,10 @@ class Server:
         return moved
 
     def _to_worker(self, rank: int, comm: MPI.Intracomm, tag: int, buf: Any) -> None:
-        self._out.append((comm.Isend([buf, MPI.BYTE], rank, tag), buf))
+        self._out.keep(comm.Isend([buf, MPI.BYTE], rank, tag), buf)
 
     def _to_client(self, c: Client, comm: MPI.Intercomm, tag: int, buf: Any) -> None:
-        c.sends.append((comm.Isend([buf, MPI.BYTE], 0, tag), buf))
-
-    def _prune(self) -> None:
-        if len(self._out) > 64:
-            self._out = [(r, b) for r, b in self._out if not r.Test()]
-        for c in self.clients.values():
-            if len(c.sends) > 64:
-                c.sends = [(r, b) for r, b in c.sends if not r.Test()]
+        c.sends.keep(comm.Isend([buf, MPI.BYTE], 0, tag), buf)
 
     # clients going ----------------------------------------------------------------------------
 
@@ -354,7 +347,7 @@ class Server:
             if not c.lines.closed:
                 c.lines.poll()
             if c.lines.closed:
-                _settle(c.sends)
+                c.sends.settle(2.0)
                 c.inter.Free()
                 c.data.Free()
                 c.lines.close()
@@ -367,7 +360,7 @@ class Server:
         c.rounds.clear()
         c.current = []
         if killed and c.lines.closed:
-            _settle(c.sends, 0.0)  # a dead peer never takes them
+            c.sends.settle(0.0)  # a dead peer never takes them
         c.state = "dropping"
         c.drops = len(self.ranks)
         for rank in self.ranks:
@@ -383,7 +376,7 @@ class Server:
                    "server has dropped the client")
         print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}): {message}",
               file=sys.stderr, flush=True)
-        self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps(message))
+        self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps((True, message)))
         self._drop(c, killed=True)
 
     def _dropped(self, slot: int) -> None:
@@ -403,7 +396,7 @@ class Server:
             how = "gone (its connection ended)" if c.lines.closed else "dropped"
         else:
             c.inter.send(None, 0, Tag.GOODBYE)
-            _settle(c.sends)
+            c.sends.settle(2.0)
             c.data.Disconnect()
             c.inter.Disconnect()
             c.lines.close()
@@ -414,20 +407,6 @@ class Server:
         self.gone = [*self.gone[-99:], {**c.about(), "ended": time.time()}]
         print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}) {how}; its tensors are "
               "freed", file=sys.stderr, flush=True)
-
-
-def _settle(sends: list, within_s: float = 2.0) -> None:
-    """Sends to a client: each completes within ``within_s`` or is cancelled (a client that
-    died never receives it)."""
-    deadline = time.monotonic() + within_s
-    for req, _ in sends:
-        while not req.Test():
-            if time.monotonic() > deadline:
-                req.Cancel()
-                req.Free()
-                break
-            time.sleep(1e-4)
-    sends.clear()
 
 
 def serve(port_file: str, quota_gb: float | None = None, trace: str | None = None) -> None:

@@ -10,6 +10,9 @@ import shutil
 import subprocess
 import time
 
+# Set by every launcher we know of (MPICH/hydra, Open MPI, PMIx, SLURM's srun).
+LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_STEP_ID")
+
 
 def is_open_mpi(launcher: str) -> bool:
     out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=30)

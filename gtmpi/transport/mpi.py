@@ -34,7 +34,7 @@ class Comms(NamedTuple):
         return cls(base, base.Dup(), base.Dup(), base.Dup())
 
 
-class _Sends:
+class Sends:
     """Outstanding non-blocking sends, with the buffers they must keep alive."""
 
     def __init__(self) -> None:
@@ -48,6 +48,19 @@ class _Sends:
     def drain(self) -> None:
         for req, _ in self._pending:
             wait_for(lambda: True if req.Test() else None)
+        self._pending.clear()
+
+    def settle(self, within_s: float) -> None:
+        """Drain, but a send not done within ``within_s`` is cancelled: its receiver may have
+        died (a server's client)."""
+        deadline = time.monotonic() + within_s
+        for req, _ in self._pending:
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    req.Cancel()
+                    req.Free()
+                    break
+                time.sleep(1e-4)
         self._pending.clear()
 
 
@@ -66,7 +79,7 @@ class WorkerLink:
         self.rank = rank
         self.peer = rank if peer is None else peer
         self._o = 0 if peer is None else SLOT_STRIDE * rank
-        self._sends = _Sends()
+        self._sends = Sends()
         self._receiving: dict[Tag, MPI.Request] = {}  # replies whose bytes are still coming
 
     def send(self, batch: list, seq: int) -> None:
@@ -149,11 +162,11 @@ class HostLink:
     """A worker's end of the conversation with rank 0 (see worker.executor.HostLink): of the
     ordinary session (slot 0), or of one client of a server (its slot rides in every tag)."""
 
-    def __init__(self, comms: Comms, slot: int = 0, sends: "_Sends | None" = None):
+    def __init__(self, comms: Comms, slot: int = 0, sends: Sends | None = None):
         self.comms = comms
         self.slot = slot
         self._o = SLOT_STRIDE * slot
-        self._sends = sends if sends is not None else _Sends()
+        self._sends = sends if sends is not None else Sends()
 
     def for_slot(self, slot: int) -> "HostLink":
         """The same worker's link for a server's client ``slot`` (one queue of sends)."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .mpi import Comms, WorkerLink
+from .mpi import Comms, Sends, WorkerLink
 from .poll import wait_for
 from .rendezvous import Lines
 from .tags import Tag
@@ -31,12 +31,11 @@ class ServerConnection:
         self.left = False
         self._goodbye: bool | None = None  # whether the server said goodbye, once asked
         self._ended: str | None = None
-        self._sends: list[Any] = []
+        self.dropped = False  # the server dropped this client (it sent what no worker could run)
+        self._sends = Sends()
 
     def end(self) -> None:
-        self._sends.append(self.comms.ctrl.isend(None, 0, Tag.ROUND))
-        if len(self._sends) > 64:
-            self._sends = [r for r in self._sends if not r.Test()]
+        self._sends.keep(self.comms.ctrl.isend(None, 0, Tag.ROUND))
         self.pending = False
 
     def check(self) -> None:
@@ -44,9 +43,9 @@ class ServerConnection:
         if self._ended is None:
             msg = self.comms.ctrl.improbe(0, Tag.ENDING)
             if msg is not None:
-                why = msg.recv()
+                self.dropped, why = msg.recv()  # (whether only this client goes, why)
                 self._ended = f"the gtmpi server ({self.path}) " + (
-                    why if why.startswith("worker rank") else f"is shutting down: {why}")
+                    why if self.dropped else f"is shutting down: {why}")
             else:
                 self.lines.poll()
                 if self.lines.closed and not self.left:
@@ -62,10 +61,6 @@ class ServerConnection:
         self.left = True
         if not self.dropped:
             self.comms.ctrl.send(None, 0, Tag.LEAVE)
-
-    @property
-    def dropped(self) -> bool:
-        return self._ended is not None and self._ended.endswith("dropped the client")
 
     def wait_goodbye(self, deadline: float) -> bool:
         if self._goodbye is not None:
@@ -90,8 +85,7 @@ class ServerConnection:
                 return False
             return None
         self._goodbye = wait_for(goodbye)
-        for req in self._sends:
-            req.Wait()
+        self._sends.drain()
         for comm in (self.comms.ctrl, self.comms.data):  # replies nobody waits for (acks)
             while (msg := comm.improbe(0, MPI.ANY_TAG)) is not None:
                 msg.recv()

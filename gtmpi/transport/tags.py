@@ -38,4 +38,4 @@ class Tag(IntEnum):
     # server -> client
     WELCOME = 26     # the client's slot and the workers
     GOODBYE = 27     # answers LEAVE: nothing of the client is left
-    ENDING = 28      # the server is shutting down (payload: why)
+    ENDING = 28      # (dropped, why): the server drops this client, or shuts down

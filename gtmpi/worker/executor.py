@@ -712,12 +712,12 @@ class Executor:
         for i, ins in enumerate(batch):
             if ins[0] in _WAITING and i > start:
                 self._execute(batch[start:i])
-                self.enforce_quota(limit, before)
+                self._enforce_quota(limit, before)
                 start = i
         self._execute(batch[start:])
-        self.enforce_quota(limit, before)
+        self._enforce_quota(limit, before)
 
-    def enforce_quota(self, limit: int, before: set[int]) -> None:
+    def _enforce_quota(self, limit: int, before: set[int]) -> None:
         """A server's client may hold at most ``limit`` bytes here: past it, what the last
         batch made (the ids not in ``before``) is dropped and poisoned with a MemoryError that
         its reads raise, and what the client held before stays as it was."""
