@@ -237,6 +237,49 @@ KEEPER = """
 """
 
 
+UNTAKEN = """
+    import sys, time
+    import gtmpi as t
+    from gtmpi.client.runtime import runtime
+    big = t.ones(2_000_000)  # 8 MB: it leaves the worker only as the client takes it
+    print("ready", float(big[0]), flush=True)
+    d = runtime().dispatcher
+    d.links[1].send([("read", None, (big.id,), 0, None)], 99)  # a read nobody receives
+    d.rounds.end()
+    print("sent", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_read_its_client_never_takes_holds_no_worker(server, tmp_path):
+    from gtmpi.transport.mpi import CLIENT_TAKES_S
+    # killed while the worker sends it a read: the server's DROP ends the send at once
+    untaken = server.client(tmp_path, "untaken", UNTAKEN)
+    assert untaken.stdout.readline().strip() == "ready 1.0"
+    assert untaken.stdout.readline().strip() == "sent"
+    time.sleep(0.5)
+    start = time.monotonic()
+    os.killpg(untaken.pid, signal.SIGKILL)
+    untaken.wait(30)
+    while "(untaken.py, pid" not in server.text():
+        assert time.monotonic() - start < CLIENT_TAKES_S / 2, server.text()
+        time.sleep(0.1)
+    assert "gone (its connection ended); its tensors are freed" in server.text()
+    assert "reads 4800.0" in finish(server.client(tmp_path, "reads", READS, "1"))
+    # alive, but never taking it: dropped once the read's deadline passes, the others served
+    stuck = server.client(tmp_path, "stuck", UNTAKEN)
+    assert stuck.stdout.readline().strip() == "ready 1.0"
+    other = server.client(tmp_path, "reads2", READS, "2")
+    assert "reads 9600.0" in finish(other)
+    while "did not take a read" not in server.text():
+        assert stuck.poll() is None and time.monotonic() - start < 120, server.text()
+        time.sleep(0.2)
+    assert "(stuck.py, pid" in server.text() and "the server has dropped the client" in server.text()
+    os.killpg(stuck.pid, signal.SIGKILL)
+    stuck.wait(30)
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_client_is_freed_and_the_others_carry_on(server, tmp_path):
     keeper = server.client(tmp_path, "keeper", KEEPER)
@@ -384,30 +427,49 @@ def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(server, tmp_
     assert "dropped the client" in server.text()
 
 
+UPLOADS = """
+    import sys
+    import numpy as np
+    import gtmpi as t
+    k = int(sys.argv[1])
+    for i in range(20):
+        x = t.from_numpy(np.full(1 << 20, float(i), np.float32))  # 4 MB, through the server
+        y = (x * k).numpy()  # from the worker straight to this client
+        assert y.shape == (1 << 20,) and y[0] == y[-1] == i * k, (i, y[0], y[-1])
+    print("uploads", float(y.sum()))
+"""
+
+
 def test_a_server_trace_has_a_lane_per_client(tmp_path):
     path = str(tmp_path / "server.h5")
     s = Server(tmp_path, "--trace", path)
     try:
-        procs = [s.client(tmp_path, f"reads{k}", READS, str(k)) for k in (2, 5)]
+        procs = [s.client(tmp_path, "reads2", READS, "2"),
+                 s.client(tmp_path, "uploads3", UPLOADS, "3")]
         outs = [finish(p) for p in procs]
     finally:
         log = s.stop()
-    assert "reads 9600.0" in outs[0] and "reads 24000.0" in outs[1]
+    assert "reads 9600.0" in outs[0] and f"uploads {57.0 * (1 << 20)}" in outs[1], outs
     assert f"trace written to {path}" in log, log
     from gtmpi.recording import fileformat
     from gtmpi.recording.events import Kind, Lane
     trace = fileformat.read(path)
     clients = {r: info for r, info in trace.ranks.items() if info.get("role") == "client"}
     assert trace.ranks[0]["role"] == "server"
-    assert sorted(info["name"] for info in clients.values()) == ["reads2.py", "reads5.py"]
-    for rank in clients:
+    assert sorted(info["name"] for info in clients.values()) == ["reads2.py", "uploads3.py"]
+    for rank, info in clients.items():
         events = trace.events[rank]
         assert (events["lane"] == Lane.CLIENT).all()
         names = [trace.name(n) for n in events["name"]]
         assert any(n.startswith("client ") for n in names)  # its connection, joined to left
         rounds = events[events["kind"] == Kind.WAIT]
-        assert len(rounds) >= 300 and (rounds["t1"] >= rounds["t0"]).all()  # a read per round
-        assert (events["kind"] == Kind.TRANSFER).sum() >= 300  # the reads' bytes, relayed
+        assert (rounds["t1"] >= rounds["t0"]).all()
+        moved = events[events["kind"] == Kind.TRANSFER]
+        if info["name"] == "reads2.py":
+            assert len(rounds) >= 300 and len(moved) == 0  # a read per round, none relayed
+        else:  # every upload relayed whole, no read
+            assert [trace.name(n) for n in moved["name"]] == ["upload"] * 20
+            assert (moved["bytes"] == 4 << 20).all()
     forwarded = trace.events[0][trace.events[0]["kind"] == Kind.SEND]
     assert set(forwarded["peer"]) == set(clients)
     summary = subprocess.run([sys.executable, "-m", "gtmpi.cli", "summary", path],

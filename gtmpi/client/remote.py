@@ -45,12 +45,11 @@ def start_remote(path: str) -> Runtime:
         if not answer or "refused" in answer or not answer.get("connecting"):
             why = (answer or {}).get("refused", "no answer")
             raise ConnectionRefusedError(f"gtmpi: the server of {path} refused this client: {why}")
-        inter = MPI.COMM_SELF.Accept(port)
-        data = inter.Dup()
+        inter = MPI.COMM_SELF.Accept(port)  # the server's whole job connects, workers too
     finally:
         MPI.Close_port(port)
     welcome = inter.recv(source=0, tag=Tag.WELCOME)
-    conn = ServerConnection(inter, data, lines, path, welcome["slot"])
+    conn = ServerConnection(inter, lines, path, welcome["slot"])
     workers = {int(r): w for r, w in welcome["workers"].items()}
     links = {r: RemoteLink(conn, r) for r in workers}
     rt = Runtime(links, workers)

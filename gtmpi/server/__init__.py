@@ -6,8 +6,11 @@ Rank 0 runs no program of its own: it waits for clients and forwards their work;
 are workers as in any run. A client (``gtmpi.connect(PATH)``, or ``GTMPI_CONNECT=PATH`` for an
 unchanged script, started by ``mpiexec -n 1``) keeps its own session: its tensors, autograd,
 signals, configs and placement are its own, and its dispatcher turns its ops into per-worker
-batches as in an ordinary run. Those batches, and the workers' replies, travel through this
-process over MPI (the client's intercommunicator, made by Connect/Accept).
+batches as in an ordinary run. Those batches, the workers' replies and the client's uploads
+travel through this process over MPI; what a worker sends back of a tensor (a read) goes
+straight to the client. Both ride the client's intercommunicator: the server's rank 0 and every
+worker connect to the client's port together (Connect is collective), so that the client sees
+rank r of this job as rank r of it.
 
 What the server guarantees:
 - Isolation. Each client has a slot; a worker keeps every slot's tensors, programs, graphs and
@@ -24,6 +27,11 @@ What the server guarantees:
 - Clients that go. A client leaves with LEAVE (at exit); one killed is seen by the end of its
   TCP connection (transport/rendezvous.py). Either way its slot is dropped on every worker,
   freeing its memory, and the server carries on.
+- No worker waits on a client. A client's uploads reach a worker through this process, and a
+  round goes to the workers only once every upload sent before it is here (a client killed
+  mid-send would otherwise leave a worker waiting for bytes that never come, and the other
+  workers waiting for it in a collective). A read sent to a client that is gone is given up
+  when the client's DROP is queued behind it (transport/mpi.HostLink).
 - Shutdown on request (``python -m gtmpi.server --stop --port-file PATH``) or SIGTERM: every
   client is told (ENDING), then the workers stop.
 """
@@ -56,15 +64,17 @@ GRACE_S = 2.0  # how long clients get, once told the server ends, before the wor
 
 
 class Client:
-    def __init__(self, slot: int, inter: MPI.Intercomm, data: MPI.Intercomm, lines: Lines,
+    def __init__(self, slot: int, inter: MPI.Intercomm, lines: Lines,
                  hello: dict[str, Any]) -> None:
         self.slot = slot
-        self.inter, self.data, self.lines = inter, data, lines
+        self.inter, self.lines = inter, lines
         self.name = str(hello.get("name", "?"))[:80]
         self.pid, self.host = hello.get("pid"), hello.get("host")
-        # whole rounds not yet sent on: (their batches, when the last part arrived)
-        self.rounds: collections.deque[tuple[list, int]] = collections.deque()
+        # whole rounds not yet sent on: (their batches, when the last part arrived, how many
+        # uploads the client had sent by then)
+        self.rounds: collections.deque[tuple[list, int, int]] = collections.deque()
         self.current: list = []  # the round still arriving: (worker rank, batch bytes)
+        self.uploads = 0  # uploads relayed to the workers
         self.unacked = 0
         self.sends = Sends()  # to the client
         self.state = "live"  # live, leaving (asked), dropping (slot being freed), gone
@@ -146,7 +156,6 @@ class Server:
             for c in self.lingering:  # the server ends: what they still send goes nowhere
                 c.sends.settle(0.5)
                 c.inter.Free()
-                c.data.Free()
                 c.lines.close()
             if self.trace is not None:
                 print(f"gtmpi.server: trace written to {self.trace.write()}", file=sys.stderr,
@@ -194,16 +203,26 @@ class Server:
             lines.send({"refused": "the server has no free client slot"})
             lines.close()
             return
+        port = hello.get("port")
+        if not isinstance(port, str):
+            lines.send({"refused": "no MPI port"})
+            lines.close()
+            return
         lines.send({"connecting": True, "slot": slot})
+        for rank in self.ranks:
+            self._to_worker(rank, self.comms.ctrl, Tag.ADMIT + SLOT_STRIDE * slot,
+                            MPI.pickle.dumps(None))
+        # every worker must get to the Connect: what it still needs of this process (batches,
+        # uploads) is sent first
+        self._out.drain()
         try:
-            inter = MPI.COMM_SELF.Connect(str(hello["port"]))
-            data = inter.Dup()
-        except (MPI.Exception, KeyError) as e:
+            inter = self.comms.base.Connect(port, root=0)
+        except MPI.Exception as e:
             print(f"gtmpi.server: a client (pid {hello.get('pid')}) could not be connected: {e}",
                   file=sys.stderr, flush=True)
             lines.close()
             return
-        c = self.clients[slot] = Client(slot, inter, data, lines, hello)
+        c = self.clients[slot] = Client(slot, inter, lines, hello)
         if self.trace is not None:
             self.trace.joined(slot, c.name, c.pid, c.host)
         inter.send({"slot": slot, "workers": self.rt.workers, "quota_bytes": self.quota}, 0,
@@ -234,27 +253,25 @@ class Server:
             c.counts["bytes_in"] += len(buf)
             if tag == Tag.BATCH:
                 c.current.append((rank, buf))
+            elif tag == Tag.UPLOAD:
+                c.uploads += 1
+                if self.trace is not None:
+                    self.trace.relayed(c.slot, "upload", len(buf), rank)
+                # the upload instruction's batch may still be in a round held back: the bytes
+                # wait at the worker, matched by their tag, until it runs
+                self._to_worker(rank, self.comms.data, Tag.UPLOAD + SLOT_STRIDE * c.slot, buf)
             elif tag == Tag.ROUND:
+                uploads = _count(buf)
+                if uploads is None:
+                    self._drop(c, killed=True)
+                    return True
                 if c.current:
-                    c.rounds.append((c.current, now()))
+                    c.rounds.append((c.current, now(), uploads))
                     c.current = []
             elif tag == Tag.CLOCK_PING:  # a worker waits in its 'clock' word: now, not in turn
                 self._to_worker(rank, self.comms.ctrl, Tag.CLOCK_PING + SLOT_STRIDE * c.slot, buf)
             elif tag == Tag.LEAVE:
                 c.state = "leaving"
-        while (msg := c.data.improbe(0, MPI.ANY_TAG, status)) is not None:
-            moved = True
-            rank, tag = divmod(status.Get_tag(), SLOT_STRIDE)
-            buf = self._take(msg, status.Get_count(MPI.BYTE))
-            if buf is None or tag != Tag.UPLOAD or rank not in self.ranks:
-                self._drop(c, killed=True)
-                return True
-            c.counts["bytes_in"] += len(buf)
-            if self.trace is not None:
-                self.trace.relayed(c.slot, "upload", len(buf), rank)
-            # the upload instruction's batch may still be in a round held back: the bytes wait
-            # at the worker, matched by their tag, until it runs
-            self._to_worker(rank, self.comms.data, Tag.UPLOAD + SLOT_STRIDE * c.slot, buf)
         if c.state == "leaving" and not c.rounds and not c.current:
             self._drop(c, killed=False)
         return moved
@@ -271,16 +288,17 @@ class Server:
         return buf
 
     def _schedule(self) -> bool:
-        """One whole round per client in turn, from clients not too far ahead."""
+        """One whole round per client in turn, from clients not too far ahead whose uploads
+        for it are all here."""
         busy = [c for c in self.clients.values() if c.rounds or c.unacked > 0]
         limit = INFLIGHT_ALONE if len(busy) <= 1 else INFLIGHT_SHARED
-        live = [c for c in busy if c.rounds and c.unacked < limit]
+        live = [c for c in busy if c.rounds and c.unacked < limit and c.rounds[0][2] <= c.uploads]
         if not live:
             return False
         self._turn += 1
         start = self._turn % len(live)
         for c in live[start:] + live[:start]:
-            batches, whole_at = c.rounds.popleft()
+            batches, whole_at, _ = c.rounds.popleft()
             for rank, buf in batches:
                 self._to_worker(rank, self.comms.ctrl, Tag.BATCH + SLOT_STRIDE * c.slot, buf)
                 c.unacked += 1
@@ -296,30 +314,27 @@ class Server:
     def _from_workers(self) -> bool:
         moved = False
         status = MPI.Status()
-        for comm in (self.comms.reply, self.comms.data):
-            while (msg := comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
-                moved = True
-                buf = bytearray(status.Get_count(MPI.BYTE))
-                msg.Recv([buf, MPI.BYTE])
-                rank = status.Get_source()
-                slot, tag = divmod(status.Get_tag(), SLOT_STRIDE)
-                if slot == 0:
-                    if tag == Tag.DROPPED:
-                        self._dropped(MPI.pickle.loads(buf))
-                    elif tag == Tag.BROKEN:
-                        self._broken(rank, *MPI.pickle.loads(buf))
-                    continue  # acks of the server's own words
-                c = self.clients.get(slot)
-                if c is None:
-                    continue
-                if tag == Tag.ACK:
-                    c.unacked -= 1
-                if c.state in ("live", "leaving"):
-                    c.counts["bytes_out"] += len(buf)
-                    if self.trace is not None and tag == Tag.READ_OK:
-                        self.trace.relayed(slot, "read", len(buf), rank)
-                    self._to_client(c, c.data if comm is self.comms.data else c.inter,
-                                    tag + SLOT_STRIDE * rank, buf)
+        comm = self.comms.reply  # (reads go from the workers straight to their clients)
+        while (msg := comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+            moved = True
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            msg.Recv([buf, MPI.BYTE])
+            rank = status.Get_source()
+            slot, tag = divmod(status.Get_tag(), SLOT_STRIDE)
+            if slot == 0:
+                if tag == Tag.DROPPED:
+                    self._dropped(MPI.pickle.loads(buf))
+                elif tag == Tag.BROKEN:
+                    self._broken(rank, *MPI.pickle.loads(buf))
+                continue  # acks of the server's own words
+            c = self.clients.get(slot)
+            if c is None:
+                continue
+            if tag == Tag.ACK:
+                c.unacked -= 1
+            if c.state in ("live", "leaving"):
+                c.counts["bytes_out"] += len(buf)
+                self._to_client(c, c.inter, tag + SLOT_STRIDE * rank, buf)
         return moved
 
     def _to_worker(self, rank: int, comm: MPI.Intracomm, tag: int, buf: Any) -> None:
@@ -341,15 +356,13 @@ class Server:
                 if c.lines.closed:
                     self._drop(c, killed=True)
         for c in list(self.lingering):
-            for comm in (c.inter, c.data):
-                while (msg := comm.improbe(0, MPI.ANY_TAG)) is not None:
-                    msg.recv()  # the rest of what it sent, into nothing
+            while (msg := c.inter.improbe(0, MPI.ANY_TAG)) is not None:
+                msg.recv()  # the rest of what it sent, into nothing
             if not c.lines.closed:
                 c.lines.poll()
             if c.lines.closed:
                 c.sends.settle(2.0)
                 c.inter.Free()
-                c.data.Free()
                 c.lines.close()
                 self.lingering.remove(c)
 
@@ -397,8 +410,9 @@ class Server:
         else:
             c.inter.send(None, 0, Tag.GOODBYE)
             c.sends.settle(2.0)
-            c.data.Disconnect()
-            c.inter.Disconnect()
+            # freed, not disconnected: a disconnect is collective with the workers, which
+            # freed their ends when they dropped the slot (both MPIs let every side go so)
+            c.inter.Free()
             c.lines.close()
             how = "left"
         c.state = how.split()[0]
@@ -407,6 +421,15 @@ class Server:
         self.gone = [*self.gone[-99:], {**c.about(), "ended": time.time()}]
         print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}) {how}; its tensors are "
               "freed", file=sys.stderr, flush=True)
+
+
+def _count(buf: bytearray) -> int | None:
+    """A ROUND's payload, the client's uploads sent all told; None if it is not one."""
+    try:
+        n = MPI.pickle.loads(buf)
+    except Exception:
+        return None
+    return n if type(n) is int else None
 
 
 def serve(port_file: str, quota_gb: float | None = None, trace: str | None = None) -> None:

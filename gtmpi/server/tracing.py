@@ -5,9 +5,9 @@ lane per client, written when the server ends in the format of every gtmpi trace
 Lanes: rank 0 ``server`` (Lane.DISPATCHER): each round forwarded (SEND; id = the client's slot,
 peer = its lane, count = batches, bytes). One rank per client after the workers' ranks,
 ``client`` (Lane.CLIENT): its connection (SCOPE, from joining to leaving), each round's wait at
-the server from arriving whole to being forwarded (WAIT "queued"), tensor bytes relayed
-(TRANSFER "upload", "read"). The workers' own events are not in it: a client's GTMPI_TRACE
-records its part of them.
+the server from arriving whole to being forwarded (WAIT "queued"), each upload relayed
+(TRANSFER "upload"; reads go from the workers straight to the client, not through here). The
+workers' own events are not in it: a client's GTMPI_TRACE records its part of them.
 """
 from __future__ import annotations
 

@@ -5,6 +5,10 @@ on every rank, keep the three kinds of traffic from ever matching each other's r
   ctrl   rank 0 -> worker: pickled batches of instructions, shutdown
   reply  worker -> rank 0: small pickled objects (hello, acks, sync, stats, faults)
   data   both ways: raw tensor bytes (uploads and reads), never pickled
+
+Under a server (gtmpi/server) a client's ctrl and reply go through the server's rank 0, and so
+do its uploads; its data communicator is an intercommunicator that every worker joined, so
+reads come from a worker straight to the client (see HostLink.for_slot).
 """
 from __future__ import annotations
 
@@ -90,13 +94,15 @@ class WorkerLink:
         self._sends.keep(self.comms.data.Isend([data, MPI.BYTE], self.peer, Tag.UPLOAD + self._o), data)
 
     def start_read(self, buf: np.ndarray) -> MPI.Request:
-        """Post the receive before the 'read' instruction is sent, so the worker never waits."""
-        return self.comms.data.Irecv([buf, MPI.BYTE], self.peer, MPI.ANY_TAG)
+        """Post the receive before the 'read' instruction is sent, so the worker never waits.
+        A read comes from the worker itself, through a server too: its rank on the data
+        communicator is its own."""
+        return self.comms.data.Irecv([buf, MPI.BYTE], self.rank, MPI.ANY_TAG)
 
     def finish_read(self, req: MPI.Request, watchdog: Callable[[], None]) -> Fault | None:
         status = MPI.Status()
         wait_for(lambda: True if req.Test(status) else None, watchdog)
-        if status.Get_tag() == Tag.READ_FAULT + self._o:
+        if status.Get_tag() == Tag.READ_FAULT:
             return self.wait_reply(Tag.FAULT, watchdog)
         return None
 
@@ -158,19 +164,29 @@ class WorkerLink:
         return wait_for(bye)
 
 
+CLIENT_TAKES_S = 10.0  # a read a server's client does not take within this: it is broken
+
+
+class ClientGone(RuntimeError):
+    """A server's client did not take a read: it was dropped, or it does not receive."""
+
+
 class HostLink:
     """A worker's end of the conversation with rank 0 (see worker.executor.HostLink): of the
     ordinary session (slot 0), or of one client of a server (its slot rides in every tag)."""
 
-    def __init__(self, comms: Comms, slot: int = 0, sends: Sends | None = None):
+    def __init__(self, comms: Comms, slot: int = 0, sends: Sends | None = None,
+                 client: MPI.Intercomm | None = None):
         self.comms = comms
         self.slot = slot
         self._o = SLOT_STRIDE * slot
         self._sends = sends if sends is not None else Sends()
+        self._reads = client if client is not None else comms.data
 
-    def for_slot(self, slot: int) -> "HostLink":
-        """The same worker's link for a server's client ``slot`` (one queue of sends)."""
-        return HostLink(self.comms, slot, self._sends)
+    def for_slot(self, slot: int, client: MPI.Intercomm) -> "HostLink":
+        """The same worker's link for a server's client ``slot`` (one queue of sends), whose
+        reads go to the client itself, over ``client`` (the client is its rank 0)."""
+        return HostLink(self.comms, slot, self._sends, client)
 
     def next_message(self, status: MPI.Status) -> MPI.Message | None:
         return self.comms.ctrl.improbe(0, MPI.ANY_TAG, status)
@@ -183,11 +199,32 @@ class HostLink:
         wait_for(lambda: True if req.Test() else None)
 
     def send_read(self, data: np.ndarray) -> None:
-        self.comms.data.Send([data, MPI.BYTE], 0, Tag.READ_OK + self._o)
+        self._send_read(data, Tag.READ_OK)
 
     def send_read_fault(self, fault: Fault) -> None:
-        self.comms.data.Send([_EMPTY, MPI.BYTE], 0, Tag.READ_FAULT + self._o)
+        self._send_read(_EMPTY, Tag.READ_FAULT)
         self.comms.reply.send(fault, 0, Tag.FAULT + self._o)
+
+    def _send_read(self, data: np.ndarray, tag: Tag) -> None:
+        if not self.slot:
+            self._reads.Send([data, MPI.BYTE], 0, tag)
+            return
+        # a server's client may be gone (kill -9) and never take it: the wait ends when the
+        # server's DROP of it is queued behind, or after CLIENT_TAKES_S
+        req = self._reads.Isend([data, MPI.BYTE], 0, tag)
+        deadline = time.monotonic() + CLIENT_TAKES_S
+
+        def taken() -> bool | None:
+            if req.Test():
+                return True
+            dropped = self.comms.ctrl.iprobe(0, Tag.DROP + self._o)
+            if dropped or time.monotonic() > deadline:
+                req.Cancel()
+                req.Free()
+                raise ClientGone("the client was dropped" if dropped else
+                                 f"the client did not take a read within {CLIENT_TAKES_S:.0f} s")
+            return None
+        wait_for(taken)
 
     def reply(self, tag: int, obj: Any) -> None:
         self.comms.reply.send(obj, 0, tag + self._o)

@@ -1,6 +1,7 @@
-"""A client's end of a server (gtmpi/server): one intercommunicator for the instruction stream
-and replies, a second (its duplicate) for tensor bytes, both to the server's rank 0, which
-forwards them; the worker's rank rides in every tag (tags.py)."""
+"""A client's end of a server (gtmpi/server): one intercommunicator to the server's whole job,
+whose rank r is the job's rank r. The instruction stream, the replies and the uploads go to and
+from the server's rank 0, which forwards them (the worker's rank rides in every tag, tags.py);
+reads come from each worker straight to the client."""
 from __future__ import annotations
 
 import time
@@ -21,9 +22,10 @@ class ServerGone(RuntimeError):
 class ServerConnection:
     """The rounds of dispatcher.Rounds, the client's leaving, and news of the server's end."""
 
-    def __init__(self, inter: MPI.Intercomm, data: MPI.Intercomm, lines: Lines, path: str,
-                 slot: int) -> None:
-        self.comms = Comms(inter, inter, inter, data)
+    def __init__(self, inter: MPI.Intercomm, lines: Lines, path: str, slot: int) -> None:
+        # one communicator does for all: what the server sends comes from its rank 0, what a
+        # worker sends from the worker's rank
+        self.comms = Comms(inter, inter, inter, inter)
         self.lines = lines
         self.path = path
         self.slot = slot
@@ -32,10 +34,11 @@ class ServerConnection:
         self._goodbye: bool | None = None  # whether the server said goodbye, once asked
         self._ended: str | None = None
         self.dropped = False  # the server dropped this client (it sent what no worker could run)
+        self.uploads = 0  # sent to the server: a round goes on once those before it are there
         self._sends = Sends()
 
     def end(self) -> None:
-        self._sends.keep(self.comms.ctrl.isend(None, 0, Tag.ROUND))
+        self._sends.keep(self.comms.ctrl.isend(self.uploads, 0, Tag.ROUND))
         self.pending = False
 
     def check(self) -> None:
@@ -68,7 +71,6 @@ class ServerConnection:
         status = MPI.Status()
         if self.dropped:  # no goodbye comes: let go, which lets the server free its end
             self._goodbye = False
-            self.comms.data.Free()
             self.comms.ctrl.Free()
             self.lines.close()
             return False
@@ -86,15 +88,10 @@ class ServerConnection:
             return None
         self._goodbye = wait_for(goodbye)
         self._sends.drain()
-        for comm in (self.comms.ctrl, self.comms.data):  # replies nobody waits for (acks)
-            while (msg := comm.improbe(0, MPI.ANY_TAG)) is not None:
-                msg.recv()
-        if self._goodbye:
-            self.comms.data.Disconnect()
-            self.comms.ctrl.Disconnect()
-        else:
-            self.comms.data.Free()
-            self.comms.ctrl.Free()
+        while (msg := self.comms.ctrl.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG)) is not None:
+            msg.recv()  # replies nobody waits for (acks)
+        # freed, not disconnected: a disconnect is collective over the server's whole job
+        self.comms.ctrl.Free()
         self.lines.close()
         return self._goodbye
 
@@ -112,6 +109,7 @@ class RemoteLink(WorkerLink):
 
     def upload(self, data: Any) -> None:
         super().upload(data)
+        self.conn.uploads += 1
         self.conn.pending = True
 
     def finish_read(self, req: Any, watchdog: Any) -> Any:

@@ -16,6 +16,7 @@ class Tag(IntEnum):
     SHUTDOWN = 2
     CLOCK_PING = 3  # only while the worker runs a 'clock' control word
     DROP = 4        # server -> worker: forget a client's slot (its tensors, programs, groups)
+    ADMIT = 5       # server -> worker: join the server's Connect to a new client's port
     # reply communicator, worker -> rank 0: small pickled objects
     HELLO = 10
     ACK = 11      # payload: the sequence number of the last batch executed
@@ -28,12 +29,13 @@ class Tag(IntEnum):
     GRAPH = 18    # whether a program's CUDA graph was captured (None) or why not
     DROPPED = 19  # a worker has forgotten a client's slot
     # data communicator: raw tensor bytes, never pickled
-    UPLOAD = 20      # rank 0 -> worker
-    READ_OK = 21     # worker -> rank 0
-    READ_FAULT = 22  # worker -> rank 0, empty; the Fault follows on the reply communicator
+    UPLOAD = 20      # rank 0 -> worker (a server's client: through the server)
+    READ_OK = 21     # worker -> rank 0 (a server's client: straight to it, no slot in the tag)
+    READ_FAULT = 22  # as READ_OK, empty; the Fault follows on the reply communicator
     BROKEN = 23      # reply communicator, worker -> server: a client's batch was not gtmpi's
     # between a server and one client (their intercommunicator), client -> server
     ROUND = 24       # the messages sent since the last ROUND go to the workers together
+                     # (payload: how many uploads the client has sent, all told)
     LEAVE = 25       # the client is done: its tensors may go
     # server -> client
     WELCOME = 26     # the client's slot and the workers

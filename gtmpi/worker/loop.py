@@ -29,7 +29,8 @@ from .executor import Executor
 
 
 class Slots:
-    """The executors of one worker, by slot, made at a slot's first batch."""
+    """The executors of one worker, by slot: the session's (0), and one per client of a server,
+    made when the client is admitted."""
 
     def __init__(self, rank: int, device: torch.device, link: HostLink,
                  workers_comm: MPI.Intracomm) -> None:
@@ -37,17 +38,26 @@ class Slots:
         self.executors: dict[int, Executor] = {}
         self.seq: dict[int, int] = {}  # batches executed per slot (what its acks count)
         self.broken: set[int] = set()  # slots whose batches this worker could not run
-        self.get(0).executors = self.executors  # slot 0's monitor reports every slot
+        self.clients: dict[int, MPI.Intercomm] = {}  # a client's intercommunicator, by slot
+        self._add(0, link).executors = self.executors  # slot 0's monitor reports every slot
 
-    def get(self, slot: int) -> Executor:
-        ex = self.executors.get(slot)
-        if ex is None:
-            ex = self.executors[slot] = Executor(self.rank, self.device, self.link.for_slot(slot))
-            ex.plane = DataPlane(self.rank, self.device, self.workers_comm)
-            if slot:
-                ex.slot, ex.quota = slot, self.executors[0].client_quota
-            self.seq[slot] = 0
+    def _add(self, slot: int, link: HostLink) -> Executor:
+        ex = self.executors[slot] = Executor(self.rank, self.device, link)
+        ex.plane = DataPlane(self.rank, self.device, self.workers_comm)
+        if slot:
+            ex.slot, ex.quota = slot, self.executors[0].client_quota
+        self.seq[slot] = 0
         return ex
+
+    def admit(self, slot: int) -> None:
+        """A new client: with the server's rank 0 and every other worker, connect to it (a
+        collective Connect), so that this worker's reads go straight to the client."""
+        try:
+            client = self.link.comms.base.Connect(None, root=0)
+        except MPI.Exception:  # the server's Connect failed too: it never uses the slot
+            return
+        self.clients[slot] = client
+        self._add(slot, self.link.for_slot(slot, client))
 
     def run(self, slot: int, ex: Executor, batch: list) -> bool:
         """A client's batch. One this worker cannot run at all (not instructions as gtmpi's
@@ -80,6 +90,9 @@ class Slots:
         status, data = MPI.Status(), self.link.comms.data
         while (msg := data.improbe(0, Tag.UPLOAD + SLOT_STRIDE * slot, status)) is not None:
             msg.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+        client = self.clients.pop(slot, None)
+        if client is not None:  # freed, not disconnected: a disconnect waits for the client
+            client.Free()
         self.link.reply(Tag.DROPPED, slot)
 
 
@@ -90,7 +103,7 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
     rank = comms.base.Get_rank()
     link = HostLink(comms)
     slots = Slots(rank, device, link, workers_comm)
-    executor = slots.get(0)
+    executor = slots.executors[0]
     link.reply(Tag.HELLO, {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
                            "device": str(device), "local_index": local_index, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None})
@@ -112,8 +125,12 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
             msg.recv()
             slots.drop(slot)
             continue
-        ex = executor if not slot else slots.get(slot)
-        if slot in slots.broken:
+        if tag == Tag.ADMIT:
+            msg.recv()
+            slots.admit(slot)
+            continue
+        ex = slots.executors.get(slot)
+        if ex is None or slot in slots.broken:  # a client whose Connect failed, or broken
             msg.recv()
             continue
         seq = slots.seq[slot] = slots.seq[slot] + 1
