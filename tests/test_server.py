@@ -408,6 +408,26 @@ def test_the_monitor_shows_a_running_train_py_and_leaves_its_losses_alone(tmp_pa
     assert not os.path.exists(port)  # the run took its port file with it
 
 
+BAD_INDEX = """
+    import gtmpi as t
+    emb = t.nn.Embedding(10, 4)
+    try:
+        print(emb(t.tensor([1, 12, 3])).sum().item())
+    except t.WorkerError as e:
+        print("told:", e)
+"""
+
+
+def test_a_bad_index_fails_its_client_only(server, tmp_path):
+    # on GPU workers an index out of range would be a device-side assert, ending the worker
+    # for every client: the worker checks a client's indices on the device (worker/bounds.py)
+    other = server.client(tmp_path, "reads", READS, "4")
+    out = finish(server.client(tmp_path, "badindex", BAD_INDEX))
+    assert "told:" in out and "IndexError" in out, out
+    assert "reads 19200.0" in finish(other)
+    assert "reads 4800.0" in finish(server.client(tmp_path, "reads1", READS, "1"))
+
+
 def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(server, tmp_path):
     out = finish(server.client(tmp_path, "hostile", """
         import gtmpi as t

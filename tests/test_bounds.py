@@ -1,0 +1,121 @@
+"""The index guard of a server's GPU workers (worker/bounds.py), run here on the CPU: the
+indices each op row marks, checked and set in range without an error at the op, and the
+client's reads failing afterwards."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gtmpi
+from gtmpi.ops.table import OPS
+from gtmpi.worker.bounds import IndexGuard
+
+X = torch.arange(60.0).reshape(3, 4, 5)
+
+
+def _run(name: str, args: tuple, kw: dict | None = None):
+    """(the op's result with the guard, the result without it, whether the flag rose)."""
+    guard = IndexGuard(torch.device("cpu"))
+    plain = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    checked = guard.check(OPS[name], list(args), kw or {})
+    result = OPS[name].kernel(*checked, **(kw or {}))
+    try:
+        expected = OPS[name].kernel(*plain, **(kw or {}))
+    except (IndexError, RuntimeError):
+        expected = None
+    return result, expected, guard.raised()
+
+
+GOOD = [
+    ("gather", (X, 2, torch.tensor([[[4, 0]] * 4] * 3))),
+    ("scatter", (torch.zeros(3, 5), 1, torch.tensor([[4], [0], [2]]), torch.ones(3, 1))),
+    ("scatter_add", (torch.zeros(3, 5), 1, torch.tensor([[4], [4], [2]]), torch.ones(3, 1))),
+    ("index_select", (X, 1, torch.tensor([3, 0, 3]))),
+    ("one_hot", (torch.tensor([0, 2, 1]), 3)),
+    ("getitem", (X, torch.tensor([2, -3])), {"key": ("T",)}),
+    ("getitem", (X, torch.tensor([4, -5])), {"key": (Ellipsis, "T")}),
+    ("getitem", (X, torch.tensor([3])), {"key": (None, slice(None), "T")}),
+    ("getitem", (X, torch.ones(3, 4, dtype=torch.bool), torch.tensor([4])),
+     {"key": ("T", "T")}),
+]
+
+
+@pytest.mark.parametrize("case", GOOD, ids=lambda c: c[0])
+def test_indices_in_range_are_left_as_they_are(case):
+    name, args, kw = (*case, None) if len(case) == 2 else case
+    result, expected, raised = _run(name, args, kw)
+    assert not raised
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+BAD = [
+    ("gather", (X, 2, torch.tensor([[[5, 0]] * 4] * 3))),
+    ("scatter", (torch.zeros(3, 5), 1, torch.tensor([[5], [0], [2]]), torch.ones(3, 1))),
+    ("scatter_add", (torch.zeros(3, 5), 1, torch.tensor([[-1], [4], [2]]), torch.ones(3, 1))),
+    ("index_select", (X, 1, torch.tensor([3, 4]))),
+    ("one_hot", (torch.tensor([0, 3, 1]), 3)),
+    ("getitem", (X, torch.tensor([2, 3])), {"key": ("T",)}),
+    ("getitem", (X, torch.tensor([-6])), {"key": (Ellipsis, "T")}),
+    ("getitem", (X, torch.tensor([4])), {"key": (None, slice(None), "T")}),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=lambda c: c[0])
+def test_an_index_out_of_range_raises_the_flag_and_no_error(case):
+    name, args, kw = (*case, None) if len(case) == 2 else case
+    index = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int64][0]
+    result, expected, raised = _run(name, args, kw)
+    assert raised and expected is None  # torch itself refuses it
+    assert isinstance(result, torch.Tensor)
+    assert int(index.min()) >= -X.shape[0] and int(index.max()) < 5  # set in range, in place
+
+
+def test_fused_rows_embedding_and_cross_entropy():
+    weight = torch.randn(6, 3)
+    for ids, bad in ((torch.tensor([[0, 5], [2, 1]]), False), (torch.tensor([[0, 6]]), True)):
+        guard = IndexGuard(torch.device("cpu"))
+        args = guard.check(OPS["embedding"], [ids, weight, None], {})
+        out, _ = OPS["embedding"].kernel(*args)
+        assert guard.raised() == bad
+        if not bad:
+            torch.testing.assert_close(out, F.embedding(ids, weight))
+    logits = torch.randn(4, 6)
+    for target, bad in ((torch.tensor([0, 5, -100, 2]), False), (torch.tensor([0, 6, 1, 2]), True)):
+        guard = IndexGuard(torch.device("cpu"))
+        kept = target.clone()
+        args = guard.check(OPS["cross_entropy"], [logits, target, -100, "mean", 0.0], {})
+        loss, _ = OPS["cross_entropy"].kernel(*args)
+        assert guard.raised() == bad
+        if not bad:  # ignore_index is in range
+            torch.testing.assert_close(loss, F.cross_entropy(logits, kept))
+    soft = torch.softmax(torch.randn(4, 6), 1)  # probabilities, not indices: not checked
+    guard = IndexGuard(torch.device("cpu"))
+    assert guard.check(OPS["cross_entropy"], [logits, soft, -100, "mean", 0.0], {})[1] is soft
+
+
+def _local_executor():
+    from gtmpi.client.runtime import runtime
+    link = runtime().dispatcher.links[min(runtime().dispatcher.links)]
+    return getattr(link, "executor", None)
+
+
+def test_a_guarded_worker_fails_reads_after_a_bad_index_and_not_the_op():
+    ex = _local_executor()
+    if ex is None:
+        pytest.skip("the worker runs in another process")
+    emb = gtmpi.nn.Embedding(10, 4)
+    good = gtmpi.tensor([1, 9, 3])
+    expected = emb(good).detach().numpy()
+    ex.index_guard = IndexGuard(ex.device)
+    try:
+        assert (emb(good).detach().numpy() == expected).all()  # in range: as without the guard
+        loss = emb(gtmpi.tensor([1, 12, 3])).sum()
+        loss.backward()  # the gradient's scatter runs on the index set in range: no error
+        with pytest.raises(gtmpi.WorkerError, match="an index out of range in an op of this client"):
+            loss.item()
+        with pytest.raises(gtmpi.WorkerError, match="not reliable"):
+            emb(good).detach().numpy()  # the flag stays: the client's state since is not its own
+    finally:
+        ex.index_guard = None
+        emb.weight.grad = None
