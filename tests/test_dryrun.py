@@ -92,6 +92,32 @@ def test_a_dry_runs_peak_counts_what_kernels_make_and_free():
     assert ex.meta_peak == 2 * mib + targets + 8  # 1 died before 4 was made
 
 
+def test_a_dry_runs_peak_has_cublas_workspaces_and_a_captures_sends():
+    """Besides tensors: cuBLAS's workspace from the first matrix product on (one per stream:
+    a capture's stream adds one), and a send's snapshot, held while a capture runs."""
+    import torch
+    from gtmpi.transport.local import LocalLink
+    from gtmpi.worker import costmodel
+    from gtmpi.worker.metaplane import MetaExecutor
+    ex = MetaExecutor(1, LocalLink())
+    ws, mib = costmodel.GPUS["H100"].blas_workspace, 2 ** 20
+    ex.run([("zeros", 1, ((512, 512), torch.float32), 0, {})])  # 1 MiB
+    assert ex.meta_peak == mib
+    ex.run([("matmul", 2, (1, 1), 3, None), ("matmul", 3, (2, 2), 3, None)])
+    assert ex.meta_peak == 3 * mib + ws  # 1, 2, 3 and one workspace (not one per product)
+    alive = ex._made.alive
+    with ex._made:
+        ex.plane.send(ex.env[1], 2)  # done at once: its snapshot lives only while it is made
+        assert ex._made.alive == alive
+        ex.plane.holding = True
+        ex.plane.send(ex.env[1], 2)
+        ex.plane.send(ex.env[1], 2)
+        assert ex._made.alive == alive + 2 * mib  # a capture keeps them to its end
+        ex.plane.holding = False
+        ex.plane.settle_sends()
+        assert ex._made.alive == alive
+
+
 @serial
 def test_a_dry_run_skips_replays_it_has_seen_with_the_same_counts(tmp_path):
     """After a program's third replay a dry run makes only what the replay leaves and counts
@@ -155,7 +181,8 @@ def test_a_dry_runs_trace_lasts_what_the_cost_model_says(tmp_path):
     assert want > 10_000_000  # 2 * 4096**3 flops at 70% of 19.5 TFLOP/s: about 10 ms
     assert abs(took["matmul"] - want) < 1_000, (took, want)
     assert took["view"] == 0
-    assert t.ranks[1]["peak_bytes"] == 2 * 4096 * 4096 * 4 + 4  # a, the product, its sum
+    # a, the product, its sum, and cuBLAS's workspace from the product on
+    assert t.ranks[1]["peak_bytes"] == 2 * 4096 * 4096 * 4 + 4 + costmodel.GPUS["A100"].blas_workspace
     drawn = subprocess.run([sys.executable, "-m", "gtmpi.cli", "timeline", str(trace), "-o",
                             str(tmp_path / "t.png")], capture_output=True, text=True, timeout=60)
     assert drawn.returncode == 0 and (tmp_path / "t.png").stat().st_size > 0, drawn.stderr

@@ -14,9 +14,11 @@ At exit it prints, per worker: instructions, collectives and transfers by kind w
 and its peak of tensor memory against the GPU's size: the most bytes of tensors alive at once,
 counted as torch's ops make them and as their storages die (worker/metaplane.py), with the
 GPU's fused kernels standing in where torch's meta path would keep more (attention, the
-vocabulary-parallel cross-entropy). An estimate: the allocator's rounding and CUDA graphs'
-pools are not in it. Measured against GPT-2 small on H100s (benchmarks/RESULTS.md): DP=2
-−1.4%, TP=2 −3.8%, TP=2 x PP=2 −15%. A program's replays after its third are not run again:
+vocabulary-parallel cross-entropy), and with what the allocator holds besides: cuBLAS's
+workspace per stream that runs matrix products, and a CUDA graph's capture keeping every
+send's snapshot to its end (worker/metaplane.py). An estimate: the allocator's rounding is not
+in it. Measured against GPT-2 small on H100s (benchmarks/RESULTS.md): DP=2 −0.3%, TP=2
+−2.7%, TP=2 x PP=2 −5.9%. A program's replays after its third are not run again:
 the tensors they leave and the collectives they ran are those of the one before.
 GTMPI_TRACE records it as any run: `gtmpi-trace comms` lists what was inserted where, and the
 workers' instructions last what worker/costmodel.py estimates for the named GPU (arithmetic at
@@ -83,7 +85,8 @@ def report(executors: list[MetaExecutor], gpu: str) -> list[dict]:
 def _report(executors: list[MetaExecutor], gpu: str) -> None:
     rows = report(executors, gpu)
     print(f"gtmpi dry run on {len(rows)} simulated {gpu}(s) of {GPU_BYTES[gpu] / 2 ** 30:.0f} "
-          "GiB (peak: tensors alive at once, an estimate):", file=sys.stderr)
+          "GiB (peak: tensors alive at once, cuBLAS's workspaces, sends in flight; an "
+          "estimate):", file=sys.stderr)
     for r in rows:
         comms = ", ".join(f"{k} {n} ({b / 1e6:.1f} MB)" for k, (n, b) in sorted(r["collectives"].items()))
         print(f"  worker {r['rank']}: {r['instructions']} instructions; peak "

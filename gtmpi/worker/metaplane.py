@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..ops.table import OPS
+from ..ops.table import OPS, Kind
 from . import costmodel
 from .executor import Executor
 
@@ -27,7 +27,14 @@ class MetaExecutor(Executor):
     storages die (torch keeps one Python object per storage while anything holds it, tensors
     that autograd saved too), so a fused kernel's temporaries count, as the gradient of the
     logits inside a cross-entropy's backward does. Its clock (what a trace is stamped with)
-    advances by each instruction's modeled time on ``gpu`` (worker/costmodel.py)."""
+    advances by each instruction's modeled time on ``gpu`` (worker/costmodel.py).
+
+    What a GPU worker's allocator holds besides its tensors is modeled too: cuBLAS's workspace
+    on each stream that runs a matrix product (the worker's own from its first, and, once a
+    program is captured as a CUDA graph, the capture's stream's), and every send's snapshot
+    (worker/dataplane.py), held until the send is done, which in a program being captured is
+    the capture's end. A dry run's worker cannot capture: it runs that replay op by op, as a
+    worker whose capture failed does, with the capture's memory."""
 
     def __init__(self, rank: int, link: Any, gpu: costmodel.Gpu = costmodel.GPUS["H100"],
                  workers: int = 1) -> None:
@@ -37,6 +44,7 @@ class MetaExecutor(Executor):
         self._modeled = time.perf_counter_ns()
         self.now = lambda: self._modeled
         self._made = _Made()
+        self._workspaces: list[torch.Tensor] = []  # one per stream that ran a matrix product
         self._replays: dict[int, int] = {}  # program -> replays run
         # program -> what one replay did: (instructions, collectives by kind as (count,
         # bytes), (shape, stride, dtype) of each tensor that outlives it, modeled ns)
@@ -56,6 +64,8 @@ class MetaExecutor(Executor):
         # instructions, only make the tensors that outlive it and count what it ran (torch's
         # meta kernels cost tens of µs an op: a training loop's dry run would take minutes)
         key, renames = args[0], args[2]
+        if args[3] == "capture":  # a GPU captures it on a stream of its own
+            self._workspace(2)
         runs = self._replays[key] = self._replays.get(key, 0) + 1
         known = self._effects.get(key)
         if runs <= REPLAYS_METERED or known is None or self.trace is not None:
@@ -84,6 +94,23 @@ class MetaExecutor(Executor):
                                                         device="meta")
                 if self._made.active:
                     self._made.count(t)
+
+    def _commit(self, out, args: tuple) -> None:
+        # the capture refused here (meta has no graphs) is run op by op, holding every send's
+        # snapshot to its end as the capture does
+        self.plane.holding = True
+        try:
+            super()._commit(out, args)
+        finally:
+            self.plane.holding = False
+            self.plane.settle_sends()
+
+    def _workspace(self, streams: int) -> None:
+        """cuBLAS's workspaces of ``streams`` streams, made once each, held for good."""
+        while len(self._workspaces) < streams:
+            ws = torch.empty(self.gpu.blas_workspace, dtype=torch.uint8, device="meta")
+            self._made.count(ws)
+            self._workspaces.append(ws)
 
     def run(self, batch: list[tuple]) -> None:
         # a batch starts no earlier than it arrived: the modeled GPU waits for the host
@@ -116,6 +143,8 @@ class MetaExecutor(Executor):
             op = OPS.get(name)
             if op is None:
                 continue
+            if op.kind is Kind.MATMUL and not self._workspaces:
+                self._workspace(1)
             made = [t for o in ((out,) if type(out) is int else out or ())
                     for t in costmodel.tensors(env.get(o))]
             self._modeled += costmodel.instruction_ns(name, op.kind, inputs, made, self.gpu,
@@ -166,6 +195,8 @@ class MetaPlane:
         # what fused kernels pass to torch.distributed themselves (the vocabulary-parallel
         # cross-entropy's reductions skip meta tensors): no group exists
         self.groups: dict[int, None] = defaultdict(lambda: None)
+        self._sends: list[torch.Tensor] = []  # while holding: the snapshots of the sends
+        self.holding = False  # in a program a GPU captures: every send's until its end
 
     def init(self, backend: str) -> None:
         self.started = True
@@ -217,6 +248,12 @@ class MetaPlane:
         return fault
 
     def send(self, x: torch.Tensor, dst: int) -> tuple:
+        """As the data plane's: a snapshot travels, held until the send is done: at once here
+        (a GPU's sends finish within microseconds), but in a program being captured only at
+        the capture's end (``holding``)."""
+        x = x.clone(memory_format=torch.contiguous_format)
+        if self.holding:
+            self._sends.append(x)
         self._count("send", x)
         return ()
 
@@ -229,7 +266,7 @@ class MetaPlane:
         return {"sends_in_flight": 0, "send_bytes_held": 0}
 
     def settle_sends(self) -> None:
-        pass
+        self._sends.clear()
 
     def begin_capture(self) -> None:
         pass
