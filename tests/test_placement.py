@@ -449,6 +449,54 @@ def test_column_parallel_input_gradient_is_summed_inside_its_kernel(gen, tmp_pat
 
 
 @spread
+def test_row_parallel_result_is_summed_inside_its_kernel_in_pieces(gen, tmp_path):
+    """GTMPI_OVERLAP_CHUNKS=k: a row-parallel layer's partial sum is all-reduced by its own
+    kernel, k pieces of rows each summed as soon as it is multiplied (beside the next piece's
+    matmul, the seed's overlap): the numbers of summing it after, k all-reduces in its place,
+    bias included, and the trace says so at the kernel."""
+    from gtmpi.client.runtime import runtime
+    from gtmpi.recording import fileformat
+    w1, b1, w2, b2 = mlp_params(gen)
+    x_host = torch.randn(8, 4, generator=gen)
+    path = str(tmp_path / "pieces.h5")
+    placer = runtime().dispatcher.placer
+
+    def run(chunks: int):
+        placer.chunks = chunks
+        try:
+            x, p = megatron_mlp(True, x_host, (w1, b1, w2, b2))
+            before = collectives()
+            if chunks:
+                gtmpi.trace.start(path)
+            y = F.linear(F.gelu(F.linear(x, p[0], p[1])), p[2], p[3])
+            loss = (y * y).mean()
+            fwd = ran_since(before)
+            loss.backward()
+            out = (y.detach().numpy(), x.grad.numpy(), fwd, p)
+            if chunks:
+                gtmpi.trace.stop()
+            return out
+        finally:
+            placer.chunks = 0
+
+    want = run(0)
+    y, x_grad, fwd, p = run(3)
+    assert want[2] == {"all_reduce": 2} and fwd == {"all_reduce": 6}, (want[2], fwd)
+    np.testing.assert_allclose(y, want[0], rtol=1e-6, atol=1e-7)  # addmm's rounding, by pieces
+    np.testing.assert_allclose(x_grad, want[1], rtol=1e-5, atol=1e-6)
+    for got, ref in zip(p, want[3]):
+        np.testing.assert_allclose(got.grad.numpy(), ref.grad.numpy(), rtol=1e-5, atol=1e-6)
+    trace = fileformat.read(path)
+    for rank in WORKERS[:2]:
+        events = trace.events[rank]
+        names = [trace.name(int(n)) for n in events["name"]]
+        assert "all_reduce" not in names  # no collective of its own: the kernel ran them
+        pieces = [e for e, n in zip(events, names) if n == "linear" and e["bytes"]]
+        assert len(pieces) == 1 and pieces[0]["bytes"] == y.nbytes
+        assert trace.name(int(pieces[0]["detail"])).endswith(", in 3 pieces")
+
+
+@spread
 def test_pipeline_stages_send_activations_and_gradients(gen):
     w1, b1, w2, b2 = mlp_params(gen)
     x_host = torch.randn(8, 4, generator=gen)

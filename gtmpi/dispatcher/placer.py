@@ -61,6 +61,10 @@ class Placer:
         # sum a column-parallel layer's input gradient inside its kernel, beside the weight's
         # gradient (GTMPI_OVERLAP=0: at its first use, after the kernel)
         self.overlap = True
+        # sum a row-parallel layer's result inside its kernel, in this many pieces of rows,
+        # each piece's all-reduce beside the next one's matmul (GTMPI_OVERLAP_CHUNKS; 0: at its
+        # first use, after the kernel, as a sequence-parallel layout wants it)
+        self.chunks = 0
         self.site: Callable[[], str] = lambda: "?"  # the program's file:line now (the client's)
         self._asked = 0  # > 0 while a signal or a read asks for the conversions made
         # while an op's plan says its conversions are the layout's own (Plan.intended): strict
@@ -143,11 +147,12 @@ class Placer:
             forward = self.forward.get(args[0]) or \
                 Plan((self.home,) * (max(kw["grads"]) + 1), self.home)  # made before placing
         # a training loop places the same ops alike every step: decisions are cached by the op,
-        # its operands' shapes, dtypes and placements, its constants, the signal in force and
-        # the forward plan
+        # its operands' shapes, dtypes and placements, its constants, the signal in force, the
+        # forward plan and the overlap settings
         try:
             key = (key or signature_key(name, tuple(sigs), tmask, kw), tuple(kinds),
-                   self.signals[-1][0] if self.signals else None, forward)
+                   self.signals[-1][0] if self.signals else None, forward, self.overlap,
+                   self.chunks)
             d = self._plans.get(key)
         except TypeError:  # an unhashable constant
             key, d = None, None
@@ -186,7 +191,8 @@ class Placer:
         if local and "partial" in local[0]:  # the kernel runs a collective of its own
             self._touched.update(mesh)
             for rank in mesh:  # counted per member, as _emit counts a collective
-                self._inserted(rank, "all_reduce", out[0], *local[0]["partial"])
+                self._inserted(rank, "all_reduce", out if type(out) is int else out[0],
+                               *local[0]["partial"])
         if op.kind in (OpKind.SHAPE, OpKind.INDEX) or name == "to":
             self.viewed.update(w for i, w in enumerate(wire) if tmask >> i & 1)
         for i in changed:
@@ -230,6 +236,11 @@ class Placer:
             starts = p.wants[p.vocab].starts(tuple(sigs[p.vocab][0]))
             group = self._group(mesh)
             local = [{"offset": start, "group": group} for start in starts]
+        elif name == "linear" and self.chunks and len(mesh) > 1 and p.out.kind == "P":
+            partial = (tuple(outs[0][0]), outs[0][1])
+            local = [{"group": self._group(mesh), "partial": partial,
+                      "chunks": self.chunks}] * len(mesh)
+            p = p._replace(out=p.out.whole)
         elif name == "linear_grad" and self.overlap and kw.get("sole") and len(mesh) > 1 \
                 and kinds[1] is not None and kinds[1].kind == "R":
             # (an input that lies split, sequence parallelism's, wants its gradient in pieces:

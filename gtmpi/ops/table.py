@@ -550,6 +550,32 @@ _FUSED_INDICES = {
 }
 
 
+def row_pieces(rows: int, chunks: int) -> list[slice]:
+    """The rows of a partial sum in ``chunks`` pieces, each summed by an all-reduce of its own
+    (the kernel's and a stand-in's pieces must be the same)."""
+    step = -(-rows // max(chunks, 1)) or 1
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _linear(x, w, b=None, group=None, partial=None, chunks=1, plane=None):
+    """torch's linear. With ``group``, a row-parallel layer's partial sum that the dispatcher
+    wants whole, summed by the kernel as it goes (the seed's overlap): its rows are multiplied
+    in ``chunks`` pieces, and each piece's all-reduce starts as soon as it is computed, running
+    beside the next piece's matmul; the worker waits for them where the result is first read.
+    ``partial``: the result's (shape, dtype), for a member that must take part without it."""
+    if group is None:
+        return F.linear(x, w, b)
+    y = x.new_empty(*x.shape[:-1], w.shape[0])
+    rows, flat = x.reshape(-1, x.shape[-1]), y.view(-1, w.shape[0])
+    for piece in row_pieces(rows.shape[0], chunks):
+        if b is None:
+            torch.mm(rows[piece], w.t(), out=flat[piece])
+        else:
+            torch.addmm(b, rows[piece], w.t(), out=flat[piece])
+        plane.all_reduce_async(flat[piece], group)
+    return y
+
+
 def _linear_grad(g, x, w, b, grads, sole=False, group=None, partial=None, plane=None):
     """The gradients of linear(x, w, b) wanted (``grads``: operand positions), each one matmul
     or sum, as torch's linear backward computes them. With ``group``, the input's gradient is
@@ -632,7 +658,7 @@ _ops = [
     Op("silu_grad", Kind.ELEMENTWISE, torch.ops.aten.silu_backward),
     Op("to", Kind.ELEMENTWISE, lambda x, dtype: x.to(dtype)),
     Op("matmul", Kind.MATMUL, operator.matmul),
-    Op("linear", Kind.MATMUL, F.linear),
+    Op("linear", Kind.MATMUL, _linear),
     Op("linear_grad", Kind.MATMUL, _linear_grad),
     *(Op(name, Kind.FUSED, _KERNELS.get(name) or _recorded(fn), meta=_recorded_meta(fn),
          indices=_FUSED_INDICES.get(name))

@@ -37,7 +37,7 @@ class DataPlane:
         self.backend = ""
         self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()  # (isend's work, its snapshot)
-        self._work = None  # see take_work
+        self._works: list[Any] = []  # see take_work
         self._captured_sends: list | None = None  # while a CUDA graph is captured
         # transfers to a higher rank go through a group of their own: NCCL runs one
         # communicator's operations in order on one stream, so with both directions on one, a
@@ -110,7 +110,7 @@ class DataPlane:
     def all_reduce_async(self, x: torch.Tensor, group: int) -> None:
         """P -> R in x itself, not waited for: take_work() gives what to wait on before x is
         read (a kernel's own reduction, overlapping what the kernel computes next)."""
-        self._work = dist.all_reduce(x, group=self.groups[group], async_op=True)
+        self._works.append(dist.all_reduce(x, group=self.groups[group], async_op=True))
         self._count("all_reduce", x)
 
     def reduce_bucket(self, xs: tuple[torch.Tensor, ...], group: int) -> tuple[torch.Tensor, ...]:
@@ -118,14 +118,15 @@ class DataPlane:
         back as views of one flat buffer, and take_work() gives what to wait on before any of
         them is read."""
         flat = torch.cat([x.reshape(-1) for x in xs])
-        self._work = dist.all_reduce(flat, group=self.groups[group], async_op=True)
+        self._works.append(dist.all_reduce(flat, group=self.groups[group], async_op=True))
         self._count("all_reduce", flat)
         return tuple(v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs))
 
     def take_work(self) -> Any:
-        """The unfinished collective the last kernel started, if it started one."""
-        work, self._work = self._work, None
-        return work
+        """The unfinished collectives the last kernel started, to wait on as one (None if it
+        started none)."""
+        works, self._works = self._works, []
+        return None if not works else works[0] if len(works) == 1 else _Works(works)
 
     def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
         """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded."""
@@ -244,6 +245,17 @@ class DataPlane:
                 dist.destroy_process_group(group)
         self.groups.clear()
         self._upward = None
+
+
+class _Works:
+    """Several collectives one kernel started (its pieces' all-reduces): waited for together."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import Fault
 from ..transport.buffers import as_bytes
-from ..ops.table import OPS, Graph, Kind, derive_seed
+from ..ops.table import OPS, Graph, Kind, derive_seed, row_pieces
 from ..recording import events
 from ..recording.recorder import Recorder
 from ..transport.tags import Tag
@@ -196,13 +196,16 @@ class Executor:
                 if kw is not None and "plane" in kw:  # a collective, or a kernel that ran one
                     work = self.plane.take_work()
                     if work is not None:
-                        waits.update((o, (work, out)) for o in out)
+                        ids = (out,) if type(out) is int else out
+                        waits.update((o, (work, ids)) for o in ids)
                     if rec is not None and op.kind is Kind.COMM:
                         self._note_comm(name, args, kw, res)
                     elif rec is not None and "partial" in kw:
                         shape, dtype = kw["partial"]
+                        pieces = kw.get("chunks", 1)
                         rec.annotate(nbytes=math.prod(shape) * dtype.itemsize,
-                                     detail=f"all_reduce in group {kw['group']} beside the kernel")
+                                     detail=f"all_reduce in group {kw['group']} beside the kernel"
+                                     + (f", in {pieces} pieces" if pieces > 1 else ""))
         finally:
             stats["ops"] += counted
         if marks is not None:
@@ -221,10 +224,11 @@ class Executor:
     def _stand_in(self, op, kw: dict) -> None:
         """An operand of a collective failed here: take part with zeros all the same (the
         other members would wait forever), keeping the result poisoned."""
-        if op.kind is not Kind.COMM:  # a kernel's own all-reduce of a partial sum
+        if op.kind is not Kind.COMM:  # a kernel's own all-reduces of a partial sum's pieces
             shape, dtype = kw["partial"]
-            self.plane.all_reduce_async(torch.zeros(shape, dtype=dtype, device=self.device),
-                                        kw["group"])
+            zeros = torch.zeros(shape, dtype=dtype, device=self.device).view(-1, shape[-1])
+            for piece in row_pieces(zeros.shape[0], kw.get("chunks", 1)):
+                self.plane.all_reduce_async(zeros[piece], kw["group"])
         else:
             shapes = kw.get("shapes") or (kw["shape"],)  # this member's pieces
             zeros = [torch.zeros(list(s), dtype=kw["dtype"], device=self.device) for s in shapes]
