@@ -208,13 +208,22 @@ class Server:
             lines.send({"refused": "no MPI port"})
             lines.close()
             return
+        # every worker must get to the Connect: what it still needs of this process (batches,
+        # uploads) is sent first. Only then is the client told to accept, and the Connect
+        # follows at once: a client that dies while the job connects to it is fatal to MPI
+        # here (measured: MPICH over UCX ends the connecting process with a segfault), so the
+        # time it waits in Accept is kept to the Connect itself
+        self._out.drain()
+        lines.poll()
+        if lines.closed:
+            print(f"gtmpi.server: a client (pid {hello.get('pid')}) left before it was "
+                  "connected", file=sys.stderr, flush=True)
+            lines.close()
+            return
         lines.send({"connecting": True, "slot": slot})
         for rank in self.ranks:
             self._to_worker(rank, self.comms.ctrl, Tag.ADMIT + SLOT_STRIDE * slot,
                             MPI.pickle.dumps(None))
-        # every worker must get to the Connect: what it still needs of this process (batches,
-        # uploads) is sent first
-        self._out.drain()
         try:
             inter = self.comms.base.Connect(port, root=0)
         except MPI.Exception as e:
@@ -247,7 +256,9 @@ class Server:
             moved = True
             rank, tag = divmod(status.Get_tag(), SLOT_STRIDE)
             buf = self._take(msg, status.Get_count(MPI.BYTE))
-            if buf is None or (rank and rank not in self.ranks):
+            # what goes on to a worker names one; the rest is for the server alone
+            for_worker = tag in (Tag.BATCH, Tag.UPLOAD, Tag.CLOCK_PING)
+            if buf is None or (rank not in self.ranks if for_worker else rank != 0):
                 self._drop(c, killed=True)
                 return True
             c.counts["bytes_in"] += len(buf)
