@@ -55,32 +55,30 @@ class Op:
     # Result (shape, dtype)s straight from the operands' (no meta tensors): for ops of many
     # operands, such as the multi-tensor optimizer steps, whose result is their first operand.
     sigs: Callable[[tuple], tuple] | None = None
-    # The operands its GPU kernel checks with a device-side assert (indices in range, a
-    # multinomial's probabilities), from (operands, keywords): such an assert ends the worker's
-    # CUDA context, so a server's worker checks them first, on the device (worker/bounds.py).
-    checks: Callable[[tuple, dict], list["Checked"]] | None = None
+    # The operands that index another's dims, from (operands, keywords): on a GPU an index out
+    # of range is a device-side assert that ends the worker's CUDA context, so a server's worker
+    # checks them first (worker/bounds.py).
+    indices: Callable[[tuple, dict], list["IndexArg"]] | None = None
 
 
-class Checked(NamedTuple):
+class IndexArg(NamedTuple):
     """Operand ``pos`` holds indices into a dim of size ``size``: each one must be in
-    [0, size), or [-size, size) with ``negative``, or equal ``also`` (an ignore_index); or,
-    with ``probabilities``, rows of weights to sample from: finite, not negative, not all 0."""
+    [0, size), or [-size, size) with ``negative``, or equal ``also`` (an ignore_index)."""
     pos: int
-    size: int = 0
+    size: int
     also: int | None = None
     negative: bool = False
-    probabilities: bool = False
 
 
-def _along(pos: int) -> Callable[[tuple, dict], list[Checked]]:
+def _along(pos: int) -> Callable[[tuple, dict], list[IndexArg]]:
     """gather, scatter, index_select: operand ``pos`` indexes operand 0 along operand 1 (dim)."""
-    return lambda a, kw: [Checked(pos, a[0].shape[a[1]])]
+    return lambda a, kw: [IndexArg(pos, a[0].shape[a[1]])]
 
 
-def _keyed(first: int, shape: Callable[[tuple, dict], tuple]) -> Callable[[tuple, dict], list[Checked]]:
+def _keyed(first: int, shape: Callable[[tuple, dict], tuple]) -> Callable[[tuple, dict], list[IndexArg]]:
     """getitem and friends: the key's tensors are the operands from ``first`` on, indexing a
     tensor of ``shape``; an integer tensor indexes the dim its place in the key names."""
-    def indices(a: tuple, kw: dict) -> list[Checked]:
+    def indices(a: tuple, kw: dict) -> list[IndexArg]:
         tensors = iter(a[first:])
         items = [next(tensors) if item == "T" else item for item in kw["key"]]
         dims = shape(a, kw)
@@ -97,20 +95,20 @@ def _keyed(first: int, shape: Callable[[tuple, dict], tuple]) -> Callable[[tuple
                 continue
             if isinstance(item, torch.Tensor):
                 if item.dtype != torch.bool and not item.is_floating_point():
-                    found.append(Checked(k, dims[dim], negative=True))
+                    found.append(IndexArg(k, dims[dim], negative=True))
                 k += 1
             dim += width(item)
         return found
     return indices
 
 
-def _class_targets(a: tuple, kw: dict) -> list[Checked]:
+def _class_targets(a: tuple, kw: dict) -> list[IndexArg]:
     """cross_entropy's targets: class indices (not probabilities), unless the classes are split
     over a group (its kernel keeps each member's inside its piece)."""
     x, target = a[0], a[1]
     if kw.get("offset") is not None or target.is_floating_point():
         return []
-    return [Checked(1, x.shape[1] if x.ndim > 1 else x.shape[0], also=a[2])]
+    return [IndexArg(1, x.shape[1] if x.ndim > 1 else x.shape[0], also=a[2])]
 
 
 SEED_MIX = 0x9E3779B97F4A7C15
@@ -545,9 +543,9 @@ FUSED_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "cross_entropy": _cross_entropy,
 }
 _KERNELS = {"cross_entropy": _cross_entropy_recorded}
-_FUSED_CHECKS = {
+_FUSED_INDICES = {
     # the vocabulary-parallel embedding keeps each member's indices inside its rows itself
-    "embedding": lambda a, kw: [] if kw.get("offset") is not None else [Checked(0, a[1].shape[0])],
+    "embedding": lambda a, kw: [] if kw.get("offset") is not None else [IndexArg(0, a[1].shape[0])],
     "cross_entropy": _class_targets,
 }
 
@@ -663,7 +661,7 @@ _ops = [
     Op("linear", Kind.MATMUL, _linear),
     Op("linear_grad", Kind.MATMUL, _linear_grad),
     *(Op(name, Kind.FUSED, _KERNELS.get(name) or _recorded(fn), meta=_recorded_meta(fn),
-         checks=_FUSED_CHECKS.get(name))
+         indices=_FUSED_INDICES.get(name))
       for name, fn in FUSED_FNS.items()),
     *(Op(f"{name}_grad", Kind.FUSED, _graph_backward, meta=_graph_backward_meta)
       for name in FUSED_FNS),
@@ -697,10 +695,10 @@ _ops = [
        tuple(torch.topk(x, k, dim, largest, sorted))),
     Op("sort", Kind.GENERAL, lambda x, dim, descending, stable:
        tuple(torch.sort(x, dim=dim, descending=descending, stable=stable))),
-    Op("gather", Kind.GENERAL, torch.gather, checks=_along(2)),
-    Op("scatter", Kind.GENERAL, torch.scatter, checks=_along(2)),
-    Op("scatter_add", Kind.GENERAL, torch.scatter_add, checks=_along(2)),
-    Op("index_select", Kind.GENERAL, torch.index_select, checks=_along(2)),
+    Op("gather", Kind.GENERAL, torch.gather, indices=_along(2)),
+    Op("scatter", Kind.GENERAL, torch.scatter, indices=_along(2)),
+    Op("scatter_add", Kind.GENERAL, torch.scatter_add, indices=_along(2)),
+    Op("index_select", Kind.GENERAL, torch.index_select, indices=_along(2)),
     Op("tril", Kind.GENERAL, torch.tril),
     Op("triu", Kind.GENERAL, torch.triu),
     Op("repeat", Kind.GENERAL, lambda x, sizes: x.repeat(sizes)),
@@ -708,13 +706,12 @@ _ops = [
     Op("roll", Kind.GENERAL, torch.roll),
     Op("pad", Kind.GENERAL, lambda x, pad, mode, value: F.pad(x, pad, mode, value)),
     Op("one_hot", Kind.GENERAL, F.one_hot,
-       checks=lambda a, kw: [Checked(0, a[1])] if len(a) > 1 and a[1] >= 0 else []),
+       indices=lambda a, kw: [IndexArg(0, a[1])] if len(a) > 1 and a[1] >= 0 else []),
     Op("einsum", Kind.GENERAL, lambda *xs, equation: torch.einsum(equation, *xs)),
     Op("batch_norm", Kind.GENERAL, _batch_norm),
     Op("conv1d", Kind.GENERAL, F.conv1d),
     Op("conv2d", Kind.GENERAL, F.conv2d),
-    Op("multinomial", Kind.GENERAL, _multinomial, meta=_multinomial_meta,
-       checks=lambda a, kw: [Checked(0, probabilities=True)]),
+    Op("multinomial", Kind.GENERAL, _multinomial, meta=_multinomial_meta),
     Op("vjp", Kind.GENERAL, _vjp, meta=_vjp_meta),
     # shape
     Op("reshape", Kind.SHAPE, torch.reshape),
@@ -738,12 +735,12 @@ _ops = [
     Op("piece", Kind.SHAPE, lambda x, dim, start, length:
        x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)),
     # indexing
-    Op("getitem", Kind.INDEX, _getitem, checks=_keyed(1, lambda a, kw: a[0].shape)),
+    Op("getitem", Kind.INDEX, _getitem, indices=_keyed(1, lambda a, kw: a[0].shape)),
     Op("getitem_grad", Kind.INDEX, _getitem_grad,
        meta=lambda g, *tensors, key, shape: torch.empty(shape, dtype=g.dtype, device=g.device),
-       checks=_keyed(1, lambda a, kw: kw["shape"])),
+       indices=_keyed(1, lambda a, kw: kw["shape"])),
     # in place: the result is the first operand, mutated (views on a worker alias as in torch)
-    Op("setitem", Kind.INPLACE, _setitem, checks=_keyed(2, lambda a, kw: a[0].shape)),
+    Op("setitem", Kind.INPLACE, _setitem, indices=_keyed(2, lambda a, kw: a[0].shape)),
     Op("iadd", Kind.INPLACE, operator.iadd, scalar_by_type=True),
     Op("isub", Kind.INPLACE, operator.isub, scalar_by_type=True),
     Op("imul", Kind.INPLACE, operator.imul, scalar_by_type=True),

@@ -1,16 +1,14 @@
-"""What a GPU kernel would assert on, checked on the GPU without waiting for it, for a server's
-clients.
+"""Indices checked on the GPU, without waiting for it, for a server's clients.
 
 On a GPU, an index out of range (a token id past the embedding's rows, a bad class in a
-cross-entropy, a gather past a dim's end) or a multinomial's rows that are negative, not finite
-or all zero is a device-side assert: the worker's CUDA context is lost, and with it every
-client of a server that uses the worker. So a worker serving a server's client checks every
-operand the op table marks (``Op.checks``) on the device first: a bad index is set to one in
-range, in its own tensor (so that every later use, gradients included, is in range too); bad
-probabilities are replaced by even ones for the op; and the worker's flag for that client is
-raised. The next read or sync of that client sees the flag (a read waits for the device anyway)
-and fails; the flag stays raised, because what the client computed since is not what it asked
-for. Its other tensors, and every other client's, are untouched.
+cross-entropy, a gather past a dim's end) is a device-side assert: the worker's CUDA context
+is lost, and with it every client of a server that uses the worker. So a worker serving a
+server's client checks every operand the op table marks as indices (``Op.indices``) on the
+device: a bad one is set to an index in range, in its own tensor (so that every later use,
+gradients included, is in range too), and the worker's flag for that client is raised. The
+next read or sync of that client sees the flag (a read waits for the device anyway) and fails
+with an IndexError; the flag stays raised, because what the client computed since is not what
+it asked for. Its other tensors, and every other client's, are untouched.
 """
 from __future__ import annotations
 
@@ -18,16 +16,15 @@ from typing import Any
 
 import torch
 
-from ..ops.table import Checked, Op
+from ..ops.table import IndexArg, Op
 
 MESSAGE = ("IndexError: an index out of range in an op of this client (an embedding's id, a "
-           "cross-entropy's class, a gather's, scatter's or index's position), or a "
-           "multinomial's probabilities negative, not finite or all zero: on a GPU it would "
-           "have ended the worker for every client of the server, so it was set right and what "
-           "this client computed since is not reliable; start it again")
+           "cross-entropy's class, a gather's, scatter's or index's position): on a GPU it "
+           "would have ended the worker for every client of the server, so it was set in range "
+           "and what this client computed since is not reliable; start it again")
 
 
-class Guard:
+class IndexGuard:
     """One client's flag on one worker's device, and the checks that raise it."""
 
     def __init__(self, device: torch.device) -> None:
@@ -35,20 +32,19 @@ class Guard:
         # CUDA graph captured with the checks in it raises this same flag when launched
 
     def check(self, op: Op, args: tuple | list, kw: dict[str, Any]) -> tuple | list:
-        """``args`` with every operand ``op`` marks made safe (in place where it can be, else
-        replaced); the flag raised if any was not."""
-        specs = op.checks(args, kw)
+        """``args`` with every index operand of ``op`` in range (changed in place where it can
+        be, else replaced); the flag raised if any was not."""
+        specs = op.indices(args, kw)
         if not specs:
             return args
         args = list(args)
         for spec in specs:
-            value = args[spec.pos]
-            if isinstance(value, torch.Tensor) and value.numel():
-                args[spec.pos] = self._weights(value) if spec.probabilities else \
-                    self._in_range(value, spec)
+            idx = args[spec.pos]
+            if isinstance(idx, torch.Tensor) and idx.numel():
+                args[spec.pos] = self._in_range(idx, spec)
         return args
 
-    def _in_range(self, idx: torch.Tensor, spec: Checked) -> torch.Tensor:
+    def _in_range(self, idx: torch.Tensor, spec: IndexArg) -> torch.Tensor:
         if spec.size == 0:  # nothing is in range: known on the host, an ordinary op error
             raise IndexError(f"index into a dimension of size 0 (operand {spec.pos})")
         ok = (idx >= (-spec.size if spec.negative else 0)) & (idx < spec.size)
@@ -61,11 +57,6 @@ class Guard:
             return idx
         except RuntimeError:  # an expanded view cannot be written: this use alone is safe
             return safe
-
-    def _weights(self, p: torch.Tensor) -> torch.Tensor:
-        rows = (torch.isfinite(p) & (p >= 0)).all(-1) & (p.sum(-1) > 0)
-        self.bad |= ~rows.all()
-        return torch.where(rows.unsqueeze(-1), p, torch.ones_like(p))
 
     def raised(self) -> bool:
         return bool(self.bad)

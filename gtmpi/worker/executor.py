@@ -33,7 +33,7 @@ from ..recording import events
 from ..recording.recorder import Recorder
 from ..transport.tags import Tag
 from . import bounds, graphs
-from .bounds import Guard
+from .bounds import IndexGuard
 from .profiler import KernelProfiler
 from ..ops import settings
 
@@ -87,9 +87,8 @@ class Executor:
         self.client_quota: int | None = None  # under a server: bytes each client may hold
         self.quota: int | None = None  # this executor's, if it is a client's under a quota
         self.slot = 0  # a server's client's slot (worker/loop.py), 0 for an ordinary session
-        # a server's client on a GPU: what its kernels would assert on, checked on the device
-        # first (worker/bounds.py)
-        self.guard: Guard | None = None
+        # a server's client on a GPU: its ops' indices checked on the device (worker/bounds.py)
+        self.index_guard: IndexGuard | None = None
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         # what traces are stamped with: a dry run's worker keeps a modeled clock instead
         self.now: Callable[[], int] = time.perf_counter_ns
@@ -134,7 +133,7 @@ class Executor:
         gpu_every = self._gpu_every if rec is not None else 0
         countdown = self._gpu_countdown
         stats, waits, ready, injects = self.stats, self.waits, self.ready, self._inject
-        guard = self.guard
+        guard = self.index_guard
         now = self.now
         counted = 0  # ops run since stats["ops"] was brought up to date
         try:
@@ -170,7 +169,7 @@ class Executor:
                         kw = {**kw, **inject} if kw else inject
                     elif kw is not None and "group" in kw:  # a vocabulary-parallel fused kernel
                         kw = {**kw, "plane": self.plane}
-                    if guard is not None and op.checks is not None:
+                    if guard is not None and op.indices is not None:
                         args = guard.check(op, args, kw or {})
                     start = None
                     if gpu_every:
@@ -321,7 +320,7 @@ class Executor:
         (tid,) = args
         if self.waits:
             self._settle(args, 1)
-        fault = self.poison.get(tid) or self._guard_fault(tid)
+        fault = self.poison.get(tid) or self._index_fault(tid)
         skipped = self.take_skipped(fault)
         if fault is not None or skipped is not None:
             self.link.send_read_fault(fault or skipped)
@@ -624,12 +623,12 @@ class Executor:
             self.plane.settle_sends()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        fault = self._guard_fault(-1)
+        fault = self._index_fault(-1)
         self.link.reply(Tag.SYNC, fault if fault is not None else self.take_skipped())
 
-    def _guard_fault(self, tid: int) -> Fault | None:
-        """The fault of every read and sync once an operand of this client failed a check."""
-        if self.guard is None or not self.guard.raised():
+    def _index_fault(self, tid: int) -> Fault | None:
+        """The fault of every read and sync once an index of this client was out of range."""
+        if self.index_guard is None or not self.index_guard.raised():
             return None
         return Fault(tid, "index", self.rank, bounds.MESSAGE)
 

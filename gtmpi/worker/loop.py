@@ -24,7 +24,7 @@ from ..transport.mpi import Comms, HostLink
 from ..transport.ending import alive
 from ..transport.poll import wait_for
 from ..transport.tags import ACK_EVERY, SLOT_STRIDE, Tag
-from .bounds import Guard
+from .bounds import IndexGuard
 from .dataplane import DataPlane
 from .executor import Executor
 
@@ -48,7 +48,7 @@ class Slots:
         if slot:
             ex.slot, ex.quota = slot, self.executors[0].client_quota
             if self.device.type == "cuda":  # one client's bad index must not end the worker
-                ex.guard = Guard(self.device)
+                ex.index_guard = IndexGuard(self.device)
         self.seq[slot] = 0
         return ex
 
