@@ -90,3 +90,14 @@ def test_the_session_and_its_embedded_start_import_one_way():
     embedded = {t for t, _ in _imports(PACKAGE / "client" / "embedded.py")}
     assert "gtmpi.client.runtime" in embedded
     assert not any(t.startswith("gtmpi.client.embedded") for t in runtime), runtime
+
+
+def test_autograd_sits_over_the_client_and_not_beside_it():
+    """autograd imports the client (its tensors, creation, runtime); the client reaches
+    autograd only through what autograd registers (client/gradmode.py), never by import."""
+    engine = {t for t, _ in _imports(PACKAGE / "autograd" / "engine.py")}
+    assert "gtmpi.client.tensor" in engine and "gtmpi.client.gradmode" in engine
+    wrong = [f"{path.name}:{line} imports {target}"
+             for path in sorted((PACKAGE / "client").glob("*.py"))
+             for target, line in _imports(path) if target.startswith("gtmpi.autograd")]
+    assert not wrong, wrong

@@ -9,55 +9,16 @@ from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import ContextDecorator, nullcontext
+from contextlib import nullcontext
 from typing import Any, Iterable, Sequence
 
-import torch
+from ..client.creation import ones_like, tensor, zeros_like
+from ..client.gradmode import Autograd, no_grad, set_autograd
+from ..client.runtime import current, runtime
+from ..client.tensor import Tensor, apply
+from ..ops import OPS, Kind
 
-_state = threading.local()
-
-
-def is_grad_enabled() -> bool:
-    """Ours and torch's: a program's ``with torch.no_grad():`` records nothing either."""
-    return getattr(_state, "enabled", True) and torch.is_grad_enabled()
-
-
-class _GradMode(ContextDecorator):
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-
-    def __enter__(self) -> None:
-        self.prev = getattr(_state, "enabled", True)
-        _state.enabled = self.enabled
-
-    def __exit__(self, *exc: Any) -> None:
-        _state.enabled = self.prev
-
-
-def no_grad() -> _GradMode:
-    """Context manager and decorator: ops inside record nothing (optimizer steps, evaluation)."""
-    return _GradMode(False)
-
-
-def enable_grad() -> _GradMode:
-    return _GradMode(True)
-
-
-def inference_mode(mode: bool = True) -> _GradMode:
-    return _GradMode(not mode)
-
-
-class set_grad_enabled(_GradMode):
-    """As torch's: called, it sets the mode at once; as a context manager it also restores the
-    mode before it on exit."""
-
-    def __init__(self, mode: bool):
-        super().__init__(bool(mode))
-        self.prev = getattr(_state, "enabled", True)
-        _state.enabled = self.enabled
-
-    def __enter__(self) -> None:
-        pass
+_state = threading.local()  # the graph recorded last in this thread (for printing)
 
 
 def zero_grads(params: Iterable[Any], set_to_none: bool = True) -> None:
@@ -71,9 +32,6 @@ def zero_grads(params: Iterable[Any], set_to_none: bool = True) -> None:
         for p in params:
             p.grad = None
         return
-    from ..client.creation import zeros_like
-    from ..client.runtime import runtime
-    from ..client.tensor import apply
     rt = runtime()
     with no_grad():
         if rt.faults_raised != rt.faults_at_zero_grad:
@@ -162,9 +120,6 @@ class Node:
 def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any = None) -> None:
     """Called by every op: link the result into the graph if an operand requires grad.
     ``graph``: a fused op's handle to torch's record of it on the worker, which its rule reads."""
-    from ..client.runtime import runtime
-    from ..client.tensor import Tensor
-    from ..ops import OPS, Kind
     from .grads import GRADS, kept
     if not any(isinstance(a, Tensor) and a.requires_grad for a in operands):
         return
@@ -202,9 +157,6 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any
 
 
 def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> None:
-    from ..client.creation import ones_like
-    from ..client.runtime import runtime
-    from ..client.tensor import Tensor
     from .grads import GRADS
     if not root.requires_grad:
         raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
@@ -214,7 +166,6 @@ def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> Non
                 raise RuntimeError("grad can be implicitly created only for scalar outputs")
             gradient = ones_like(root)
         elif not isinstance(gradient, Tensor):
-            from ..client.creation import tensor
             gradient = tensor(gradient, dtype=root.dtype)
         if gradient.shape != root.shape:
             raise RuntimeError(f"Mismatch in shape: grad_output[0] has a shape of {gradient.shape} "
@@ -298,7 +249,6 @@ def _accumulate_all(rt: Any, pairs: list[tuple[Any, Any]]) -> None:
     """Each (leaf, g): g added to the leaf's gradient, with one instruction (torch's foreach
     add) for all whose gradients and g's are placed alike. Where they are not, one add each:
     the add's own rule converts them."""
-    from ..client.tensor import apply
     placer = rt.dispatcher.placer
     olds = [leaf.grad for leaf, _ in pairs]
     where = [(placer.placement(old.id), placer.placement(g.id)) if placer.active else None
@@ -315,7 +265,6 @@ def _accumulate_all(rt: Any, pairs: list[tuple[Any, Any]]) -> None:
 
 
 def _set_grad(leaf: Any, g: Any) -> None:
-    from ..client.runtime import current
     leaves = current().leaves
     if leaves is not None and id(leaf) not in leaves:  # a replayable call is recorded
         leaves[id(leaf)] = (leaf, leaf.grad)
@@ -349,3 +298,6 @@ def _topological(root: Node) -> list[Node]:
             order.append(node)
     order.reverse()
     return order
+
+
+set_autograd(Autograd(record, backward))

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..autograd import no_grad
+from .gradmode import no_grad
 from .dtypes import as_dtype
 from .runtime import runtime
 from .tensor import Tensor, _sizes, apply, with_device

@@ -41,7 +41,7 @@ import warnings
 import weakref
 from typing import Any, Callable
 
-from .. import autograd
+from . import gradmode
 from ..errors import ReplayError
 from .runtime import Runtime, runtime
 from .tensor import Tensor
@@ -187,7 +187,7 @@ def _signature(rt: Runtime, value: Any, inputs: list[Tensor]) -> Any:
     arguments by value, the grad mode and the signal scopes open (tensors collected in
     ``inputs``, in order)."""
     placer = rt.dispatcher.placer
-    return (autograd.is_grad_enabled(), tuple(p for p, _ in placer.signals),
+    return (gradmode.is_grad_enabled(), tuple(p for p, _ in placer.signals),
             _shape_of(value, inputs, placer))
 
 

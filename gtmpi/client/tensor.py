@@ -21,7 +21,7 @@ from ..ops.table import FUSED_FNS
 from ..ops.shapes import RESTRIDING, SCALARS, VIEWS, signature_key, view_strides
 from ..transport.buffers import NUMPY_DTYPES
 from .dtypes import as_dtype
-from .. import autograd
+from . import gradmode
 from .runtime import current, runtime
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
@@ -111,11 +111,11 @@ class Tensor:
 
     def detach(self) -> Tensor:
         """The same worker tensor under a second id, outside any graph (shares storage)."""
-        with autograd.no_grad():
+        with gradmode.no_grad():
             return apply("alias", self)
 
     def backward(self, gradient: Any = None, retain_graph: bool = False) -> None:
-        autograd.backward(self, gradient, retain_graph)
+        gradmode.autograd().backward(self, gradient, retain_graph)
 
     # reads: these wait ------------------------------------------------------------------------
 
@@ -568,7 +568,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
             sigs.append(a)
     if key is not None:
         kw["key"] = key
-    recording = grad and autograd.is_grad_enabled()
+    recording = grad and gradmode.is_grad_enabled()
     if recording and name in _RECORDED:  # torch records it on the worker for these operands
         kw["grads"] = tuple(i for i, a in enumerate(operands)
                             if isinstance(a, Tensor) and a.requires_grad)
@@ -588,7 +588,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
                             {**kw, "key": template})
     if name in _INPLACE:
         if recording:
-            autograd.engine.record(name, operands, kw, None)  # raises: in place needs no_grad()
+            gradmode.autograd().record(name, operands, kw, None)  # raises: in place needs no_grad()
         rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw), True, issued, sigs,
                              outs, key=key)
         rt.note_site(args[0].id)
@@ -603,7 +603,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         if name in _RECORDED:  # a fused kernel: its result, and the Graph its gradient reads
             result, graph = result
             if recording:
-                autograd.engine.record(name, operands, kw, result, graph)
+                gradmode.autograd().record(name, operands, kw, result, graph)
             return result
     else:
         strides = None
@@ -620,7 +620,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         result = Tensor(out, outs[0])
         result._strides = strides
     if recording:
-        autograd.engine.record(name, operands, kw, result)
+        gradmode.autograd().record(name, operands, kw, result)
     return result
 
 
