@@ -16,17 +16,41 @@ ROOT = Path(__file__).resolve().parent.parent
 serial = pytest.mark.skipif(len(gtmpi.info()["workers"]) > 1 or mpiexec() is None,
                             reason="starts its own jobs; run once, from the serial suite")
 
+REPORT = """
+    stats = gtmpi.debug.worker_stats()
+    print("COLLECTIVES " + json.dumps({r: s["collectives"] for r, s in sorted(stats.items())}))
+"""
 PROGRAM = f"""
     import json, sys
     sys.argv = ["train.py", "--size", "tiny", "--steps", "3", "--log-every", "3",
-                "--micro-batches", "4", "--dtype", "fp32", "--eval-batches", "1"]
+                "--micro-batches", "4", "--dtype", "fp32", "--eval-batches", "1", *EXTRA]
     sys.path.insert(0, {str(ROOT)!r})
     import gtmpi
     from examples.gpt import train
     train.main()
-    stats = gtmpi.debug.worker_stats()
-    print("COLLECTIVES " + json.dumps({{r: s["collectives"] for r, s in sorted(stats.items())}}))
-"""
+""" + REPORT
+# configs/tensor_parallel.yaml is the Megatron MLP's (its signals name no layout of the GPT)
+MLP = """
+    import json
+    import gtmpi
+    import gtmpi.nn as nn
+    import gtmpi.nn.functional as F
+    with gtmpi.signal.context("col"):
+        up = nn.Linear(16, 64)
+    with gtmpi.signal.context("row"):
+        down = nn.Linear(64, 16, bias=False)
+    with gtmpi.signal.context("weights"):
+        bias = nn.Parameter(gtmpi.zeros(16))
+    opt = gtmpi.optim.SGD([*up.parameters(), *down.parameters(), bias], lr=0.1)
+    for step in range(3):
+        with gtmpi.signal.context("weights"):
+            x = gtmpi.randn(8, 16)
+        loss = (down(F.gelu(up(x))) + bias).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print("loss", loss.item())
+""" + REPORT
 
 
 def _collectives(proc) -> dict:
@@ -36,14 +60,23 @@ def _collectives(proc) -> dict:
             for r, c in json.loads(line[len("COLLECTIVES "):]).items()}
 
 
+CONFIGS = ("data_parallel", "gpt_tp2", "gpt_tp2_sp", "tensor_parallel", "pipeline", "dp_tp",
+           "gpt_tp2_pp2", "gpt_tp2_pp4")
+
+
 @serial
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config,workers", [("data_parallel", 2), ("gpt_tp2", 2),
-                                            ("pipeline", 2), ("gpt_tp2_pp2", 4)])
-def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers):
+@pytest.mark.parametrize("config,workers,extra", [
+    ("data_parallel", 2, ()), ("gpt_tp2", 2, ()), ("gpt_tp2_sp", 2, ()),
+    ("tensor_parallel", 2, None), ("pipeline", 2, ()), ("dp_tp", 4, ()),
+    ("gpt_tp2_pp2", 4, ()), ("gpt_tp2_pp4", 8, ("--layers", "4"))])
+def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, extra):
+    """Every config in configs/: the GPT (the MLP for tensor_parallel.yaml)."""
+    assert {p.stem for p in (ROOT / "configs").glob("*.yaml")} == set(CONFIGS)
+    program = MLP if extra is None else PROGRAM.replace("*EXTRA", repr(extra)[1:-1] or "")
     env = {"GTMPI_CONFIG": str(ROOT / "configs" / f"{config}.yaml")}
-    real, _ = run_job(tmp_path, PROGRAM, 240, n=workers + 1, env=env)
-    dry, _ = run_job(tmp_path, PROGRAM, 240, n=None,
+    real, _ = run_job(tmp_path, program, 240, n=workers + 1, env=env)
+    dry, _ = run_job(tmp_path, program, 240, n=None,
                      env={**env, "GTMPI_DRY_RUN": str(workers), "GTMPI_DRY_RUN_GPU": "H100"})
     want, got = _collectives(real), _collectives(dry)
     assert got == want

@@ -140,9 +140,11 @@ class DataPlane:
                        index: int) -> torch.Tensor:
         """P -> S(dim): each member gets the sum of its piece only (half the bytes of an
         all-reduce); gloo has no reduce-scatter, so there it sums everything and cuts."""
-        if self.backend != "nccl":
-            return self.all_reduce(x, group).narrow(dim, sum(sizes[:index]),
-                                                    sizes[index]).contiguous()
+        if self.backend != "nccl":  # counted as what it stands for, as a dry run counts it
+            whole = x.clone()
+            dist.all_reduce(whole, group=self.groups[group])
+            self._count("reduce_scatter", x)
+            return whole.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
         pieces = list(torch.split(x.contiguous(), list(sizes), dim))
         longest = max(sizes)
         padded = [_pad(p, dim, longest) for p in pieces]
