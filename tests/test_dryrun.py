@@ -20,15 +20,21 @@ REPORT = """
     stats = gtmpi.debug.worker_stats()
     print("COLLECTIVES " + json.dumps({r: s["collectives"] for r, s in sorted(stats.items())}))
 """
-PROGRAM = f"""
+
+
+def gpt(*extra: str) -> str:
+    """The tiny GPT's train.py for 3 steps (``extra``: more of its arguments), then its report."""
+    return f"""
     import json, sys
     sys.argv = ["train.py", "--size", "tiny", "--steps", "3", "--log-every", "3",
-                "--micro-batches", "4", "--dtype", "fp32", "--eval-batches", "1", *EXTRA]
+                "--micro-batches", "4", "--dtype", "fp32", "--eval-batches", "1", *{list(extra)!r}]
     sys.path.insert(0, {str(ROOT)!r})
     import gtmpi
     from examples.gpt import train
     train.main()
 """ + REPORT
+
+
 # configs/tensor_parallel.yaml is the Megatron MLP's (its signals name no layout of the GPT)
 MLP = """
     import json
@@ -73,7 +79,7 @@ CONFIGS = ("data_parallel", "gpt_tp2", "gpt_tp2_sp", "tensor_parallel", "pipelin
 def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, extra):
     """Every config in configs/: the GPT (the MLP for tensor_parallel.yaml)."""
     assert {p.stem for p in (ROOT / "configs").glob("*.yaml")} == set(CONFIGS)
-    program = MLP if extra is None else PROGRAM.replace("*EXTRA", repr(extra)[1:-1] or "")
+    program = MLP if extra is None else gpt(*extra)
     env = {"GTMPI_CONFIG": str(ROOT / "configs" / f"{config}.yaml")}
     real, _ = run_job(tmp_path, program, 240, n=workers + 1, env=env)
     dry, _ = run_job(tmp_path, program, 240, n=None,
@@ -227,7 +233,7 @@ def test_a_dry_run_writes_a_trace_the_trace_tool_reads(tmp_path):
     """The trace's inserted collectives (gtmpi-trace comms) are the dry run's; its durations
     are the simulated workers' host times, not the GPUs'."""
     trace = tmp_path / "dry.h5"
-    proc, _ = run_job(tmp_path, PROGRAM, 240, n=None,
+    proc, _ = run_job(tmp_path, gpt(), 240, n=None,
                       env={"GTMPI_CONFIG": str(ROOT / "configs" / "gpt_tp2.yaml"),
                            "GTMPI_DRY_RUN": "2", "GTMPI_TRACE": str(trace)})
     counts = _collectives(proc)
