@@ -12,6 +12,7 @@ reads come from a worker straight to the client (see HostLink.for_slot).
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -50,21 +51,22 @@ class Sends:
             self._pending = [(r, b) for r, b in self._pending if not r.Test()]
 
     def drain(self) -> None:
-        for req, _ in self._pending:
-            wait_for(lambda: True if req.Test() else None)
-        self._pending.clear()
+        self.settle(math.inf)
 
     def settle(self, within_s: float) -> None:
-        """Drain, but a send not done within ``within_s`` is cancelled: its receiver may have
-        died (a server's client)."""
+        """Wait for every send, but cancel one not done within ``within_s``: its receiver may
+        have died (a server's client)."""
         deadline = time.monotonic() + within_s
         for req, _ in self._pending:
-            while not req.Test():
+            def done() -> bool | None:
+                if req.Test():
+                    return True
                 if time.monotonic() > deadline:
                     req.Cancel()
                     req.Free()
-                    break
-                time.sleep(1e-4)
+                    return False
+                return None
+            wait_for(done)
         self._pending.clear()
 
 

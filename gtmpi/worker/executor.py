@@ -33,7 +33,6 @@ from ..recording import events
 from ..recording.recorder import Recorder
 from ..transport.tags import Tag
 from . import bounds, graphs
-from .bounds import IndexGuard
 from .profiler import KernelProfiler
 from ..ops import settings
 
@@ -88,7 +87,7 @@ class Executor:
         self.quota: int | None = None  # this executor's, if it is a client's under a quota
         self.slot = 0  # a server's client's slot (worker/loop.py), 0 for an ordinary session
         # a server's client on a GPU: its ops' indices checked on the device (worker/bounds.py)
-        self.index_guard: IndexGuard | None = None
+        self.index_guard: bounds.IndexGuard | None = None
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         # what traces are stamped with: a dry run's worker keeps a modeled clock instead
         self.now: Callable[[], int] = time.perf_counter_ns
