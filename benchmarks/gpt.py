@@ -103,6 +103,9 @@ def main() -> None:
                    help="weights and activations (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile (a reference)")
     p.add_argument("--no-torch", action="store_true", help="time gtmpi alone (profiling)")
+    p.add_argument("--fused-peer", action="store_true",
+                   help="also time torch with AdamW(fused=True), the kernel gtmpi's GPU workers "
+                        "use by default (torch's default is foreach)")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="trace gtmpi's timed steps into FILE (gtmpi-trace reads it)")
     p.add_argument("--no-replay", action="store_true",
@@ -143,12 +146,14 @@ def main() -> None:
                         for v in init.values())
     res: dict[str, dict] = {}
 
-    def run_torch(label: str, compiled: bool, rows: int | None = None) -> None:
-        """``rows``: the first rows of each batch only (one GPU's share of a split batch)."""
+    def run_torch(label: str, compiled: bool, rows: int | None = None, fused: bool = False) -> None:
+        """``rows``: the first rows of each batch only (one GPU's share of a split batch);
+        ``fused``: AdamW's fused kernel instead of torch's default (foreach on GPUs)."""
         model = build(torch)(c).to(device=device)
         model.load_state_dict(init)
         model.to(dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                                **({"fused": True} if fused else {}))
         step_model = torch.compile(model) if compiled else model
         on_device = [(x[:rows].to(device), y[:rows].to(device)) for x, y in data]
         if gpu:
@@ -166,6 +171,8 @@ def main() -> None:
     share = args.batch // len(world["workers"])
     if not args.no_torch:
         run_torch("torch", False)
+        if args.fused_peer:
+            run_torch("torch_fused", False, fused=True)
         if args.compile:
             run_torch("compile", True)
         if args.data_parallel:  # data parallelism scales against one GPU at its batch per GPU
@@ -261,6 +268,9 @@ def main() -> None:
         out["memory_ratio"] = round(g["peak"] / t["peak"], 4) if t["peak"] else None
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         out["first_losses_agree"] = abs(g["losses"][0] - t["losses"][0]) <= tol * abs(t["losses"][0])
+        if "torch_fused" in res:
+            out["speed_ratio_fused"] = round(g["tokens_per_s"] / res["torch_fused"]["tokens_per_s"], 4)
+            print(f"gtmpi/torch with AdamW(fused=True): speed {out['speed_ratio_fused']:.3f}")
         if "torch/gpu" in res:
             out["scaling"] = round(g["tokens_per_s"] / res["torch/gpu"]["tokens_per_s"], 4)
             print(f"data parallel: {out['scaling']:.3f}x the tokens/s of torch on one GPU at "

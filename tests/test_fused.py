@@ -229,6 +229,9 @@ def test_gpt_first_losses_equal_torch_at_tiny_size():
 @pytest.mark.parametrize("name, kw", [
     ("SGD", dict(lr=0.1)), ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
     ("Adam", dict(lr=1e-2, weight_decay=0.01)), ("AdamW", dict(lr=1e-2, betas=(0.8, 0.9))),
+    # torch's fused kernel (the default on GPU workers), against torch's own fused=True
+    ("Adam", dict(lr=1e-2, weight_decay=0.01, fused=True)),
+    ("AdamW", dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, fused=True)),
 ])
 def test_multi_tensor_steps_match_torch_in_one_instruction(name, kw):
     torch.manual_seed(2)
@@ -251,6 +254,45 @@ def test_multi_tensor_steps_match_torch_in_one_instruction(name, kw):
             assert ops_on_home() - before == 1
     for (name_, t), g in zip(t_model.state_dict().items(), g_model.state_dict().values()):
         assert_same(g, t, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_kernel_fused_where_asked_and_on_gpus():
+    """The worker's Adam(W) kernel: fused=True is torch's fused kernel to the bit, False and
+    None on a CPU torch's foreach arithmetic to the bit (they differ in bf16: the fused kernel
+    rounds once); on meta tensors (a dry run, standing for GPUs) None takes the fused path,
+    which makes no temporaries."""
+    from gtmpi.ops.table import OPS
+    torch.manual_seed(5)
+    shapes = [(64, 48), (48,), (7, 3)]
+    start = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    grads = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+
+    def run(fused, how):
+        ps, ms, vs = [p.clone() for p in start], [torch.zeros_like(p) for p in start], \
+            [torch.zeros_like(p) for p in start]
+        for done in range(3):
+            if how == "gtmpi":
+                OPS["adam_foreach"].kernel(*ps, *grads, *ms, *vs, 1e-2, 0.9, 0.99, 1e-8, 0.1,
+                                           True, 1, fused)
+            else:
+                opt = torch.optim.AdamW([torch.nn.Parameter(p) for p in ps], lr=1e-2,
+                                        betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                                        **{how: True})
+                for param, g, m, v in zip(opt.param_groups[0]["params"], grads, ms, vs):
+                    param.grad = g
+                    opt.state[param] = {"step": torch.tensor(float(done)), "exp_avg": m,
+                                        "exp_avg_sq": v}
+                opt.step()
+                ps = [param.data for param in opt.param_groups[0]["params"]]
+        return ps
+
+    fused, foreach = run(True, "fused"), run(False, "foreach")
+    assert any(not torch.equal(a, b) for a, b in zip(fused, foreach))
+    for got, want in ((run(True, "gtmpi"), fused), (run(False, "gtmpi"), foreach),
+                      (run(None, "gtmpi"), foreach)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    meta = [t.to("meta") for t in [*start, *grads, *start, *start]]
+    assert OPS["adam_foreach"].kernel(*meta, 1e-2, 0.9, 0.99, 1e-8, 0.1, True, 1, None).is_meta
 
 
 @pytest.mark.parametrize("name, kw", [("SGD", dict(lr=0.1, momentum=0.9)),

@@ -153,11 +153,15 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
+    """torch.optim.Adam's update. ``fused`` as torch's: True, torch's fused kernel; False, its
+    foreach arithmetic; None (the default), the fused kernel on GPU workers and foreach on CPU
+    workers (ops/table.py: _adam_foreach)."""
     decoupled = False
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, fused: bool | None = None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      fused=fused))
 
     def check(self, group: dict) -> None:
         super().check(group)
@@ -180,12 +184,13 @@ class Adam(Optimizer):
         b1, b2 = group["betas"]
         apply("adam_foreach", *params, *(p.grad for p in params),
               *(s["exp_avg"] for s in states), *(s["exp_avg_sq"] for s in states), group["lr"],
-              b1, b2, group["eps"], group["weight_decay"], self.decoupled, states[0]["step"])
+              b1, b2, group["eps"], group["weight_decay"], self.decoupled, states[0]["step"],
+              group.get("fused"))
 
 
 class AdamW(Adam):
     decoupled = True
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2):
-        super().__init__(params, lr, betas, eps, weight_decay)
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, fused=fused)

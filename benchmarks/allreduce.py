@@ -1,0 +1,132 @@
+"""What one tensor-parallel all-reduce of the GPT costs on this host's GPUs, alone and beside
+the matmul it would have to hide behind: the floor under TP=2's step (issue 20).
+
+Megatron TP sums a (batch x seq x hidden) activation once after each row-parallel layer in
+forward and once before each column-parallel layer's input in backward. The forward's sums
+sit on the critical path: the next op reads them. This measures, on 2 GPUs, inside a CUDA
+graph as gtmpi's replayed steps run them (and eagerly, for comparison):
+
+    ar        one all-reduce of the activation (NCCL, the process group's defaults)
+    mm        the row-parallel matmul that makes it (tokens x hidden/2 @ hidden/2 x hidden)
+    mm+ar     the matmul on the main stream beside an all-reduce on a side stream (what an
+              overlap in pieces can at best get: their sum is the time with no overlap)
+    mm/c, mm+ar/c   the same with cuBLAS held to all SMs but c (--carveouts): a GEMM that
+              takes every SM leaves NCCL's blocks none until it ends
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/allreduce.py
+
+Prints a table (rank 0) and one JSON line. The NCCL_* environment applies as usual.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def timed(fn, reps: int) -> float:
+    """Median of reps timings of fn on the current stream, in microseconds."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def graphed(body, inner: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of inner runs of body."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm NCCL and cuBLAS outside the capture
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            body()
+    return graph
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16 * 1024, help="batch x seq")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--inner", type=int, default=24, help="operations per graph")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--carveouts", default="16,32",
+                   help="SMs kept from cuBLAS in the mm/c rows (comma-separated; empty: none)")
+    args = p.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", device_id=dev)
+    world = dist.get_world_size()
+    h, t = args.hidden, args.tokens
+    act = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(t, h // world, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(h // world, h, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(t, h, device=dev, dtype=torch.bfloat16)
+    comm = torch.cuda.Stream()
+
+    def ar() -> None:
+        dist.all_reduce(act)
+
+    def mm() -> None:
+        torch.mm(x, w, out=out)
+
+    def both() -> None:  # the sum on a side stream, the matmul beside it
+        comm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(comm):
+            dist.all_reduce(act)
+        torch.mm(x, w, out=out)
+        torch.cuda.current_stream().wait_stream(comm)
+
+    inner, nbytes = args.inner, act.numel() * act.element_size()
+    rows = {}
+    cases = [("ar", ar, None), ("mm", mm, None), ("mm+ar", both, None)]
+    for c in filter(None, args.carveouts.split(",")):
+        cases += [(f"mm/{c}", mm, int(c)), (f"mm+ar/{c}", both, int(c))]
+    for name, body, carveout in cases:
+        torch._C._set_sm_carveout_experimental(carveout)
+        eager = timed(lambda: [body() for _ in range(inner)], args.reps) / inner
+        graph = graphed(body, inner)
+        rows[name] = (eager, timed(graph.replay, args.reps) / inner)
+        # a graph holding NCCL kernels must go before its process group, or teardown hangs
+        del graph
+    torch._C._set_sm_carveout_experimental(None)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        busbw = nbytes * 2 * (world - 1) / world / (rows["ar"][1] * 1e-6) / 1e9
+        print(f"{torch.cuda.get_device_name()} x{world}, activation {t}x{h} bf16 "
+              f"({nbytes / 1e6:.1f} MB), median of {args.reps} x {inner}, µs each")
+        print(f"{'':8} {'eager':>8} {'graph':>8}")
+        for name, (eager, graph) in rows.items():
+            print(f"{name:8} {eager:8.1f} {graph:8.1f}")
+        print(f"all-reduce bus bandwidth in a graph {busbw:.0f} GB/s")
+        for name in rows:
+            if name.startswith("mm+ar"):
+                alone = rows["ar"][1] + rows[name.replace("+ar", "")][1]
+                print(f"{name}: {alone - rows[name][1]:.1f} µs of the two hidden")
+        print(json.dumps({"benchmark": "allreduce", "device": torch.cuda.get_device_name(),
+                          "world": world, "bytes": nbytes,
+                          "nccl_env": {k: v for k, v in os.environ.items()
+                                       if k.startswith(("NCCL_", "TORCH_NCCL_"))},
+                          "carveouts": args.carveouts,
+                          **{f"{k}_us": round(v[1], 1) for k, v in rows.items()},
+                          **{f"{k}_eager_us": round(v[0], 1) for k, v in rows.items()},
+                          "busbw_gbs": round(busbw)}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
