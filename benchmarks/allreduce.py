@@ -12,6 +12,10 @@ graph as gtmpi's replayed steps run them (and eagerly, for comparison):
               overlap in pieces can at best get: their sum is the time with no overlap)
     mm/c, mm+ar/c   the same with cuBLAS held to all SMs but c (--carveouts): a GEMM that
               takes every SM leaves NCCL's blocks none until it ends
+    ce, mm+ce the sum by copies between the two GPUs' memory (torch's symmetric memory: each
+              GPU pulls the half it sums from its peer, adds, then pulls the other summed
+              half) alone and beside the matmul (--copy-engine, 2 GPUs): copies run
+              on the GPU's copy engines, not its SMs
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/allreduce.py
 
@@ -55,6 +59,48 @@ def graphed(body, inner: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def copy_engine_rows(act: torch.Tensor, mm, reps: int, inner: int) -> dict:
+    """The 2-GPU sum of act by copies between the GPUs' symmetric memory, alone and beside mm:
+    {name: (eager µs, graph µs or nan where it could not be captured)}."""
+    import torch.distributed._symmetric_memory as symm_mem
+    group = dist.group.WORLD.group_name
+    buf = symm_mem.empty(act.shape, dtype=act.dtype, device=act.device)
+    buf.copy_(act)
+    handle = symm_mem.rendezvous(buf, group)
+    rank, peer = handle.rank, 1 - handle.rank
+    half = act.shape[0] // 2
+    shape, width = (half, act.shape[1]), half * act.shape[1]
+    pulled = torch.empty(shape, dtype=act.dtype, device=act.device)
+    side = torch.cuda.Stream()
+
+    def ce() -> None:
+        handle.barrier()
+        pulled.copy_(handle.get_buffer(peer, shape, act.dtype, rank * width))
+        buf[rank * half:(rank + 1) * half].add_(pulled)
+        handle.barrier()
+        buf[peer * half:(peer + 1) * half].copy_(handle.get_buffer(peer, shape, act.dtype,
+                                                                   peer * width))
+
+    def both() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ce()
+        mm()
+        torch.cuda.current_stream().wait_stream(side)
+
+    rows = {}
+    for name, body in (("ce", ce), ("mm+ce", both)):
+        eager = timed(lambda: [body() for _ in range(inner)], reps) / inner
+        try:
+            graph = graphed(body, inner)
+            rows[name] = (eager, timed(graph.replay, reps) / inner)
+            del graph
+        except RuntimeError as e:  # a capture the symmetric memory's barrier refuses
+            print(f"{name}: not captured ({str(e).splitlines()[0]})")
+            rows[name] = (eager, float("nan"))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,6 +110,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--carveouts", default="16,32",
                    help="SMs kept from cuBLAS in the mm/c rows (comma-separated; empty: none)")
+    p.add_argument("--copy-engine", action="store_true", help="also the ce and mm+ce rows")
     args = p.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -92,6 +139,8 @@ def main() -> None:
 
     inner, nbytes = args.inner, act.numel() * act.element_size()
     rows = {}
+    if args.copy_engine:
+        rows.update(copy_engine_rows(act, mm, args.reps, inner))
     cases = [("ar", ar, None), ("mm", mm, None), ("mm+ar", both, None)]
     for c in filter(None, args.carveouts.split(",")):
         cases += [(f"mm/{c}", mm, int(c)), (f"mm+ar/{c}", both, int(c))]
@@ -112,6 +161,10 @@ def main() -> None:
         print(f"{'':8} {'eager':>8} {'graph':>8}")
         for name, (eager, graph) in rows.items():
             print(f"{name:8} {eager:8.1f} {graph:8.1f}")
+        if args.copy_engine:
+            for col, how in ((0, "eager"), (1, "graph")):
+                hidden = rows["ce"][col] + rows["mm"][col] - rows["mm+ce"][col]
+                print(f"mm+ce: {hidden:.1f} µs of the two hidden ({how})")
         print(f"all-reduce bus bandwidth in a graph {busbw:.0f} GB/s")
         for name in rows:
             if name.startswith("mm+ar"):
@@ -122,7 +175,7 @@ def main() -> None:
                           "nccl_env": {k: v for k, v in os.environ.items()
                                        if k.startswith(("NCCL_", "TORCH_NCCL_"))},
                           "carveouts": args.carveouts,
-                          **{f"{k}_us": round(v[1], 1) for k, v in rows.items()},
+                          **{f"{k}_us": round(v[1], 1) for k, v in rows.items() if v[1] == v[1]},
                           **{f"{k}_eager_us": round(v[0], 1) for k, v in rows.items()},
                           "busbw_gbs": round(busbw)}))
     dist.destroy_process_group()
