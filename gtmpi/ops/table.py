@@ -244,7 +244,7 @@ def _adam_foreach(*args):
     if fused is None:
         fused = params[0].device.type in ("cuda", "meta")
     update = _adam_fused if fused else _adam_arithmetic
-    for group in _alike_groups(params, grads, avgs, sqs, steps) if fused else [range(n)]:
+    for group in _alike_groups(params, grads, avgs, sqs) if fused else [range(n)]:
         update([params[i] for i in group], [grads[i] for i in group], [avgs[i] for i in group],
                [sqs[i] for i in group], [steps[i] for i in group],
                lr, beta1, beta2, eps, weight_decay, decoupled)
@@ -254,10 +254,10 @@ def _adam_foreach(*args):
 
 
 def _alike_groups(*lists: list) -> list[list[int]]:
-    """Positions of the parameters one fused launch can take: one device, one dtype for a
-    parameter, its gradient and its state (torch's fused kernel asks both)."""
+    """Positions of the parameters one fused launch can take: torch's fused kernel asks one
+    device and one dtype of each list (parameters, gradients, exp_avgs, exp_avg_sqs)."""
     groups: dict[tuple, list[int]] = {}
-    for i, (p, g, a, s, _) in enumerate(zip(*lists)):
+    for i, (p, g, a, s) in enumerate(zip(*lists)):
         groups.setdefault((p.device, p.dtype, g.dtype, a.dtype, s.dtype), []).append(i)
     return list(groups.values())
 
