@@ -26,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 
-def timed(fn, reps: int) -> float:
+def timed(fn: Callable[[], object], reps: int) -> float:
     """Median of reps timings of fn on the current stream, in microseconds."""
     times = []
     for _ in range(reps):
@@ -44,7 +45,7 @@ def timed(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graphed(body, inner: int) -> torch.cuda.CUDAGraph:
+def graphed(body: Callable[[], None], inner: int) -> torch.cuda.CUDAGraph:
     """A CUDA graph of inner runs of body."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -59,7 +60,7 @@ def graphed(body, inner: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def copy_engine_rows(act: torch.Tensor, mm, reps: int, inner: int) -> dict:
+def copy_engine_rows(act: torch.Tensor, mm: Callable[[], None], reps: int, inner: int) -> dict:
     """The 2-GPU sum of act by copies between the GPUs' symmetric memory, alone and beside mm:
     {name: (eager µs, graph µs or nan where it could not be captured)}."""
     import torch.distributed._symmetric_memory as symm_mem
