@@ -233,6 +233,49 @@ def test_a_bad_batch_on_one_data_parallel_worker_is_skipped_on_all(halves):
     assert stats[WORKERS[0]]["collectives"]["agree"][0] == stats[WORKERS[1]]["collectives"]["agree"][0]
 
 
+@cpu_asserts
+@spread
+def test_an_optimizer_step_agrees_once_for_all_its_groups(halves):
+    """Two groups of parameters (AdamW's decayed matrices and undecayed biases, as a GPT's
+    are), replicated on both workers: one agreement per step covers every gradient, and a bad
+    batch on one worker still leaves both replicas as torch's run that skipped it."""
+    gtmpi.load_config({"fault_groups": {"shard": {"workers": [0, 1], "replicated": True}}})
+    torch.manual_seed(1)
+    w0, b0, x = torch.randn(3, 4), torch.randn(3), torch.randn(4, 4)
+    with gtmpi.signal.context("fault_groups"):
+        w, b = gtmpi.tensor(w0, requires_grad=True), gtmpi.tensor(b0, requires_grad=True)
+    opt = gtmpi.optim.AdamW([{"params": [w], "weight_decay": 0.1},
+                             {"params": [b], "weight_decay": 0.0}], lr=0.1)
+    tw, tb = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    topt = torch.optim.AdamW([{"params": [tw], "weight_decay": 0.1},
+                              {"params": [tb], "weight_decay": 0.0}], lr=0.1)
+    agreements, raised = [], []
+    for labels in [[0, 2, 1, 1], [7, 2, 1, 0], [1, 2, 0, 0]]:  # 7: out of range
+        opt.zero_grad()
+        loss = F.cross_entropy(gtmpi.signal.tensor(x, halves) @ w.T + b,
+                               gtmpi.signal.tensor(torch.tensor(labels), halves))
+        loss.backward()
+        gtmpi.synchronize()
+        before = gtmpi.debug.worker_stats()[WORKERS[0]]["collectives"].get("agree", [0])[0]
+        opt.step()
+        try:  # the skipped update is said here, once
+            gtmpi.synchronize()
+        except gtmpi.WorkerError as e:
+            raised.append(str(e))
+        agreements.append(gtmpi.debug.worker_stats()[WORKERS[0]]["collectives"]["agree"][0]
+                          - before)
+        if labels[0] == 7:
+            continue
+        topt.zero_grad()
+        torch.nn.functional.cross_entropy(x @ tw.T + tb, torch.tensor(labels)).backward()
+        topt.step()
+    assert agreements == [1, 1, 1]
+    assert len(raised) == 1 and "Target 7 is out of bounds" in raised[0]
+    for got, want in ((w, tw), (b, tb)):  # each worker's rows from its own replica
+        rows = gtmpi.signal.tensor(got.detach(), halves)
+        torch.testing.assert_close(torch.from_numpy(rows.numpy()), want.detach())
+
+
 @spread
 def test_replicas_skip_an_update_together_when_one_of_them_failed():
     """The operand fails on the first worker only (an allocation too large), and reaches the

@@ -343,6 +343,19 @@ class Placer:
             self._record(tid, sig, Placement(mesh, "R"))
         self._flush_touched()
 
+    def agree_on(self, ids: list[int]) -> None:
+        """Agreements now on every id of ``ids`` that lives on several workers: one per mesh
+        for all its ids, where each in-place op would agree on its own operands one op at a
+        time (an optimizer's step: one per group of parameters that live alike)."""
+        by_mesh: dict[tuple[int, ...], list[int]] = {}
+        for tid in ids:
+            mesh = self.placement(tid).mesh
+            if len(mesh) > 1:
+                by_mesh.setdefault(mesh, []).append(tid)
+        for mesh, group in by_mesh.items():
+            self._agree(mesh, group)
+        self._flush_touched()
+
     def _agree(self, mesh: tuple[int, ...], ids: list[int]) -> None:
         """Every member of ``mesh`` poisons ``ids`` if any member has one of them poisoned."""
         agreed = self._agreed

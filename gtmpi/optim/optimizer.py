@@ -41,6 +41,11 @@ class Optimizer:
 
     @no_grad()
     def step(self) -> None:
+        # each update agrees on its gradients' faults before writing (a failed batch leaves
+        # every replica untouched); agreeing on all of them first makes that one host
+        # barrier per step instead of one per group of parameters that live alike
+        runtime().agree([p.grad.id for group in self.param_groups for p in group["params"]
+                         if p.grad is not None])
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             states = [self.state.setdefault(id(p), {}) for p in params]
