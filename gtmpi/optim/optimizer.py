@@ -1,7 +1,7 @@
 """Optimizers with torch's update rules, applied in place on the workers under no_grad (never
 recorded on a graph; no tensor data reaches the client): one multi-tensor instruction per
 group of parameters that live alike (ops/table.py: sgd_foreach, adam_foreach), with torch's
-foreach arithmetic."""
+foreach arithmetic (Adam's fused kernel on GPU workers)."""
 from __future__ import annotations
 
 from typing import Any, Iterable
