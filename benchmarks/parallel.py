@@ -45,6 +45,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--gpus", type=int, default=None, help="default: every GPU found")
     p.add_argument("--logs", default=None, help="folder for every run's output")
+    p.add_argument("--torch-fused", action="store_true",
+                   help="PyTorch's runs with AdamW(fused=True), the kernel gtmpi's GPU workers "
+                        "use (default: torch's own default)")
     args = p.parse_args()
     gpus = args.gpus or _gpus()
     logs = args.logs or tempfile.mkdtemp(prefix="parallel-")
@@ -138,7 +141,8 @@ def _gtmpi(name: str, n: int, batch: int, config: str | None, args, logs: str,
 def _torch(name: str, peer: str, n: int, batch: int, args, logs: str) -> dict | None:
     script = os.path.join(HERE, "torch_peers.py")
     opts = ["--layout", peer, "--size", args.size, "--batch", str(batch), "--steps",
-            str(max(args.steps - 6, 3)), "--micro-batches", str(args.micro_batches)]
+            str(max(args.steps - 6, 3)), "--micro-batches", str(args.micro_batches),
+            *(["--fused"] if args.torch_fused else [])]
     cmd = [sys.executable, script, *opts] if n == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(n), script, *opts]

@@ -41,6 +41,9 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--fused", action="store_true",
+                   help="AdamW(fused=True), the kernel gtmpi's GPU workers use (default: "
+                        "torch's own default, foreach on GPUs)")
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -85,7 +88,8 @@ def main() -> None:
                           and isinstance(q, DTensor) == dtensor],
                "weight_decay": 0.1 if decay else 0.0}
               for decay in (True, False) for dtensor in (True, False)]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=6e-4, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=6e-4, betas=(0.9, 0.95),
+                            **({"fused": True} if args.fused else {}))
     gen = torch.Generator().manual_seed(1 + (rank if args.layout == "ddp" else 0))
     data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in
             torch.randint(0, c.vocab, (4, local_batch, c.seq + 1), generator=gen).to(device)]
@@ -116,7 +120,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"peer": args.layout, "size": args.size, "gpus": world,
                           "batch": args.batch, "micro_batches": args.micro_batches
-                          if args.layout == "pp" else None,
+                          if args.layout == "pp" else None, "fused_adamw": args.fused,
                           "tokens_per_s": round(args.batch * c.seq / seconds),
                           "ms_per_step": round(seconds * 1e3, 3),
                           "peak_gb_per_gpu": round(peak.item() / 1e9, 2) if gpu else None,
