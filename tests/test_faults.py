@@ -235,10 +235,12 @@ def test_a_bad_batch_on_one_data_parallel_worker_is_skipped_on_all(halves):
 
 @cpu_asserts
 @spread
-def test_an_optimizer_step_agrees_once_for_all_its_groups(halves):
+@pytest.mark.parametrize("clip", [False, True])
+def test_an_optimizer_step_agrees_once_for_all_its_groups(halves, clip):
     """Two groups of parameters (AdamW's decayed matrices and undecayed biases, as a GPT's
-    are), replicated on both workers: one agreement per step covers every gradient, and a bad
-    batch on one worker still leaves both replicas as torch's run that skipped it."""
+    are), replicated on both workers: one agreement per step covers every gradient (and the
+    clipping's scale, which agrees for the step that follows), and a bad batch on one worker
+    still leaves both replicas as torch's run that skipped it."""
     gtmpi.load_config({"fault_groups": {"shard": {"workers": [0, 1], "replicated": True}}})
     torch.manual_seed(1)
     w0, b0, x = torch.randn(3, 4), torch.randn(3), torch.randn(4, 4)
@@ -257,6 +259,8 @@ def test_an_optimizer_step_agrees_once_for_all_its_groups(halves):
         loss.backward()
         gtmpi.synchronize()
         before = gtmpi.debug.worker_stats()[WORKERS[0]]["collectives"].get("agree", [0])[0]
+        if clip:
+            gtmpi.optim.clip_grad_norm_([w, b], 0.5)
         opt.step()
         try:  # the skipped update is said here, once
             gtmpi.synchronize()
@@ -268,6 +272,8 @@ def test_an_optimizer_step_agrees_once_for_all_its_groups(halves):
             continue
         topt.zero_grad()
         torch.nn.functional.cross_entropy(x @ tw.T + tb, torch.tensor(labels)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_([tw, tb], 0.5)
         topt.step()
     assert agreements == [1, 1, 1]
     assert len(raised) == 1 and "Target 7 is out of bounds" in raised[0]

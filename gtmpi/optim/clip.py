@@ -35,6 +35,9 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
         if not inf:
             total = total ** (1.0 / norm_type)
         scale = (max_norm / (total + eps)).clamp(max=1.0)
+        # one agreement on the scale and on every gradient (each mesh's): the optimizer's
+        # step that follows finds its gradients agreed, so a step holds a single host barrier
+        rt.agree([g.id for g in grads] + [scale.id])
         for group in groups:
             apply("mul_foreach", *group, scale)
     return total
