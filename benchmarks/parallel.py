@@ -48,7 +48,11 @@ def main() -> None:
     p.add_argument("--torch-fused", action="store_true",
                    help="PyTorch's runs with AdamW(fused=True), the kernel gtmpi's GPU workers "
                         "use (default: torch's own default)")
+    p.add_argument("--layouts", default=None,
+                   help="run only these layouts, comma-separated names as the table prints them "
+                        "(\"one GPU,DP=4\"); default: all")
     args = p.parse_args()
+    only = set(args.layouts.split(",")) if args.layouts else None
     gpus = args.gpus or _gpus()
     logs = args.logs or tempfile.mkdtemp(prefix="parallel-")
     os.makedirs(logs, exist_ok=True)
@@ -58,7 +62,7 @@ def main() -> None:
     def layout(name: str, n: int, batch: int, config: str | None, peer: str | None,
                one_batch: int, pipeline: tuple[int, int] | None = None,
                env: dict | None = None) -> None:
-        if n > gpus:
+        if n > gpus or (only is not None and name not in only):
             return
         g = _gtmpi(name, n, batch, config, args, logs, env=env)
         t = _torch(name, peer, n, batch, args, logs) if peer else None
