@@ -9,7 +9,6 @@ way to run it, in one run:
 | DP=n           | configs' data/weights signals            | DistributedDataParallel             |
 | TP=2           | configs/gpt_tp2.yaml (Megatron)          | DTensor's Megatron plan             |
 | TP=2 serial    | the same, GTMPI_OVERLAP=0                | (the overlap's baseline)            |
-| TP=2 interl... | the same, --interleave 2 (2 slices)      |                                     |
 | PP=2           | configs/pipeline.yaml, 1F1B              | torch.distributed.pipelining 1F1B   |
 | TP=2 x PP=2    | configs/gpt_tp2_pp2.yaml, 1F1B           | (none here: Megatron-core is not    |
 |                |                                          |  installed, and torch has no recipe)|
@@ -62,10 +61,10 @@ def main() -> None:
 
     def layout(name: str, n: int, batch: int, config: str | None, peer: str | None,
                one_batch: int, pipeline: tuple[int, int] | None = None,
-               env: dict | None = None, extra: tuple[str, ...] = ()) -> None:
+               env: dict | None = None) -> None:
         if n > gpus or (only is not None and name not in only):
             return
-        g = _gtmpi(name, n, batch, config, args, logs, env=env, extra=extra)
+        g = _gtmpi(name, n, batch, config, args, logs, env=env)
         t = _torch(name, peer, n, batch, args, logs) if peer else None
         row = {"layout": name, "gpus": n, "batch": batch, "gtmpi": g, "torch": t,
                "one_batch": one_batch}
@@ -87,9 +86,6 @@ def main() -> None:
     # the same without the input gradients' all-reduces run beside the weights' gradients
     layout("TP=2 serial", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), None,
            args.batch, env={"GTMPI_OVERLAP": "0"})
-    # the batch in 2 slices, each slice's sums beside the other's computing (GPT.interleaved)
-    layout("TP=2 interleaved", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), None,
-           args.batch, extra=("--interleave", "2"))
     layout("PP=2", 2, args.batch, os.path.join(ROOT, "configs/pipeline.yaml"), "pp", args.batch,
            (2, args.micro_batches))
     layout("TP=2 x PP=2", 4, args.batch, os.path.join(ROOT, "configs/gpt_tp2_pp2.yaml"), None,
@@ -136,12 +132,11 @@ def _run(name: str, cmd: list[str], env: dict, logs: str, timeout: int = 300) ->
 
 
 def _gtmpi(name: str, n: int, batch: int, config: str | None, args, logs: str,
-           steps: int | None = None, env: dict | None = None,
-           extra: tuple[str, ...] = ()) -> dict | None:
+           steps: int | None = None, env: dict | None = None) -> dict | None:
     cmd = ["mpiexec", "--bind-to", "none", "-n", str(n + 1), sys.executable,
            os.path.join(ROOT, "examples/gpt/train.py"), "--size", args.size, "--batch",
            str(batch), "--steps", str(steps or args.steps), "--log-every", "100",
-           "--micro-batches", str(args.micro_batches), *extra]
+           "--micro-batches", str(args.micro_batches)]
     return _run(f"gtmpi {name} {batch}", cmd, {"GTMPI_PLACEMENT": "strict", **(env or {}),
                                                **({"GTMPI_CONFIG": config} if config else {})},
                 logs)
@@ -180,7 +175,7 @@ def _report(rows: list[dict], args) -> None:
 
     print(f"\nGPT {args.size}, seq from the model, bf16 on GPUs, AdamW; tokens/s; ratios to one "
           "GPU of the same library (DP: at the same batch per GPU)")
-    head = (f"{'layout':<16} {'GPUs':>4} {'batch':>5} {'gtmpi':>10} {'ratio':>6} {'torch':>10} "
+    head = (f"{'layout':<13} {'GPUs':>4} {'batch':>5} {'gtmpi':>10} {'ratio':>6} {'torch':>10} "
             f"{'ratio':>6} {'gtmpi GB':>8} {'torch GB':>8} {'instr':>6} {'graphs':>6} bubble")
     print(head)
     print("-" * len(head))
@@ -194,7 +189,7 @@ def _report(rows: list[dict], args) -> None:
         r["torch_ratio"] = round(tr / t_one, 3) if tr and t_one else None
         bubble = (f"{', '.join(f'{b:.3f}' for b in r['bubble'])} (ideal "
                   f"{r['bubble_expected']:.3f})" if r.get("bubble") else "")
-        print(f"{r['layout']:<16} {r['gpus']:>4} {r['batch']:>5} {_n(gr):>10} "
+        print(f"{r['layout']:<13} {r['gpus']:>4} {r['batch']:>5} {_n(gr):>10} "
               f"{_n(r['gtmpi_ratio'], 3):>6} {_n(tr):>10} {_n(r['torch_ratio'], 3):>6} "
               f"{_n(g.get('peak_gb_per_gpu'), 2):>8} {_n(t.get('peak_gb_per_gpu'), 2):>8} "
               f"{_n(g.get('instructions_per_step'), 0):>6} "

@@ -59,15 +59,8 @@ def build(lib: ModuleType) -> type:
             self.out = nn.Linear(4 * c.dim, c.dim)
 
         def forward(self, x):
-            x = x + self.attend(x)
-            return x + self.mlp(x)
-
-        # the two residual branches, each to be added to its input
-        def attend(self, x):
-            return self.attn(self.ln1(x))
-
-        def mlp(self, x):
-            return self.out(F.gelu(self.fc(self.ln2(x))))
+            x = x + self.attn(self.ln1(x))
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
     class GPT(nn.Module):
         def __init__(self, c: Config) -> None:
@@ -79,40 +72,12 @@ def build(lib: ModuleType) -> type:
             self.ln = nn.LayerNorm(c.dim)
             self.head = nn.Linear(c.dim, c.vocab, bias=False)
             self.register_buffer("position_ids", lib.arange(c.seq))
-            self.interleave = 1  # > 1: forward runs the batch in that many slices, interleaved
 
         def forward(self, idx, targets=None):
-            if self.interleave > 1:
-                return self.interleaved(idx, targets)
             x = self.embed(idx)
             for block in self.blocks:
                 x = block(x)
             return self.finish(x, targets)
-
-        def interleaved(self, idx, targets=None):
-            """The same model on ``interleave`` equal slices of the batch, branch by branch: a
-            slice's residual branch is added to it only after the next slice's branch has been
-            issued. Under tensor parallelism each branch ends in a row-parallel layer whose sum
-            starts as soon as its matmul ends, and the worker waits for a sum where it is first
-            read: at that add. So one slice's sum runs beside the next slice's branch instead of
-            leaving the GPU waiting (the seed's overlap of a chunk's collective with the next
-            chunk's matmuls). The loss is the mean of the slices' mean losses: the batch's, up
-            to rounding; without targets, the slices' logits in a list."""
-            n = self.interleave
-            if idx.shape[0] % n:
-                raise ValueError(f"a batch of {idx.shape[0]} cannot be cut into {n} equal slices")
-            xs = [self.embed(i) for i in idx.chunk(n)]
-            branches = [b for block in self.blocks for b in (block.attend, block.mlp)]
-            pending = [None] * n
-            for branch in branches:
-                for i in range(n):
-                    if pending[i] is not None:
-                        xs[i] = xs[i] + pending[i]
-                    pending[i] = branch(xs[i])
-            # each slice's last sum runs beside the previous slice's head
-            ys = targets.chunk(n) if targets is not None else [None] * n
-            outs = [self.finish(x + p, y) for x, p, y in zip(xs, pending, ys)]
-            return outs if targets is None else sum(outs[1:], outs[0]) / n
 
         def embed(self, idx):
             return self.tokens(idx) + self.positions(self.position_ids[:idx.shape[1]])

@@ -60,9 +60,6 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="blocks (default: the size's)")
     p.add_argument("--micro-batches", type=int, default=4, help="per step, with pipeline stages")
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
-    p.add_argument("--interleave", type=int, default=1,
-                   help="tensor parallel: run the batch in this many slices, each slice's sums "
-                        "beside the next slice's computing (model.py's GPT.interleaved)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default by size)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps/10)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
@@ -151,11 +148,6 @@ def main() -> None:
             m.register_forward_pre_hook(
                 lambda m, args, name=seq_signal.get(id(m), "seq"):
                 (gtmpi.signal.tensor(args[0], name),))
-    if args.interleave > 1 and not (tensor_par and seq_signal is None and not n_stages):
-        sys.exit("train.py: --interleave runs with tensor parallelism alone (configs/gpt_tp2.yaml):"
-                 " a pipeline's micro-batches already interleave, and sequence parallelism's "
-                 "cuts are made at each block's input")
-    model.interleave = args.interleave
     model.to(dtype)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -188,8 +180,7 @@ def main() -> None:
             f"{', tensor parallel in each' if staged_tp else ''})"
             if n_stages else "data parallel" if data_parallel else
             "tensor parallel (Megatron)" if tensor_par else "one worker") + \
-        (", sequence parallel" if seq_signal is not None else "") + \
-        (f", {args.interleave} slices interleaved" if args.interleave > 1 else "")
+        (", sequence parallel" if seq_signal is not None else "")
     print(f"GPT {args.size}: {n_params:,} parameters ({c.layers} layers, dim {c.dim}, {c.heads} "
           f"heads, vocab {c.vocab}), seq {seq}, batch {args.batch}, {str(dtype)[6:]}; "
           f"{len(world['workers'])} worker(s), {mode}; data: {len(train):,} bytes, unigram "
