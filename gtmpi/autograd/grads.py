@@ -14,7 +14,7 @@ from ..client.creation import zeros
 from ..client.functions import cat, where
 from ..client.tensor import Tensor, apply
 from ..ops.table import FUSED_FNS
-from .engine import Node
+from .node import Node
 
 Rule = Callable[[Node, Any], tuple]
 GRADS: dict[str, Rule] = {}
