@@ -60,9 +60,36 @@ def graphed(body: Callable[[], None], inner: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def beside(summing: Callable[[], None], mm: Callable[[], None]) -> Callable[[], None]:
+    """summing on a side stream, mm on the current one beside it."""
+    side = torch.cuda.Stream()
+
+    def both() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            summing()
+        mm()
+        torch.cuda.current_stream().wait_stream(side)
+    return both
+
+
+def measure(name: str, body: Callable[[], None], reps: int, inner: int) -> tuple[float, float]:
+    """body's µs per run, eagerly and inside a CUDA graph (nan where it cannot be captured)."""
+    eager = timed(lambda: [body() for _ in range(inner)], reps) / inner
+    try:
+        graph = graphed(body, inner)
+    except RuntimeError as e:  # a capture the symmetric memory's barrier refuses
+        print(f"{name}: not captured ({str(e).splitlines()[0]})")
+        return eager, float("nan")
+    in_graph = timed(graph.replay, reps) / inner
+    # a graph holding NCCL kernels must go before its process group, or teardown hangs
+    del graph
+    return eager, in_graph
+
+
 def copy_engine_rows(act: torch.Tensor, mm: Callable[[], None], reps: int, inner: int) -> dict:
     """The 2-GPU sum of act by copies between the GPUs' symmetric memory, alone and beside mm:
-    {name: (eager µs, graph µs or nan where it could not be captured)}."""
+    {name: (eager µs, graph µs)}."""
     import torch.distributed._symmetric_memory as symm_mem
     group = dist.group.WORLD.group_name
     buf = symm_mem.empty(act.shape, dtype=act.dtype, device=act.device)
@@ -72,7 +99,6 @@ def copy_engine_rows(act: torch.Tensor, mm: Callable[[], None], reps: int, inner
     half = act.shape[0] // 2
     shape, width = (half, act.shape[1]), half * act.shape[1]
     pulled = torch.empty(shape, dtype=act.dtype, device=act.device)
-    side = torch.cuda.Stream()
 
     def ce() -> None:
         handle.barrier()
@@ -82,24 +108,8 @@ def copy_engine_rows(act: torch.Tensor, mm: Callable[[], None], reps: int, inner
         buf[peer * half:(peer + 1) * half].copy_(handle.get_buffer(peer, shape, act.dtype,
                                                                    peer * width))
 
-    def both() -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            ce()
-        mm()
-        torch.cuda.current_stream().wait_stream(side)
-
-    rows = {}
-    for name, body in (("ce", ce), ("mm+ce", both)):
-        eager = timed(lambda: [body() for _ in range(inner)], reps) / inner
-        try:
-            graph = graphed(body, inner)
-            rows[name] = (eager, timed(graph.replay, reps) / inner)
-            del graph
-        except RuntimeError as e:  # a capture the symmetric memory's barrier refuses
-            print(f"{name}: not captured ({str(e).splitlines()[0]})")
-            rows[name] = (eager, float("nan"))
-    return rows
+    return {name: measure(name, body, reps, inner)
+            for name, body in (("ce", ce), ("mm+ce", beside(ce, mm)))}
 
 
 def main() -> None:
@@ -123,7 +133,6 @@ def main() -> None:
     x = torch.randn(t, h // world, device=dev, dtype=torch.bfloat16)
     w = torch.randn(h // world, h, device=dev, dtype=torch.bfloat16)
     out = torch.empty(t, h, device=dev, dtype=torch.bfloat16)
-    comm = torch.cuda.Stream()
 
     def ar() -> None:
         dist.all_reduce(act)
@@ -131,12 +140,7 @@ def main() -> None:
     def mm() -> None:
         torch.mm(x, w, out=out)
 
-    def both() -> None:  # the sum on a side stream, the matmul beside it
-        comm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(comm):
-            dist.all_reduce(act)
-        torch.mm(x, w, out=out)
-        torch.cuda.current_stream().wait_stream(comm)
+    both = beside(ar, mm)
 
     inner, nbytes = args.inner, act.numel() * act.element_size()
     rows = {}
@@ -147,11 +151,7 @@ def main() -> None:
         cases += [(f"mm/{c}", mm, int(c)), (f"mm+ar/{c}", both, int(c))]
     for name, body, carveout in cases:
         torch._C._set_sm_carveout_experimental(carveout)
-        eager = timed(lambda: [body() for _ in range(inner)], args.reps) / inner
-        graph = graphed(body, inner)
-        rows[name] = (eager, timed(graph.replay, args.reps) / inner)
-        # a graph holding NCCL kernels must go before its process group, or teardown hangs
-        del graph
+        rows[name] = measure(name, body, args.reps, inner)
     torch._C._set_sm_carveout_experimental(None)
     torch.cuda.synchronize()
     dist.barrier()
