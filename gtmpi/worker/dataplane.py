@@ -131,10 +131,15 @@ class DataPlane:
     def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
         """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded."""
         piece = _pad(x.contiguous(), dim, max(sizes))
-        parts = [torch.empty_like(piece) for _ in sizes]
-        dist.all_gather(parts, piece, group=self.groups[group])
+        # into one buffer, members outermost: no copy out of a list of parts, and pieces of
+        # one size along dim 0 are the whole already (a view); along another dim, one copy
+        flat = piece.new_empty((len(sizes) * piece.shape[0], *piece.shape[1:]))
+        dist.all_gather_into_tensor(flat, piece, group=self.groups[group])
+        out = flat.view(len(sizes), *piece.shape)
         self._count("all_gather", piece)
-        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+        if len(set(sizes)) == 1:
+            return out.movedim(0, dim).flatten(dim, dim + 1)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(out.unbind(0), sizes)], dim)
 
     def reduce_scatter(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...],
                        index: int) -> torch.Tensor:
@@ -145,6 +150,12 @@ class DataPlane:
             dist.all_reduce(whole, group=self.groups[group])
             self._count("reduce_scatter", x)
             return whole.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
+        if len(set(sizes)) == 1:  # members' pieces outermost in one buffer (along dim 0: x)
+            whole = x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).contiguous()
+            out = whole.new_empty(whole.shape[1:])
+            dist.reduce_scatter_tensor(out, whole, group=self.groups[group])
+            self._count("reduce_scatter", x)
+            return out
         pieces = list(torch.split(x.contiguous(), list(sizes), dim))
         longest = max(sizes)
         padded = [_pad(p, dim, longest) for p in pieces]
