@@ -512,3 +512,12 @@ def test_kernel_profile_splits_a_step_into_compute_nccl_and_idle(tmp_path, capsy
     assert lines["worker1"]["shared"] == {"compute": 0.5333, "nccl_only": 0.2667, "idle": 0.2}
     assert lines["worker2"]["shared"] == {"compute": 0.7667, "nccl_only": 0.1333, "idle": 0.1}
     assert "nccl AllReduce" in out and "nccl SendRecv" in out and "Kernel2" in out
+    # worker 1's gaps: 100 µs after each all-reduce (600-700, 1600-1700) and 50 µs after each
+    # send (800-850, 1800-1850); the elementwise kernel ends its first step at 1000, where the
+    # next step's matmul starts at once
+    found = kernels.gaps(kernels.load(str(tmp_path / "worker1.json")), 3)
+    assert [round(g[0]) for g in found] == [100, 100, 50]
+    assert {(g[1], g[2]) for g in found} == {("nccl AllReduce", "nccl SendRecv"),
+                                            ("nccl SendRecv", "vectorized_elementwise_kernel")}
+    assert kernels.main([str(tmp_path), "--steps", "2", "--gaps", "2"]) == 0
+    assert "longest idle gaps" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 time per step, how much of it the GPU computed, waited in NCCL kernels or sat idle, and the
 kernels that took the time.
 
-    python -m gtmpi.trace.kernels DIR [--steps N] [--top K]
+    python -m gtmpi.trace.kernels DIR [--steps N] [--top K] [--gaps G]
 
 A step's time splits into: compute (some non-NCCL kernel running), NCCL alone (only a
 collective or a send/receive running: moving bytes, or waiting for a peer, which a pipeline
@@ -75,6 +75,20 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int) -> dict:
                           key=lambda r: -r[3])}
 
 
+def gaps(kernels: list[tuple[float, float, str]], count: int) -> list[tuple[float, str, str]]:
+    """The ``count`` longest stretches with no kernel running: (µs, the family of the kernel
+    that ended last before it, the family of the one that starts it), longest first. Idle time
+    inside a CUDA graph is the GPU waiting for a dependency or for the next node's launch; a
+    gap that follows the same kernel every step points at what it waits for."""
+    found, end, last = [], None, ""
+    for s, e, n in kernels:  # by start
+        if end is not None and s > end:
+            found.append((s - end, last, family(n)))
+        if end is None or e > end:
+            end, last = e, family(n)
+    return sorted(found, key=lambda g: -g[0])[:count]
+
+
 def shared_window(profiles: list[list[tuple[float, float, str]]]) -> tuple[float, float]:
     """The time every profile was recording: from the latest first kernel to the earliest
     last one."""
@@ -99,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         (os.environ.get("GTMPI_PROFILE_REPLAYS", "10:4").partition(":")[2]) or 4),
         help="steps in the window (GTMPI_PROFILE_REPLAYS's COUNT)")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--gaps", type=int, default=0,
+                   help="also list each worker's this many longest idle gaps, with the kernels "
+                        "around them")
     args = p.parse_args(argv)
     files = sorted(glob.glob(os.path.join(args.directory, "worker*.json")),
                    key=lambda f: int(re.sub(r"\D", "", os.path.basename(f)) or 0))
@@ -127,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'kernel':60s} {'per step':>8s} {'avg µs':>8s} {'ms/step':>8s}")
         for name, count, avg, total in s["top"][:args.top]:
             print(f"  {name:60s} {count:8.1f} {avg:8.1f} {total:8.2f}")
+        if args.gaps:
+            print(f"  longest idle gaps: {'µs':>8s}  after -> before")
+            for length, before, after in gaps(recorded, args.gaps):
+                print(f"  {'':19s}{length:8.1f}  {before} -> {after}")
         lines[worker] = {k: v if k == "shared" else round(v, 3) for k, v in s.items()
                          if k not in ("top", "kernels")}
     print(json.dumps({"kernel_profile": args.directory, "steps": args.steps, **lines}))
