@@ -70,7 +70,6 @@ class Ghost:
         return len(self._sig[0])
 
 
-# backward names of torch's where they are not the op's own name in CamelCase
 def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any = None) -> None:
     """Called by every op: link the result into the graph if an operand requires grad.
     ``graph``: a fused op's handle to torch's record of it on the worker, which its rule reads."""

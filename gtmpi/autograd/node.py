@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
+# backward names of torch's where they are not the op's own name in CamelCase
 _TORCH_NAMES = {"cross_entropy": "NllLossBackward0", "layer_norm": "NativeLayerNormBackward0",
                 "to": "ToCopyBackward0", "reshape": "ViewBackward0", "flatten": "ViewBackward0",
                 "contiguous": "CloneBackward0", "alias": "AliasBackward0",
