@@ -38,6 +38,7 @@ from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, b
                                tril, triu, trunc, unbind,
                                unsqueeze, var, where)
 from .client.dryrun import dry_run
+from .client.generator import Generator
 from .client.remote import connect
 from .client.replay import replayable
 from .client.runtime import runtime as _runtime
@@ -74,7 +75,6 @@ def compile(model=None, **options):
 
 # what a torch program may reach for that gtmpi has under another name
 _INSTEAD = {"as_tensor": "gtmpi.tensor", "asarray": "gtmpi.tensor", "from_dlpack": "gtmpi.tensor",
-            "Generator": "gtmpi.manual_seed (each worker has its generator)",
             "jit": "gtmpi.replayable (a step recorded once, replayed by the workers)",
             "distributed": "a config's signals (gtmpi.signal, GTMPI_CONFIG): gtmpi places "
                            "tensors itself, no process group is the program's"}

@@ -66,14 +66,14 @@ def _collectives(proc) -> dict:
             for r, c in json.loads(line[len("COLLECTIVES "):]).items()}
 
 
-CONFIGS = ("data_parallel", "gpt_tp2", "gpt_tp2_sp", "tensor_parallel", "pipeline", "dp_tp",
+CONFIGS = ("ddp", "data_parallel", "gpt_tp2", "gpt_tp2_sp", "tensor_parallel", "pipeline", "dp_tp",
            "gpt_tp2_pp2", "gpt_tp2_pp4")
 
 
 @serial
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config,workers,extra", [
-    ("data_parallel", 2, ()), ("gpt_tp2", 2, ()), ("gpt_tp2_sp", 2, ()),
+    ("ddp", 2, ()), ("data_parallel", 2, ()), ("gpt_tp2", 2, ()), ("gpt_tp2_sp", 2, ()),
     ("tensor_parallel", 2, None), ("pipeline", 2, ()), ("dp_tp", 4, ()),
     ("gpt_tp2_pp2", 4, ()), ("gpt_tp2_pp4", 8, ("--layers", "4"))])
 def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, extra):

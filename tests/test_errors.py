@@ -57,7 +57,7 @@ def test_worker_out_of_memory_raises_at_read_and_session_survives():
 @pytest.mark.skipif(HOME_DEVICE.type == "cuda", reason="a CUDA device-side assert breaks the "
                     "worker's CUDA context for good, in gtmpi as in torch")
 def test_worker_index_error_names_op_and_line():
-    x = gtmpi.arange(5.0)
+    x = gtmpi.arange(5.0, device="cuda")  # on the workers (a CPU tensor would raise here)
     bad = x[gtmpi.tensor([1, 9])]        # out of range: only the worker can tell
     line = line_of(__file__, "bad = x[gtmpi.tensor([1, 9])]")
     with pytest.raises(gtmpi.WorkerError) as info:
@@ -80,7 +80,7 @@ def test_worker_host_time_is_counted_per_instruction():
     """benchmarks/dispatch.py (e) divides it by the instructions run between two readings."""
     home = min(gtmpi.info()["workers"])
     before = gtmpi.debug.worker_stats()[home]
-    x = gtmpi.zeros(64, 64)
+    x = gtmpi.zeros(64, 64, device="cuda")
     for _ in range(200):
         x = x + 1.0
     assert x[0, 0].item() == 200.0

@@ -69,16 +69,16 @@ def test_in_place_ops_with_a_poisoned_operand_leave_their_target():
 
 
 def test_the_skipped_fault_reaches_the_next_read_of_any_tensor():
-    w = gtmpi.ones(3)
+    w = gtmpi.ones(3, device="cuda")
     w *= gtmpi.zeros(1 << 48)[:3]
     with pytest.raises(gtmpi.WorkerError, match="in-place 'imul' that depended on it was skipped"):
-        gtmpi.ones(2).tolist()
+        gtmpi.ones(2, device="cuda").tolist()
     assert w.tolist() == [1.0, 1.0, 1.0]
 
 
 @cpu_asserts
 def test_an_in_place_op_that_fails_itself_keeps_its_target_readable():
-    w, want = gtmpi.arange(5.0), torch.arange(5.0)
+    w, want = gtmpi.arange(5.0, device="cuda"), torch.arange(5.0)
     w[gtmpi.tensor([1, 9])] = 7.0  # index out of range: only the worker can tell
     with pytest.raises(IndexError):
         want[torch.tensor([1, 9])] = 7.0

@@ -142,15 +142,16 @@ def test_gelu_and_silu_gradients(approximate):
 # instructions -------------------------------------------------------------------------------
 
 def test_each_fused_op_is_one_instruction_each_way():
-    """Forward one instruction, backward one (torch's backward kernel), for every fused op."""
-    x = gtmpi.randn(2, 3, 8, 16, requires_grad=True)
-    w = gtmpi.randn(16, requires_grad=True)
-    b = gtmpi.randn(16, requires_grad=True)
-    k, v = gtmpi.randn(2, 3, 8, 16, requires_grad=True), gtmpi.randn(2, 3, 8, 16, requires_grad=True)
-    idx = gtmpi.tensor([[1, 2], [0, 3]])
-    table = gtmpi.randn(5, 16, requires_grad=True)
-    target = gtmpi.tensor([1, 0, 4])
-    logits = gtmpi.randn(3, 5, requires_grad=True)
+    """Forward one instruction, backward one (torch's backward kernel), for every fused op
+    (its operands on the workers beforehand: device="cuda")."""
+    x = gtmpi.randn(2, 3, 8, 16, requires_grad=True, device="cuda")
+    w = gtmpi.randn(16, requires_grad=True, device="cuda")
+    b = gtmpi.randn(16, requires_grad=True, device="cuda")
+    k, v = gtmpi.randn(2, 3, 8, 16, requires_grad=True, device="cuda"), gtmpi.randn(2, 3, 8, 16, requires_grad=True, device="cuda")
+    idx = gtmpi.tensor([[1, 2], [0, 3]], device="cuda")
+    table = gtmpi.randn(5, 16, requires_grad=True, device="cuda")
+    target = gtmpi.tensor([1, 0, 4], device="cuda")
+    logits = gtmpi.randn(3, 5, requires_grad=True, device="cuda")
     cases = [
         lambda: GF.layer_norm(x, (16,), w, b),
         lambda: GF.rms_norm(x, (16,), w),
@@ -164,7 +165,7 @@ def test_each_fused_op_is_one_instruction_each_way():
         out = make()
         forward = ops_on_home() - before
         assert forward == 1, (make.__code__.co_firstlineno, forward)
-        grad = gtmpi.ones(out.shape)
+        grad = gtmpi.ones(out.shape, device="cuda")
         for leaf in (x, w, b, k, v, table, logits):
             leaf.grad = None
         before = ops_on_home()

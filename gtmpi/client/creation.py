@@ -1,15 +1,18 @@
 """Creating tensors: from host data (uploaded as raw bytes) or made on the worker."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import host
 from .gradmode import no_grad
 from .dtypes import as_dtype
+from .generator import Generator, host_generator, worker_seed
 from .runtime import runtime
-from .tensor import Tensor, _sizes, apply, with_device
+from .tensor import Tensor, _sizes, apply, upload, with_device
 
 
 def _grad(t: Tensor, requires_grad: bool) -> Tensor:
@@ -18,39 +21,53 @@ def _grad(t: Tensor, requires_grad: bool) -> Tensor:
 
 def tensor(data: Any, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
     """Like torch.tensor: copies ``data`` (nested lists, scalars, numpy, torch, gtmpi)."""
-    with_device(kw)
+    device = with_device(kw)
     dtype = as_dtype(dtype)
     if isinstance(data, Tensor):
         with no_grad():
             copy = data.clone() if dtype is None or dtype == data.dtype else data.to(dtype)
         return _grad(copy, requires_grad)
     if isinstance(data, torch.Tensor):
-        host = data.detach().to("cpu", dtype or data.dtype)
+        value = data.detach().to("cpu", dtype or data.dtype)
     elif isinstance(data, np.ndarray):
-        host = torch.from_numpy(np.ascontiguousarray(data))
-        host = host.to(dtype) if dtype is not None else host
+        value = torch.from_numpy(np.ascontiguousarray(data))
+        value = value.to(dtype) if dtype is not None else value
     else:
-        host = torch.tensor(data, dtype=dtype)
-    return _grad(upload(host), requires_grad)
+        value = torch.tensor(data, dtype=dtype)
+    return _grad(_held(value.clone(), device), requires_grad)
 
 
 def from_numpy(array: np.ndarray, requires_grad: bool = False) -> Tensor:
-    """torch's from_numpy; GT's ``requires_grad=`` too (torch's has none)."""
+    """torch's from_numpy (a copy, not a view of the array); GT's ``requires_grad=`` too."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"expected np.ndarray (got {type(array).__name__})")
-    return _grad(upload(torch.from_numpy(np.ascontiguousarray(array))), requires_grad)
+    return _grad(_held(torch.from_numpy(np.array(array, order="C")), None), requires_grad)
 
 
-def upload(host: torch.Tensor) -> Tensor:
-    """Send a CPU tensor's bytes to the worker that will hold it (a private copy: the caller
-    may change its array afterwards)."""
-    host = host.contiguous().clone()
-    rt = runtime()
-    out = rt.new_id()
-    sig = (host.shape, host.dtype)
-    rt.dispatcher.upload(("upload", out, sig, 0, None), host)
-    rt.note_site(out)
-    return Tensor(out, sig)
+def _held(value: torch.Tensor, device, recipe: tuple | None = None) -> Tensor:
+    """A CPU value kept by the client until a worker needs it (client/host.py), or at once on
+    the workers where it must be placed now: by its recipe, else by its bytes."""
+    if host.allowed(runtime(), device):
+        return Tensor(None, (value.shape, value.dtype), host=value, recipe=recipe)
+    return apply(*recipe) if recipe is not None else upload(value)
+
+
+def _constant(name: str, make, args: tuple, device, numel: int) -> Tensor:
+    """A small tensor of known values, held by the client with its recipe (a worker that needs
+    it runs the recipe: no bytes move); a large one made by a worker."""
+    if numel <= host.HOST_NUMEL and host.allowed(runtime(), device):
+        return _held(make(), device, (name, *args))
+    return apply(name, *args)
+
+
+def _drawn(make, name: str, args: tuple, device, generator: Any = None) -> Tensor:
+    """A random tensor: drawn from torch's CPU generator where torch would draw it there (no
+    device, or the CPU), so that torch.manual_seed gives torch's numbers; from a worker's
+    generator, seeded per op, on a GPU."""
+    if host.allowed(runtime(), device) and not isinstance(generator, Generator):
+        value = make()
+        return Tensor(None, (value.shape, value.dtype), host=value)
+    return apply(name, *args, worker_seed(generator))
 
 
 def _default(dtype) -> torch.dtype:
@@ -59,74 +76,98 @@ def _default(dtype) -> torch.dtype:
 
 
 def zeros(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    with_device(kw)
-    return _grad(apply("zeros", _sizes(size), _default(dtype)), requires_grad)
+    device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
+    return _grad(_constant("zeros", lambda: torch.zeros(shape, dtype=dtype), (shape, dtype),
+                           device, math.prod(shape)), requires_grad)
 
 
 def ones(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    with_device(kw)
-    return _grad(apply("ones", _sizes(size), _default(dtype)), requires_grad)
+    device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
+    return _grad(_constant("ones", lambda: torch.ones(shape, dtype=dtype), (shape, dtype),
+                           device, math.prod(shape)), requires_grad)
 
 
 def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    """Zero-filled: a worker never hands out uninitialised memory."""
-    return zeros(*size, dtype=dtype, requires_grad=requires_grad, **kw)
+    """Zero-filled: a worker never hands out uninitialised memory. Held by the client at any
+    size where torch would make it on the CPU: a parameter's storage, which torch's init
+    functions then fill with torch's numbers (nn.Linear, nn.Embedding)."""
+    device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
+    if host.allowed(runtime(), device):
+        return _grad(_held(torch.zeros(shape, dtype=dtype), device, ("zeros", shape, dtype)),
+                     requires_grad)
+    return zeros(shape, dtype=dtype, requires_grad=requires_grad, device=device)
 
 
 def full(size, fill_value, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    with_device(kw)
-    return _grad(apply("full", _sizes((size,)), fill_value, as_dtype(dtype)), requires_grad)
+    device, shape, dtype = with_device(kw), _sizes((size,)), as_dtype(dtype)
+    return _grad(_constant("full", lambda: torch.full(shape, fill_value, dtype=dtype),
+                           (shape, fill_value, dtype), device, math.prod(shape)), requires_grad)
 
 
 def arange(start, end=None, step=1, dtype=None, requires_grad: bool = False,
            **kw: Any) -> Tensor:
-    with_device(kw)
+    device, dtype = with_device(kw), as_dtype(dtype)
     if end is None:
         start, end = 0, start
-    return _grad(apply("arange", start, end, step, as_dtype(dtype)), requires_grad)
+    count = max(0, math.ceil((end - start) / step)) if step else 0
+    return _grad(_constant("arange", lambda: torch.arange(start, end, step, dtype=dtype),
+                           (start, end, step, dtype), device, count), requires_grad)
 
 
 def eye(n: int, m: int | None = None, dtype=None, requires_grad: bool = False,
         **kw: Any) -> Tensor:
-    with_device(kw)
-    return _grad(apply("eye", n, n if m is None else m, _default(dtype)), requires_grad)
+    device, dtype, m = with_device(kw), _default(dtype), n if m is None else m
+    return _grad(_constant("eye", lambda: torch.eye(n, m, dtype=dtype), (n, m, dtype), device,
+                           n * m), requires_grad)
 
 
-def randn(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    with_device(kw)
-    return _grad(apply("randn", _sizes(size), _default(dtype), runtime().next_seed()), requires_grad)
+def randn(*size, dtype=None, requires_grad: bool = False, generator=None, **kw: Any) -> Tensor:
+    device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
+    return _grad(_drawn(lambda: torch.randn(shape, dtype=dtype, generator=host_generator(
+        generator)), "randn", (shape, dtype), device, generator), requires_grad)
 
 
-def rand(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    with_device(kw)
-    return _grad(apply("rand", _sizes(size), _default(dtype), runtime().next_seed()), requires_grad)
+def rand(*size, dtype=None, requires_grad: bool = False, generator=None, **kw: Any) -> Tensor:
+    device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
+    return _grad(_drawn(lambda: torch.rand(shape, dtype=dtype, generator=host_generator(
+        generator)), "rand", (shape, dtype), device, generator), requires_grad)
 
 
-def randint(low: int, high: int | None = None, size=None, dtype=None, **kw: Any) -> Tensor:
+def randint(low: int, high: int | None = None, size=None, dtype=None, generator=None,
+            **kw: Any) -> Tensor:
     """torch.randint(high, size) or (low, high, size); int64 unless told."""
-    with_device(kw)
+    device = with_device(kw)
     if size is None:
         low, high, size = 0, low, high
-    return apply("randint", low, high, _sizes((size,)), as_dtype(dtype) or torch.int64,
-                 runtime().next_seed())
+    shape, dtype = _sizes((size,)), as_dtype(dtype) or torch.int64
+    return _drawn(lambda: torch.randint(low, high, shape, dtype=dtype,
+                                        generator=host_generator(generator)),
+                  "randint", (low, high, shape, dtype), device, generator)
 
 
-def randperm(n: int, dtype=None, **kw: Any) -> Tensor:
-    """A random permutation of 0..n-1 (int64 unless told), seeded as every random op is."""
-    with_device(kw)
-    return apply("randperm", int(n), as_dtype(dtype) or torch.int64, runtime().next_seed())
+def randperm(n: int, dtype=None, generator=None, **kw: Any) -> Tensor:
+    """A random permutation of 0..n-1 (int64 unless told)."""
+    device, dtype = with_device(kw), as_dtype(dtype) or torch.int64
+    return _drawn(lambda: torch.randperm(int(n), dtype=dtype, generator=host_generator(generator)),
+                  "randperm", (int(n), dtype), device, generator)
 
 
 def linspace(start, end, steps: int, dtype=None, requires_grad: bool = False,
              **kw: Any) -> Tensor:
-    """Made on the host and uploaded: a constant of a few numbers, as torch.linspace makes it."""
-    with_device(kw)
-    return _grad(upload(torch.linspace(start, end, steps, dtype=_default(dtype))),
+    """Made on the host: a constant of a few numbers, as torch.linspace makes it."""
+    device = with_device(kw)
+    return _grad(_held(torch.linspace(start, end, steps, dtype=_default(dtype)), device),
                  requires_grad)
 
 
-def multinomial(probs: Tensor, num_samples: int, replacement: bool = False) -> Tensor:
-    return apply("multinomial", probs, num_samples, replacement, runtime().next_seed())
+def multinomial(probs: Tensor, num_samples: int, replacement: bool = False, *,
+                generator=None) -> Tensor:
+    """Drawn where ``probs`` lives: from torch's CPU generator (or ``generator``) for
+    probabilities the client holds, else by the worker, seeded per op (or by ``generator``)."""
+    if probs._host is not None and host.allowed(runtime()) and not isinstance(generator, Generator):
+        value = torch.multinomial(probs._host, num_samples, replacement, generator=generator)
+        return Tensor(None, (value.shape, value.dtype), host=value)
+    return apply("multinomial", probs, num_samples, replacement, worker_seed(generator))
 
 
 def _tensor_argument(fn: str, t: Any) -> None:
@@ -135,18 +176,25 @@ def _tensor_argument(fn: str, t: Any) -> None:
                         f"{type(t).__name__}")
 
 
-def zeros_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+def _like(fn: str, t: Any, dtype, kw: dict, name: str, *args: Any) -> Tensor:
+    """torch's *_like keep t's device: made here (as ``name``'s function makes it) where the
+    client holds t, else on t's workers, laid out like it."""
     with_device(kw)
-    _tensor_argument("zeros_like", t)
+    _tensor_argument(fn, t)
+    dtype = as_dtype(dtype) or t.dtype
+    if t._host is not None:
+        return _MAKERS[name](t.shape, *args, dtype=dtype)
     with beside(t):
-        return zeros(t.shape, dtype=dtype or t.dtype)
+        seed = (worker_seed(),) if name in ("randn", "rand") else ()
+        return apply(name, tuple(t.shape), *args, dtype, *seed)
+
+
+def zeros_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+    return _like("zeros_like", t, dtype, kw, "zeros")
 
 
 def ones_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
-    with_device(kw)
-    _tensor_argument("ones_like", t)
-    with beside(t):
-        return ones(t.shape, dtype=dtype or t.dtype)
+    return _like("ones_like", t, dtype, kw, "ones")
 
 
 def empty_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
@@ -154,30 +202,27 @@ def empty_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
 
 
 def full_like(t: Tensor, fill_value, dtype=None, **kw: Any) -> Tensor:
-    with_device(kw)
-    _tensor_argument("full_like", t)
-    with beside(t):
-        return full(t.shape, fill_value, dtype=dtype or t.dtype)
+    return _like("full_like", t, dtype, kw, "full", fill_value)
 
 
 def randn_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
-    with_device(kw)
-    _tensor_argument("randn_like", t)
-    with beside(t):
-        return randn(t.shape, dtype=dtype or t.dtype)
+    return _like("randn_like", t, dtype, kw, "randn")
 
 
 def rand_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
-    with_device(kw)
-    with beside(t):
-        return rand(t.shape, dtype=dtype or t.dtype)
+    return _like("rand_like", t, dtype, kw, "rand")
 
 
 def beside(t: Tensor):
-    """torch's *_like keep the device; here: made where t lives, laid out like it."""
+    """Tensors made inside are laid out like t."""
     return runtime().dispatcher.placer.beside(t.id)
 
 
+_MAKERS = {"zeros": zeros, "ones": ones, "full": full, "randn": randn, "rand": rand}
+
+
 def manual_seed(seed: int) -> None:
-    """Random ops after this give the same numbers on every run, whatever the worker count."""
+    """torch's CPU generator (tensors the client draws) and every worker's random op after
+    this: the same numbers on every run, whatever the worker count."""
+    torch.manual_seed(seed)
     runtime().manual_seed(seed)

@@ -8,6 +8,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator
 
 from ..placement.types import Placement, make
@@ -29,6 +30,8 @@ class SignalBook:
         self._said_idle = False
 
     def register(self, signals: dict[str, Signal]) -> None:
+        signals = {n: s if s.workers else replace(s, workers=tuple(range(len(self.ranks))))
+                   for n, s in signals.items()}
         needed = max((w for s in signals.values() for w in s.workers), default=-1) + 1
         for s in signals.values():
             for w in s.workers:

@@ -21,23 +21,30 @@ from ..ops.table import FUSED_FNS
 from ..ops.shapes import RESTRIDING, SCALARS, VIEWS, signature_key, view_strides
 from ..transport.buffers import NUMPY_DTYPES
 from .dtypes import as_dtype
-from . import gradmode
+from . import gradmode, host
+from .generator import Generator, worker_seed
 from .runtime import current, runtime
 
 MinMax = namedtuple("MinMax", ["values", "indices"])
 TopK = namedtuple("TopK", ["values", "indices"])
 Sort = namedtuple("Sort", ["values", "indices"])
 _clock = time.perf_counter_ns
+_CPU = torch.device("cpu")
 Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
 
 
 class Tensor:
-    __slots__ = ("id", "_sig", "requires_grad", "grad", "_node", "_slot", "_strides",
-                 "__weakref__")
+    __slots__ = ("_id", "_host", "_recipe", "_sig", "requires_grad", "grad", "_node", "_slot",
+                 "_strides", "_state", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our reflected operators instead of reading us
 
-    def __init__(self, tensor_id: int, sig: tuple[torch.Size, torch.dtype]):
-        self.id = tensor_id
+    def __init__(self, tensor_id: int | None, sig: tuple[torch.Size, torch.dtype],
+                 host: torch.Tensor | None = None, recipe: tuple | None = None):
+        self._id = tensor_id
+        # the value, while the client holds it itself (client/host.py); then no id yet
+        self._host = host
+        self._recipe = recipe  # the creation op that makes _host where it is used
+        self._state = False  # a module's parameter or buffer (placed by 'parameters')
         self._sig = sig
         self.requires_grad = False
         self.grad: Tensor | None = None
@@ -45,11 +52,38 @@ class Tensor:
         self._slot = 0     # which of that Node's results this is
         self._strides: tuple | None = None  # a view's layout where not contiguous (shapes.py)
 
+    @property
+    def id(self) -> int | None:
+        """The logical tensor's id on the workers; a tensor the client holds is placed now."""
+        return self._id if self._host is None else self._place()
+
+    @id.setter
+    def id(self, tensor_id: int | None) -> None:
+        self._id = tensor_id
+
+    def _place(self) -> int:
+        """Hand a host-held value to the workers: its recipe run there, else its bytes. Outside
+        any signal's scope, a config's ``parameters`` signal places a module's parameters and
+        buffers, and its ``uploads`` signal the rest of what the program uploads (its batches):
+        data parallelism by a config alone."""
+        value, recipe = self._host, self._recipe
+        self._host = self._recipe = None
+        book = runtime().signals
+        implicit = None if book.open else "parameters" if self._state else \
+            "uploads" if recipe is None else None
+        if implicit is not None and implicit in book.signals:
+            with book.scope(implicit):
+                made = apply(*recipe) if recipe is not None else upload(value)
+        else:
+            made = apply(*recipe) if recipe is not None else upload(value)
+        self._id, made._id = made._id, None
+        return self._id
+
     def __del__(self) -> None:
         try:
             rt = current()
-            if rt is not None and not rt.closed and self.id is not None:
-                rt.dispatcher.frees.append(self.id)
+            if rt is not None and not rt.closed and self._id is not None:
+                rt.dispatcher.frees.append(self._id)
         except Exception:  # interpreter shutdown: modules half torn down, workers gone anyway
             pass
 
@@ -124,6 +158,8 @@ class Tensor:
 
     def cpu_torch(self) -> torch.Tensor:
         """The value as a plain CPU torch tensor."""
+        if self._host is not None:
+            return self._host.clone()
         buf = self._bytes()
         if not buf.size:
             return torch.empty(self.shape, dtype=self.dtype)
@@ -134,20 +170,20 @@ class Tensor:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use "
                                "tensor.detach().numpy() instead.")
         np_dtype = NUMPY_DTYPES.get(self.dtype)
-        if np_dtype is None:
-            return self.cpu_torch().numpy()  # raises torch's own error (bfloat16)
+        if np_dtype is None or self._host is not None:
+            return self.cpu_torch().numpy()  # bfloat16: raises torch's own error
         return self._bytes().view(np_dtype).reshape(self.shape)
 
     def item(self) -> Any:
         if self.numel() != 1:
             raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
         np_dtype = NUMPY_DTYPES.get(self.dtype)
-        if np_dtype is None:
-            return self.cpu_torch().item()
+        if np_dtype is None or self._host is not None:
+            return (self._host if self._host is not None else self.cpu_torch()).item()
         return self._bytes().view(np_dtype)[0].item()
 
     def tolist(self) -> Any:
-        return self.cpu_torch().tolist()
+        return (self._host if self._host is not None else self.cpu_torch()).tolist()
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         arr = self.detach().numpy()
@@ -188,6 +224,15 @@ class Tensor:
         return bool(self.item())
 
     def __iter__(self) -> Iterator["Tensor"]:
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        rt = runtime()
+        if self._host is None and self.numel() <= host.HOST_NUMEL and host.allowed(rt) and \
+                not (self.requires_grad and gradmode.is_grad_enabled()):
+            # one read for the whole tensor, its rows then held here (indices read back one
+            # at a time cost a round trip each)
+            rows = self.cpu_torch().unbind(0)
+            return (Tensor(None, (r.shape, r.dtype), host=r) for r in rows)
         return (self[i] for i in range(len(self)))
 
     __hash__ = object.__hash__
@@ -350,17 +395,34 @@ class Tensor:
     def sigmoid_(self) -> Tensor: return self.copy_(self.sigmoid())
     def pow_(self, o: Operand) -> Tensor: return self.copy_(self.pow(o))
 
-    def normal_(self, mean: float = 0.0, std: float = 1.0) -> Tensor:
-        return apply("normal_", self, float(mean), float(std), runtime().next_seed())
+    def normal_(self, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> Tensor:
+        if self._draws_here(generator):
+            self._host.normal_(mean, std, generator=generator)
+            return self
+        return apply("normal_", self, float(mean), float(std), worker_seed(generator))
 
-    def uniform_(self, a: float = 0.0, b: float = 1.0) -> Tensor:
-        return apply("uniform_", self, float(a), float(b), runtime().next_seed())
+    def uniform_(self, a: float = 0.0, b: float = 1.0, *, generator: Any = None) -> Tensor:
+        if self._draws_here(generator):
+            self._host.uniform_(a, b, generator=generator)
+            return self
+        return apply("uniform_", self, float(a), float(b), worker_seed(generator))
+
+    def _draws_here(self, generator: Any) -> bool:
+        """Whether an in-place draw fills the value the client holds, from torch's CPU
+        generator (or ``generator``), as torch draws a CPU tensor's values."""
+        if self._host is None or isinstance(generator, Generator) or \
+                not host.allowed(runtime()):
+            return False
+        self._recipe = None
+        return True
 
     # dtype and device -------------------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:
-        """The device of the (first) worker that holds it."""
+        """The device of the (first) worker that holds it; the CPU while the client does."""
+        if self._host is not None:
+            return _CPU
         return runtime().device_of(self.id)
 
     @property
@@ -372,7 +434,9 @@ class Tensor:
         dtype=, device=, non_blocking=, copy=. Devices are accepted and checked, and change
         nothing: where data lives is the runtime's choice (signals and configs), not the
         program's."""
-        dtype = split_device(args, kwargs)
+        dtype, device = split_device(args, kwargs)
+        if device is not None and device.type != "cpu":
+            self.id  # a host-held value's upload starts now, as torch's copy to the GPU
         return self if dtype is None or dtype == self.dtype else apply("to", self, dtype)
 
     def cpu(self) -> Tensor:
@@ -380,10 +444,11 @@ class Tensor:
         return self
 
     def cuda(self, device: Any = None) -> Tensor:
+        self.id
         return self
 
     def pin_memory(self, device: Any = None) -> Tensor:
-        """Itself: its data is on the workers already (uploads are pinned there)."""
+        """Itself: a host-held value is uploaded from memory gtmpi owns, without a wait."""
         return self
 
     def is_pinned(self, device: Any = None) -> bool:
@@ -482,7 +547,10 @@ class Tensor:
     def expand(self, *sizes): return apply("expand", self, _sizes(sizes))
     def expand_as(self, other): return apply("expand", self, tuple(other.shape))
     def contiguous(self) -> Tensor: return apply("contiguous", self)
-    def is_contiguous(self) -> bool: return view_strides(self._strides) is None
+    def is_contiguous(self) -> bool:
+        if self._host is not None:
+            return self._host.is_contiguous()
+        return view_strides(self._strides) is None
     def clone(self) -> Tensor: return apply("clone", self)
     def split(self, split_size_or_sections=None, dim: int = 0, *, split_size=None,
               axis: int | None = None) -> tuple[Tensor, ...]:
@@ -543,6 +611,10 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     ``shape_as`` = (n, template, sigs): for shape inference only, the last n tensor operands
     and the index ``key`` are replaced (a boolean mask becomes index vectors of its true count).
     """
+    if name in host.HOST_OPS:
+        held = _on_host(name, args, key, kw)
+        if held is not None:
+            return held
     rt = runtime()
     if rt.autocast is not None:  # gtmpi.autocast: operands cast as torch's lists say
         cast = rt.autocast.operands(name, args)
@@ -624,6 +696,55 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     return result
 
 
+def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
+    """The op run here, as torch's CPU runs it, when every tensor operand is held by the
+    client and small (in place on a held tensor: any size), no gradient is recorded, and
+    nothing places what it makes; else None (a worker runs it)."""
+    total, held, values = 0, None, []
+    for a in args:
+        if isinstance(a, Tensor):
+            value = a._host
+            if value is None or (a.requires_grad and gradmode.is_grad_enabled()):
+                return None
+            total += value.numel()
+            held = a
+            a = value
+        elif isinstance(a, (np.ndarray, torch.Tensor)):
+            a = torch.as_tensor(a)
+            total += a.numel()
+        values.append(a)
+    if held is None:
+        return None
+    inplace = name in _INPLACE
+    rt = runtime()
+    if (not inplace and total > host.HOST_NUMEL) or not host.allowed(rt) or \
+            (inplace and not isinstance(args[0], Tensor)) or \
+            (rt.autocast is not None and rt.autocast.operands(name, args) is not None):
+        return None  # an autocast region's op runs as the workers cast it
+    if key is not None:
+        kw = {**kw, "key": key}
+    with torch.no_grad():
+        out = OPS[name].kernel(*values, **kw)
+    if inplace:
+        args[0]._recipe = None  # changed: its recipe no longer makes it
+        return args[0]
+    if isinstance(out, (tuple, list)):
+        return tuple(Tensor(None, (o.shape, o.dtype), host=o) for o in out)
+    return Tensor(None, (out.shape, out.dtype), host=out)
+
+
+def upload(value: torch.Tensor) -> Tensor:
+    """Send a CPU tensor's bytes to the worker that will hold it (a private copy: the caller
+    may change its array afterwards)."""
+    value = value.contiguous().clone()
+    rt = runtime()
+    out = rt.new_id()
+    sig = (value.shape, value.dtype)
+    rt.dispatcher.upload(("upload", out, sig, 0, None), value)
+    rt.note_site(out)
+    return Tensor(out, sig)
+
+
 _PLAIN = (Tensor, *SCALARS)  # operands that need no conversion
 _URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker
 _INPLACE = frozenset(name for name, op in OPS.items() if op.kind is Kind.INPLACE)
@@ -651,32 +772,37 @@ def _dims(dim) -> Any:
     return tuple(dim) if isinstance(dim, list) else dim
 
 
-def with_device(kw: dict) -> None:
-    """torch's device= (and pin_memory=, layout=) on creation: checked, then left to the
-    runtime, which places data by signals and configs."""
+def with_device(kw: dict) -> torch.device | None:
+    """torch's device= (and pin_memory=, layout=) on creation, checked. Which worker holds a
+    tensor is the runtime's choice, by signals and configs; the device says only whether the
+    client may hold it until used (none or the CPU: client/host.py)."""
     device = kw.pop("device", None)
     kw.pop("pin_memory", None)
     kw.pop("layout", None)
     if kw:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(kw)}")
-    if device is not None and not isinstance(device, torch.device):
-        torch.device(device)  # raises torch's own error for a malformed device
+    if device is None or isinstance(device, torch.device):
+        return device
+    return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
 
 
-def split_device(args: tuple, kwargs: dict) -> torch.dtype | None:
-    """The dtype among .to()'s arguments; devices among them are checked and dropped."""
+def split_device(args: tuple, kwargs: dict) -> tuple[torch.dtype | None, torch.device | None]:
+    """The dtype and the device among .to()'s arguments (devices checked)."""
     dtype = as_dtype(kwargs.pop("dtype", None))
     kwargs.pop("non_blocking", None)
     kwargs.pop("copy", None)
     kwargs.pop("memory_format", None)
-    with_device(kwargs)
+    device = with_device(kwargs)
     for a in args:
         if isinstance(a, Tensor):
             dtype = a.dtype
-        elif isinstance(a, (torch.device, int)):
-            continue
+            device = a.device
+        elif isinstance(a, torch.device):
+            device = a
+        elif isinstance(a, int) and not isinstance(a, bool):
+            device = torch.device("cuda", a)
         elif isinstance(a, str) and _is_device(a):
-            continue
+            device = torch.device(a)
         else:
             try:
                 dtype = as_dtype(a)
@@ -684,7 +810,7 @@ def split_device(args: tuple, kwargs: dict) -> torch.dtype | None:
                 if isinstance(a, str):
                     torch.device(a)  # neither a dtype nor a device: torch's error names it
                 raise
-    return dtype
+    return dtype, device
 
 
 def _is_device(name: str) -> bool:

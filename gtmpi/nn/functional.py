@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..client.creation import arange, rand
+from ..client.creation import arange, rand_like
 from ..client.functions import gelu, log_softmax, relu, sigmoid, silu, softmax, tanh, where
 from ..autograd import no_grad
 from ..client.tensor import Tensor, apply
@@ -85,7 +85,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
         return x
     if p == 1.0:
         return x * 0.0
-    keep = rand(x.shape, dtype=x.dtype) >= p
+    keep = rand_like(x) >= p
     return x * keep * (1.0 / (1.0 - p))
 
 
@@ -158,22 +158,20 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
     from ..client.runtime import runtime
     rt = runtime()
     region = rt.autocast
+    extra = {}
     if region is not None and region.composite_cross_entropy and not label_smoothing and \
             input.dtype in (torch.bfloat16, torch.float16) and not _split_along(input, 1):
         # torch's CUDA autocast has no rule for cross_entropy: its composite takes log_softmax
-        # in the logits' own dtype (an explicit dtype, which autocast keeps) and nll_loss in
-        # float32; the same here, so that the loss is torch's
-        rt.autocast = None
-        try:
-            log_probs = log_softmax(input, 1)
-        finally:
-            rt.autocast = region
-        return nll_loss(log_probs.float(), target, ignore_index, reduction)
+        # in the logits' own dtype and nll_loss in float32; the same kernels here, in one
+        # instruction, so that the loss is torch's
+        extra["nll_float32"] = True
     if reduction == "mean" and _split_along(input, 0):
         # each worker sums its rows' losses; the mean divides by all the rows that count
-        total = apply("cross_entropy", input, target, ignore_index, "sum", label_smoothing)
+        total = apply("cross_entropy", input, target, ignore_index, "sum", label_smoothing,
+                      **extra)
         return total / (target != ignore_index).sum().to(total.dtype)
-    return apply("cross_entropy", input, target, ignore_index, reduction, label_smoothing)
+    return apply("cross_entropy", input, target, ignore_index, reduction, label_smoothing,
+                 **extra)
 
 
 def _split_along(t: Tensor, dim: int) -> bool:

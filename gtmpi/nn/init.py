@@ -1,12 +1,35 @@
 """torch.nn.init: in-place initialisations of parameters, with torch's formulas (fans, gains,
-bounds). Random values come from gtmpi's seeded generators, so they are the same on every run
-and every number of workers, though not the numbers torch's generator would draw."""
+bounds). A tensor the client still holds (a parameter made without a device, as torch makes
+it on the CPU) is initialised by torch's own function, from torch's CPU generator: torch's
+numbers under torch.manual_seed. One on the workers draws from gtmpi's seeded generators: the
+same on every run and every number of workers, not torch's numbers."""
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any, Callable
+
+import torch
 
 from ..autograd import no_grad
+from ..client import host
+from ..client.runtime import runtime
 from ..client.tensor import Tensor
+
+
+def _torch_where_held(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """torch.nn.init's function of the same name on a tensor the client holds."""
+    torch_fn = getattr(torch.nn.init, fn.__name__)
+
+    @functools.wraps(fn)
+    def init(tensor: Tensor, *args: Any, **kw: Any) -> Tensor:
+        if isinstance(tensor, Tensor) and tensor._host is not None and host.allowed(runtime()):
+            torch_fn(tensor._host, *args, **kw)
+            tensor._recipe = None
+            return tensor
+        kw.pop("generator", None)
+        return fn(tensor, *args, **kw)
+    return init
 
 
 def calculate_gain(nonlinearity: str, param: float | None = None) -> float:
@@ -41,16 +64,19 @@ def _fan(tensor: Tensor, mode: str) -> int:
     return fan_in if mode == "fan_in" else fan_out
 
 
+@_torch_where_held
 def uniform_(tensor: Tensor, a: float = 0.0, b: float = 1.0) -> Tensor:
     with no_grad():
         return tensor.uniform_(a, b)
 
 
+@_torch_where_held
 def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
     with no_grad():
         return tensor.normal_(mean, std)
 
 
+@_torch_where_held
 def trunc_normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
                   b: float = 2.0) -> Tensor:
     """torch's method: uniform between the CDFs of the bounds, through the inverse CDF."""
@@ -63,37 +89,44 @@ def trunc_normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0, a: float 
         return tensor.clamp_(a, b)
 
 
+@_torch_where_held
 def constant_(tensor: Tensor, val: float) -> Tensor:
     with no_grad():
         return tensor.fill_(val)
 
 
+@_torch_where_held
 def ones_(tensor: Tensor) -> Tensor:
     return constant_(tensor, 1.0)
 
 
+@_torch_where_held
 def zeros_(tensor: Tensor) -> Tensor:
     with no_grad():
         return tensor.zero_()
 
 
+@_torch_where_held
 def xavier_uniform_(tensor: Tensor, gain: float = 1.0) -> Tensor:
     fan_in, fan_out = _calculate_fan_in_and_fan_out(tensor)
     bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
     return uniform_(tensor, -bound, bound)
 
 
+@_torch_where_held
 def xavier_normal_(tensor: Tensor, gain: float = 1.0) -> Tensor:
     fan_in, fan_out = _calculate_fan_in_and_fan_out(tensor)
     return normal_(tensor, 0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)))
 
 
+@_torch_where_held
 def kaiming_uniform_(tensor: Tensor, a: float = 0.0, mode: str = "fan_in",
                      nonlinearity: str = "leaky_relu") -> Tensor:
     bound = math.sqrt(3.0) * calculate_gain(nonlinearity, a) / math.sqrt(_fan(tensor, mode))
     return uniform_(tensor, -bound, bound)
 
 
+@_torch_where_held
 def kaiming_normal_(tensor: Tensor, a: float = 0.0, mode: str = "fan_in",
                     nonlinearity: str = "leaky_relu") -> Tensor:
     return normal_(tensor, 0.0, calculate_gain(nonlinearity, a) / math.sqrt(_fan(tensor, mode)))

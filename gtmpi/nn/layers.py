@@ -5,15 +5,26 @@ import math
 
 import torch
 
-from ..client.creation import ones, rand, randn, zeros
+from ..client.creation import empty, ones, zeros
+from ..autograd import no_grad
 from ..client.tensor import Tensor
 from . import functional as F
+from . import init
 from .module import Module
 from .parameter import Parameter
 
 
-def _uniform(shape, bound: float) -> Tensor:
-    return rand(*shape) * (2 * bound) - bound
+def _kaiming(weight_shape: tuple, bias: bool, fan_in: int) -> tuple[Parameter, Parameter | None]:
+    """torch's Linear and Conv parameters, drawn as torch draws them (reset_parameters): the
+    weight by kaiming_uniform with a=√5, then the bias ~ U(-1/√fan_in, 1/√fan_in)."""
+    weight = Parameter(empty(weight_shape))
+    init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if not bias:
+        return weight, None
+    b = Parameter(empty(weight_shape[0]))
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+    init.uniform_(b, -bound, bound)
+    return weight, b
 
 
 class Linear(Module):
@@ -22,9 +33,7 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
-        self.weight = Parameter(_uniform((out_features, in_features), bound))
-        self.bias = Parameter(_uniform((out_features,), bound)) if bias else None
+        self.weight, self.bias = _kaiming((out_features, in_features), bias, in_features)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -41,10 +50,11 @@ class Embedding(Module):
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.padding_idx = padding_idx
-        weight = randn(num_embeddings, embedding_dim)
+        self.weight = Parameter(empty(num_embeddings, embedding_dim))
+        init.normal_(self.weight)
         if padding_idx is not None:
-            weight[padding_idx] = 0.0
-        self.weight = Parameter(weight)
+            with no_grad():
+                self.weight[padding_idx] = 0.0
 
     def forward(self, indices: Tensor) -> Tensor:
         return F.embedding(indices, self.weight, self.padding_idx)
@@ -221,12 +231,13 @@ class MultiheadAttention(Module):
             raise AssertionError("embed_dim must be divisible by num_heads")
         self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
         self.batch_first, self.head_dim = batch_first, embed_dim // num_heads
-        bound = math.sqrt(6.0 / (4 * embed_dim))  # xavier_uniform_ of a (3E, E) matrix
-        self.in_proj_weight = Parameter(_uniform((3 * embed_dim, embed_dim), bound))
+        # torch's order of draws: the projection's Linear, then in_proj_weight
+        self.in_proj_weight = Parameter(empty(3 * embed_dim, embed_dim))
         self.in_proj_bias = Parameter(zeros(3 * embed_dim)) if bias else None
         self.out_proj = Linear(embed_dim, embed_dim, bias)
+        init.xavier_uniform_(self.in_proj_weight)
         if bias:
-            self.out_proj.bias = Parameter(zeros(embed_dim))
+            init.zeros_(self.out_proj.bias)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Tensor | None = None, need_weights: bool = True,
@@ -291,10 +302,8 @@ class _ConvNd(Module):
         kernel = (kernel_size,) * self.dims if isinstance(kernel_size, int) else tuple(kernel_size)
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, kernel
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
-        fan_in = in_channels // groups * math.prod(kernel)
-        bound = 1.0 / math.sqrt(fan_in) if fan_in else 0.0
-        self.weight = Parameter(_uniform((out_channels, in_channels // groups, *kernel), bound))
-        self.bias = Parameter(_uniform((out_channels,), bound)) if bias else None
+        self.weight, self.bias = _kaiming((out_channels, in_channels // groups, *kernel), bias,
+                                          in_channels // groups * math.prod(kernel))
 
     def forward(self, x: Tensor) -> Tensor:
         conv = F.conv1d if self.dims == 1 else F.conv2d

@@ -78,6 +78,8 @@ class Module:
         ``persistent`` (torch's rule)."""
         self.__dict__.pop(name, None)
         self._buffers[name] = value
+        if isinstance(value, Tensor):
+            value._state = True
         if persistent:
             self._non_persistent.discard(name)
         else:
@@ -245,7 +247,9 @@ class Module:
                 if name not in state:
                     continue
                 value = state[name]
-                if isinstance(value, (torch.Tensor, np.ndarray)):
+                if isinstance(value, (torch.Tensor, np.ndarray)) and target._host is not None:
+                    value = tensor(value)  # copied here: the client holds the parameter yet
+                elif isinstance(value, (torch.Tensor, np.ndarray)):
                     with beside(target):  # uploaded where the parameter lives: nothing moves
                         value = tensor(value)
                 if tuple(value.shape) != tuple(target.shape):
@@ -256,10 +260,13 @@ class Module:
         return _IncompatibleKeys(missing, unexpected)
 
     def to(self, *args: Any, **kwargs: Any) -> "Module":
-        """Convert floating-point parameters and buffers to a dtype among the arguments;
-        devices are accepted and change nothing (where data lives is the runtime's choice,
-        by signals and configs)."""
-        dtype = split_device(args, kwargs)
+        """Convert floating-point parameters and buffers to a dtype among the arguments. A GPU
+        device hands the parameters and buffers the client still holds to the workers now
+        (which workers is the runtime's choice, by signals and configs)."""
+        dtype, device = split_device(args, kwargs)
+        if device is not None and device.type != "cpu":
+            for t in [*self.parameters(), *self.buffers()]:
+                t.id  # placed: its upload starts
         if dtype is None:
             return self
         with no_grad():
@@ -280,7 +287,7 @@ class Module:
         return self
 
     def cuda(self, device: Any = None) -> "Module":
-        return self
+        return self.to("cuda")
 
     def float(self) -> "Module":
         return self.to(torch.float32)
@@ -306,6 +313,9 @@ class Module:
 def _convert_in_place(t: Tensor, dtype: torch.dtype) -> None:
     """``t`` itself takes ``dtype``: its converted copy's id and signature are swapped in, and
     the copy, now holding the old id, is dropped (which frees the old values)."""
+    if t._host is not None:
+        t._host, t._recipe, t._sig = t._host.to(dtype), None, (t.shape, dtype)
+        return
     new = t.to(dtype)
     t.id, new.id = new.id, t.id
     t._sig, new._sig = new._sig, t._sig

@@ -9,6 +9,12 @@ class Parameter(Tensor):
     __slots__ = ()
 
     def __new__(cls, data: Tensor, requires_grad: bool = True) -> "Parameter":
+        if data._host is not None:  # the client holds it: the parameter shares its values
+            param = object.__new__(cls)
+            Tensor.__init__(param, None, data._sig, data._host, data._recipe)
+            param.requires_grad = requires_grad
+            param._state = True
+            return param
         with no_grad():
             alias = data.detach()
         param = object.__new__(cls)

@@ -178,9 +178,10 @@ def _cross_entropy(args, tmask, kw):
     if not _tensors(args, tmask, 2) or x[1] not in _FLOAT or t[1] != torch.int64 or \
             len(x[0]) != 2 or t[0] != Size([x[0][0]]) or not 0.0 <= smoothing <= 1.0:
         return None
+    dtype = torch.float32 if kw and kw.get("nll_float32") else x[1]
     if reduction in ("mean", "sum"):
-        return ((Size([]), x[1]), _GRAPH)
-    return ((Size([x[0][0]]), x[1]), _GRAPH) if reduction == "none" else None
+        return ((Size([]), dtype), _GRAPH)
+    return ((Size([x[0][0]]), dtype), _GRAPH) if reduction == "none" else None
 
 
 def _reduction(args, tmask, kw):

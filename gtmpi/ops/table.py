@@ -479,7 +479,12 @@ def _attention(q, k, v, mask, dropout_p, is_causal, scale, seed=None):
         default.graphsafe_set_state(kept)
 
 
-def _cross_entropy(x, target, ignore_index, reduction, label_smoothing):
+def _cross_entropy(x, target, ignore_index, reduction, label_smoothing, nll_float32=False):
+    """torch's cross-entropy. ``nll_float32``: what torch runs under CUDA autocast, which has no
+    rule for it: log_softmax in the logits' dtype, then nll_loss in float32."""
+    if nll_float32:
+        return F.nll_loss(torch.log_softmax(x, 1).float(), target, ignore_index=ignore_index,
+                          reduction=reduction)
     return F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
 
@@ -556,7 +561,7 @@ _cross_entropy_from_logits = _recorded(_cross_entropy)
 
 
 def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing, grads=(),
-                            offset=None, group=None, plane=None):
+                            offset=None, group=None, plane=None, nll_float32=False):
     """torch's cross-entropy is log_softmax then nll_loss; torch's record of it keeps the
     log-probabilities, not the logits. Recorded from the log-probabilities on, ours keeps the
     same (a record from the logits would hold them too: a whole extra logits tensor). With
@@ -568,14 +573,14 @@ def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing,
                                                                                 grads=grads)
     if label_smoothing or not grads:
         return _cross_entropy_from_logits(x, target, ignore_index, reduction, label_smoothing,
-                                          grads=grads)
+                                          nll_float32, grads=grads)
     log_probs = torch.log_softmax(x, 1)
     dtype = x.dtype  # the closure below must not hold x itself
     with torch.enable_grad():
-        leaf = log_probs.detach().requires_grad_()
+        leaf = (log_probs.float() if nll_float32 else log_probs).detach().requires_grad_()
         loss = F.nll_loss(leaf, target, ignore_index=ignore_index, reduction=reduction)
     return loss.detach(), Graph(loss, [leaf], lambda g: torch._log_softmax_backward_data(
-        g, log_probs, 1, dtype))
+        g.to(dtype), log_probs, 1, dtype))
 
 
 # torch's fused kernels, each with its gradient row NAME_grad (Graph.backward)

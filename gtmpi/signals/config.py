@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 class Signal:
     name: str
     source: str                 # the file it came from, or "<dict>"
-    workers: tuple[int, ...]    # worker indices
+    workers: tuple[int, ...]    # worker indices; () in a config: all the job has
     axis: int | None            # None: replicated
     backward: str | None = None
     compile: bool = False
@@ -107,9 +107,10 @@ def _signal(name: str, body: Any, source: str) -> Signal:
     if mesh is not None:
         return _named_mesh(name, body, shard, mesh, where, source, backward, compile_)
     workers = shard.get("workers", [0])
-    if not _indices(workers) or not workers:
+    every = workers == "all"  # every worker of the job, counted when the config is loaded
+    if not every and (not _indices(workers) or not workers):
         raise ConfigError(f"{where}, key 'shard.workers': expected a list of distinct worker "
-                          f"indices (0, 1, ...), got {workers!r}")
+                          f"indices (0, 1, ...) or 'all', got {workers!r}")
     replicated = shard.get("replicated", False)
     if not isinstance(replicated, bool):
         raise ConfigError(f"{where}, key 'shard.replicated': expected true or false")
@@ -119,10 +120,11 @@ def _signal(name: str, body: Any, source: str) -> Signal:
     if replicated and axis is not None:
         raise ConfigError(f"{where}, key 'shard.replicated': a signal is either sharded along "
                           "an axis or replicated, not both")
-    if not replicated and axis is None and len(workers) > 1:
+    if not replicated and axis is None and (every or len(workers) > 1):
         raise ConfigError(f"{where}, key 'shard.axis': several workers need an axis to shard "
                           "along, or replicated: true")
-    return Signal(name, source, tuple(workers), None if replicated else axis, backward, compile_)
+    return Signal(name, source, () if every else tuple(workers), None if replicated else axis,
+                  backward, compile_)
 
 
 def _named_mesh(name: str, body: dict, shard: dict, mesh: Any, where: str, source: str,

@@ -28,6 +28,7 @@ class Tag(IntEnum):
     TRACE = 17    # the worker's recorded events
     GRAPH = 18    # whether a program's CUDA graph was captured (None) or why not
     DROPPED = 19  # a worker has forgotten a client's slot
+    DEVICE = 29   # answers a 'device' control word: timings and properties of the device
     # data communicator: raw tensor bytes, never pickled
     UPLOAD = 20      # rank 0 -> worker (a server's client: through the server)
     READ_OK = 21     # worker -> rank 0 (a server's client: straight to it, no slot in the tag)

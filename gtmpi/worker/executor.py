@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
+from .devicequery import DeviceQueries
 from ..errors import Fault
 from ..transport.buffers import as_bytes
 from ..ops.table import OPS, Graph, Kind, derive_seed, row_pieces
@@ -79,7 +80,8 @@ class Executor:
                          "program": self._program, "replay": self._replay,
                          "commit": self._commit, "rename": self._rename,
                          "backend": lambda out, args: settings.apply(*args),
-                         "serving": self._serving, "monitor": self._monitor}
+                         "serving": self._serving, "monitor": self._monitor,
+                         "device": DeviceQueries(device, link.reply).run}
         # what a monitor is sent: this worker's executors by slot (worker/loop.py sets it)
         self.executors: dict[int, "Executor"] = {0: self}
         self._pusher = None

@@ -1,0 +1,183 @@
+"""A real program, unchanged: nanoGPT's train.py beside torch's original on this machine.
+
+    python benchmarks/real.py PATH [--iters 40] [--batch 8] [--gpus N] [--runs torch,embedded,...]
+
+PATH is a checkout of karpathy/nanoGPT. In a temporary folder, its train.py, model.py and
+configurator.py are copied twice: as they are (torch), and with only their torch import lines
+switched to gtmpi (``import torch`` -> ``import gtmpi as torch``, ``import torch.nn as nn`` ->
+``import gtmpi.nn as nn``, ``from torch.nn import functional as F`` -> ``from gtmpi.nn import
+functional as F``). A dataset of random GPT-2 tokens stands in for OpenWebText. Each run trains
+GPT-2 small (12 layers, 768 wide, 1024 tokens, bf16 autocast on GPUs, no torch.compile,
+dropout 0, one micro-step per iteration) for --iters iterations:
+
+  torch        python train.py (the original), one GPU
+  embedded     python train.py (gtmpi, the embedded worker), one GPU
+  mpiexec      mpiexec -n 2 python train.py (gtmpi), one GPU
+  ddp          torchrun --nproc-per-node N train.py (the original's own DDP), N GPUs, batch
+               --batch per GPU (gradient_accumulation_steps N: one micro-step each)
+  dp-config    GTMPI_CONFIG=configs/ddp.yaml mpiexec -n N+1 python train.py (gtmpi, the
+               program unchanged), the same per-GPU batch
+
+Figures per run: ms per iteration (median of iterations 10 on, as train.py prints them),
+tokens/s, the peak GPU memory (torch.cuda.max_memory_allocated, read by a wrapper after the
+program returns: the program is not changed), iteration 0's loss and the last one. A table,
+then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWITCH = [(re.compile(r"^import torch$", re.M), "import gtmpi as torch"),
+          (re.compile(r"^import torch\.nn as nn$", re.M), "import gtmpi.nn as nn"),
+          (re.compile(r"^from torch\.nn import functional as F$", re.M),
+           "from gtmpi.nn import functional as F")]
+# runs train.py as its own __main__, then reports the peak memory of the first GPU it used
+WRAPPER = """
+import sys, runpy
+import {module} as torch
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path("train.py", run_name="__main__")
+if torch.cuda.is_available() and {report}:
+    print("PEAK_BYTES", torch.cuda.max_memory_allocated(), flush=True)
+"""
+LINE = re.compile(r"iter (\d+): loss ([0-9.]+), time ([0-9.]+)ms")
+
+
+def prepare(src: str, where: str) -> dict[str, str]:
+    """Two copies of the program (torch's and gtmpi's) sharing one dataset."""
+    data = os.path.join(where, "data", "openwebtext")
+    os.makedirs(data)
+    rng = np.random.default_rng(0)
+    rng.integers(0, 50257, size=4_000_000, dtype=np.uint16).tofile(os.path.join(data, "train.bin"))
+    rng.integers(0, 50257, size=400_000, dtype=np.uint16).tofile(os.path.join(data, "val.bin"))
+    dirs = {}
+    for kind in ("torch", "gtmpi"):
+        d = dirs[kind] = os.path.join(where, kind)
+        os.makedirs(d)
+        for name in ("train.py", "model.py", "configurator.py"):
+            text = open(os.path.join(src, name)).read()
+            if kind == "gtmpi" and name != "configurator.py":
+                for pattern, repl in SWITCH:
+                    text, n = pattern.subn(repl, text)
+            open(os.path.join(d, name), "w").write(text)
+        os.symlink(os.path.join(where, "data"), os.path.join(d, "data"))
+        module = "torch" if kind == "torch" else "gtmpi"
+        report = "int(__import__('os').environ.get('RANK', '0')) == 0"
+        open(os.path.join(d, "run.py"), "w").write(WRAPPER.format(module=module, report=report))
+    return dirs
+
+
+def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
+        timeout: int) -> dict:
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    iters = [(int(i), float(loss), float(ms)) for i, loss, ms in LINE.findall(out)]
+    peaks = [int(p) for p in re.findall(r"PEAK_BYTES (\d+)", out)]
+    if proc.returncode != 0 or not iters:
+        print(out[-4000:], flush=True)
+        return {"run": name, "rc": proc.returncode}
+    steady = [ms for i, _, ms in iters if i >= 10] or [ms for _, _, ms in iters[1:]]
+    ms = statistics.median(steady)
+    result = {"run": name, "rc": 0, "ms": round(ms, 2), "tokens_per_s": round(tokens_per_iter / ms * 1e3),
+              "loss0": iters[0][1], "loss_last": iters[-1][1], "iters": len(iters),
+              "peak_gb": round(max(peaks) / 1e9, 3) if peaks else None}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("path", help="a checkout of karpathy/nanoGPT")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs for the DP runs (default: all)")
+    ap.add_argument("--runs", default="torch,embedded,mpiexec,ddp,dp-config")
+    ap.add_argument("--size", default="gpt2", choices=["gpt2", "tiny"],
+                    help="tiny: 2 layers of 64 on 64 tokens, to try it on CPUs")
+    ap.add_argument("--timeout", type=int, default=900)
+    args = ap.parse_args()
+    import torch
+    gpus = args.gpus or torch.cuda.device_count()
+    shape = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--block_size=1024"] \
+        if args.size == "gpt2" else ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64"]
+    block = 1024 if args.size == "gpt2" else 64
+    device = ["--device=cuda", "--dtype=bfloat16"] if gpus else ["--device=cpu", "--dtype=float32"]
+    common = [*shape, *device, "--compile=False", "--dropout=0.0", f"--max_iters={args.iters}",
+              "--eval_interval=100000", "--eval_iters=1", "--log_interval=1",
+              "--always_save_checkpoint=False"]
+    one = [f"--batch_size={args.batch}", "--gradient_accumulation_steps=1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    mpiexec = [shutil.which("mpiexec") or "mpiexec"]
+    if "Open MPI" in subprocess.run(mpiexec + ["--version"], capture_output=True,
+                                    text=True).stdout:
+        mpiexec += ["--bind-to", "none", "--oversubscribe"]
+    py = sys.executable
+    runs = args.runs.split(",")
+    results = []
+    with tempfile.TemporaryDirectory() as where:
+        dirs = prepare(args.path, where)
+        tokens = args.batch * block
+        if "torch" in runs:
+            results.append(run("torch", [py, "run.py", *common, *one], dirs["torch"], env,
+                               tokens, args.timeout))
+        if "embedded" in runs:
+            results.append(run("gtmpi embedded", [py, "run.py", *common, *one], dirs["gtmpi"],
+                               env, tokens, args.timeout))
+        if "mpiexec" in runs:
+            results.append(run("gtmpi mpiexec -n 2", [*mpiexec, "-n", "2", py, "run.py", *common,
+                                                      *one], dirs["gtmpi"], env, tokens,
+                               args.timeout))
+        if gpus > 1 and "ddp" in runs:
+            results.append(run(f"torch DDP x{gpus}", [py, "-m", "torch.distributed.run",
+                                                      "--standalone", f"--nproc-per-node={gpus}",
+                                                      "run.py", *common,
+                                                      f"--batch_size={args.batch}",
+                                                      f"--gradient_accumulation_steps={gpus}"],
+                               dirs["torch"], env, tokens * gpus, args.timeout))
+        if gpus > 1 and "dp-config" in runs:
+            dp_env = {**env, "GTMPI_CONFIG": os.path.join(ROOT, "configs", "ddp.yaml")}
+            results.append(run(f"gtmpi DP x{gpus} (config)",
+                               [*mpiexec, "-n", str(gpus + 1), py, "run.py", *common,
+                                f"--batch_size={args.batch * gpus}",
+                                "--gradient_accumulation_steps=1"], dirs["gtmpi"], dp_env,
+                               tokens * gpus, args.timeout))
+    base = next((r for r in results if r["run"] == "torch" and r["rc"] == 0), None)
+    one_gpu = {r["run"]: r for r in results if r["rc"] == 0}
+    print(f"\nnanoGPT train.py, {args.size}, batch {args.batch} per GPU, {args.iters} iterations")
+    print(f"{'run':28} {'ms/iter':>9} {'tokens/s':>10} {'vs torch':>9} {'peak GB':>8} "
+          f"{'loss 0':>8} {'loss last':>9}")
+    for r in results:
+        if r["rc"]:
+            print(f"{r['run']:28} failed (rc {r['rc']})")
+            continue
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        r["vs_torch"] = round(ratio, 3)
+        print(f"{r['run']:28} {r['ms']:9.2f} {r['tokens_per_s']:10d} {ratio:8.3f}x "
+              f"{r['peak_gb'] if r['peak_gb'] is not None else '-':>8} {r['loss0']:8.4f} "
+              f"{r['loss_last']:9.4f}")
+    for name in list(one_gpu):
+        if name.startswith("gtmpi DP") and "gtmpi embedded" in one_gpu:
+            one_gpu[name]["vs_gtmpi_one_gpu"] = round(
+                one_gpu[name]["tokens_per_s"] / one_gpu["gtmpi embedded"]["tokens_per_s"], 3)
+            print(f"{name}: {one_gpu[name]['vs_gtmpi_one_gpu']}x gtmpi on one GPU")
+    print(json.dumps({"benchmark": "real", "program": "nanoGPT train.py", "size": args.size,
+                      "batch_per_gpu": args.batch, "gpus": gpus, "runs": results}))
+
+
+if __name__ == "__main__":
+    main()

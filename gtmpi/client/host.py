@@ -1,0 +1,42 @@
+"""Tensors the client holds itself until a worker needs them.
+
+torch makes a tensor without a device on the CPU; so does gtmpi: values made from host data
+(``tensor``, ``from_numpy``), drawn from torch's CPU generator (``randn``, ``randint``,
+``nn.init``), or small constants stay in the client as a plain CPU torch tensor. Reads of them
+cost no round trip (``for i in torch.randint(n, (8,))`` reads nothing), and small ops on them
+run here, as torch's CPU would run them (``torch.stack`` of a batch's rows). The first op that
+needs one on a worker places it: one upload of its bytes, or, for a constant made by a recipe
+(``zeros``, ``arange``), the recipe itself run where it is used (no bytes, and a replay can
+repeat it). Inside a signal's scope or a replay's recording nothing stays here: those place
+what they make at once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ops import OPS, Kind
+
+# Ops on host operands run here while their operands hold at most this many elements in all:
+# a batch's rows stacked, an index picked. Larger work goes to a worker, as the program meant.
+HOST_NUMEL = 1 << 16
+# Kinds a host op may be of: the rest need a worker (fused kernels and their Graphs,
+# collectives) or carry a worker's seed.
+_KINDS = frozenset({Kind.ELEMENTWISE, Kind.REDUCE, Kind.MATMUL, Kind.SHAPE, Kind.INDEX,
+                    Kind.INPLACE, Kind.GENERAL})
+_SEEDED = frozenset({"normal_", "uniform_", "multinomial", "vjp", "getitem_grad",
+                     "batch_norm_update_", "adam_foreach", "sgd_foreach", "adam_steps",
+                     "norm_foreach", "zero_foreach", "mul_foreach", "add_foreach"})
+HOST_OPS = frozenset(name for name, op in OPS.items() if op.kind in _KINDS) - _SEEDED
+
+
+def allowed(rt: Any, device: Any = None) -> bool:
+    """Whether a tensor made now with ``device`` may stay in the client: not on a named GPU,
+    not inside a signal's scope (it places what it makes) or a replay's recording (a replay
+    cannot repeat an upload)."""
+    if device is not None and torch.device(device).type != "cpu":
+        return False
+    d = rt.dispatcher
+    return d.recording is None and not d.placer.signals
+
