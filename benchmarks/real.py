@@ -79,8 +79,10 @@ def prepare(src: str, where: str) -> dict[str, str]:
 
 
 def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
-        timeout: int) -> dict:
+        timeout: int, trace: str | None = None) -> dict:
     print(f"== {name}: {' '.join(cmd)}", flush=True)
+    if trace and name.startswith("gtmpi"):
+        env = {**env, "GTMPI_TRACE": os.path.join(trace, re.sub(r"\W+", "_", name) + ".h5")}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     iters = [(int(i), float(loss), float(ms)) for i, loss, ms in LINE.findall(out)]
@@ -107,6 +109,7 @@ def main() -> None:
     ap.add_argument("--size", default="gpt2", choices=["gpt2", "tiny"],
                     help="tiny: 2 layers of 64 on 64 tokens, to try it on CPUs")
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--trace", metavar="DIR", help="gtmpi's runs traced into DIR/<run>.h5")
     args = ap.parse_args()
     import torch
     gpus = args.gpus or torch.cuda.device_count()
@@ -134,14 +137,14 @@ def main() -> None:
         tokens = args.batch * block
         if "torch" in runs:
             results.append(run("torch", [py, "run.py", *common, *one], dirs["torch"], env,
-                               tokens, args.timeout))
+                               tokens, args.timeout, args.trace))
         if "embedded" in runs:
             results.append(run("gtmpi embedded", [py, "run.py", *common, *one], dirs["gtmpi"],
-                               env, tokens, args.timeout))
+                               env, tokens, args.timeout, args.trace))
         if "mpiexec" in runs:
             results.append(run("gtmpi mpiexec -n 2", [*mpiexec, "-n", "2", py, "run.py", *common,
                                                       *one], dirs["gtmpi"], env, tokens,
-                               args.timeout))
+                               args.timeout, args.trace))
         if gpus > 1 and "ddp" in runs:
             results.append(run(f"torch DDP x{gpus}", [py, "-m", "torch.distributed.run",
                                                       "--standalone", f"--nproc-per-node={gpus}",
@@ -155,7 +158,7 @@ def main() -> None:
                                [*mpiexec, "-n", str(gpus + 1), py, "run.py", *common,
                                 f"--batch_size={args.batch * gpus}",
                                 "--gradient_accumulation_steps=1"], dirs["gtmpi"], dp_env,
-                               tokens * gpus, args.timeout))
+                               tokens * gpus, args.timeout, args.trace))
     base = next((r for r in results if r["run"] == "torch" and r["rc"] == 0), None)
     one_gpu = {r["run"]: r for r in results if r["rc"] == 0}
     print(f"\nnanoGPT train.py, {args.size}, batch {args.batch} per GPU, {args.iters} iterations")

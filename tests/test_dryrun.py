@@ -35,6 +35,26 @@ def gpt(*extra: str) -> str:
 """ + REPORT
 
 
+# configs/ddp.yaml is for programs with no signals: tests/train_torch_style.py (nanoGPT's
+# train.py, condensed) with its import line switched, as it is otherwise
+NANO = f"""
+    import json, os, sys, tempfile, types
+    import numpy as np
+    sys.path.insert(0, {str(ROOT / 'tests')!r})
+    import gtmpi
+    from test_torch_port import TRAIN, load
+    sys.modules["gpt_torch_style"] = load("gpt_torch_style", True)
+    source = open(TRAIN).read().replace("import torch\\n", "import gtmpi as torch\\n", 1)
+    module = types.ModuleType("train_torch_style")
+    exec(compile(source, TRAIN, "exec"), module.__dict__)
+    d = tempfile.mkdtemp()
+    for split in ("train", "val"):
+        np.tile(np.arange(64, dtype=np.uint16), 64).tofile(os.path.join(d, split + ".bin"))
+    print("LOSSES " + json.dumps(module.main(d, d, max_iters=3, dtype="float32",
+                                             compile=False)["losses"]))
+""" + REPORT
+
+
 # configs/tensor_parallel.yaml is the Megatron MLP's (its signals name no layout of the GPT)
 MLP = """
     import json
@@ -73,13 +93,17 @@ CONFIGS = ("ddp", "data_parallel", "gpt_tp2", "gpt_tp2_sp", "tensor_parallel", "
 @serial
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config,workers,extra", [
-    ("ddp", 2, ()), ("data_parallel", 2, ()), ("gpt_tp2", 2, ()), ("gpt_tp2_sp", 2, ()),
+    pytest.param("ddp", 2, "nano", marks=pytest.mark.xfail(
+        strict=True, reason="open: the dry run inserts 53 all-gathers where the real run "
+        "inserts 109 (tests/gpt_torch_style.py's masked_fill path, issue 34)")),
+    ("data_parallel", 2, ()), ("gpt_tp2", 2, ()), ("gpt_tp2_sp", 2, ()),
     ("tensor_parallel", 2, None), ("pipeline", 2, ()), ("dp_tp", 4, ()),
     ("gpt_tp2_pp2", 4, ()), ("gpt_tp2_pp4", 8, ("--layers", "4"))])
 def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, extra):
-    """Every config in configs/: the GPT (the MLP for tensor_parallel.yaml)."""
+    """Every config in configs/: the GPT (the MLP for tensor_parallel.yaml, nanoGPT's loop for
+    ddp.yaml)."""
     assert {p.stem for p in (ROOT / "configs").glob("*.yaml")} == set(CONFIGS)
-    program = MLP if extra is None else gpt(*extra)
+    program = MLP if extra is None else NANO if extra == "nano" else gpt(*extra)
     env = {"GTMPI_CONFIG": str(ROOT / "configs" / f"{config}.yaml")}
     real, _ = run_job(tmp_path, program, 240, n=workers + 1, env=env)
     dry, _ = run_job(tmp_path, program, 240, n=None,
@@ -271,3 +295,23 @@ def test_dry_run_asked_for_in_the_program(tmp_path):
     assert "again: gtmpi.dry_run() must come before the program's first tensor" in proc.stdout
     assert "gtmpi dry run on 2 simulated A100(s) of 80 GiB" in proc.stderr
     assert "all_reduce" in proc.stderr  # the gradient of the replicated weight, summed
+
+
+@serial
+@pytest.mark.timeout(300)
+def test_the_ddp_config_trains_an_unchanged_loop_with_one_workers_losses(tmp_path):
+    """configs/ddp.yaml on 2 workers: nanoGPT's loop, unchanged, gets the losses of one worker
+    (the same batches: drawn from torch's CPU generator), its gradients all-reduced."""
+    env = {"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml")}
+    two, _ = run_job(tmp_path, NANO, 240, n=3, env=env)
+    one, _ = run_job(tmp_path, NANO, 240, n=None)
+
+    def losses(proc):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(l for l in proc.stdout.splitlines() if l.startswith("LOSSES "))
+        return json.loads(line[len("LOSSES "):])
+    for a, b in zip(losses(two), losses(one)):
+        assert abs(a - b) < 1e-5 * abs(b)
+    collectives = _collectives(two)
+    assert set(collectives) == {1, 2} and all("all_reduce" in c or "all_reduce_bucket" in c
+                                              for c in collectives.values())

@@ -119,7 +119,7 @@ def test_a_worker_that_cannot_capture_makes_every_one_replay_op_by_op(monkeypatc
     if HOME_DEVICE.type == "cuda":
         pytest.skip("an index out of range is a device-side assert on a GPU")
     monkeypatch.setenv("GTMPI_CUDA_GRAPHS", GRAPHS)
-    broken = gtmpi.ones(2)[gtmpi.tensor([0, 5])]  # fails on its worker: index out of range
+    broken = gtmpi.ones(2, device="cuda")[gtmpi.tensor([0, 5])]  # fails on its worker: out of range
 
     @gtmpi.replayable
     def f(x):
@@ -159,20 +159,22 @@ def test_random_ops_in_a_replayed_step_draw_what_they_draw_as_written(monkeypatc
 
     def run(replay: bool) -> list[list[float]]:
         gtmpi.manual_seed(7)
-        lin = nn.Linear(8, 8)
+        lin = nn.Linear(8, 8)  # drawn from torch's CPU generator: the same in both runs
         drop = nn.Dropout(0.5)
 
         def step(x):
             h = drop(lin(x))
             q = h.view(1, 2, 4, 4)
             a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3)
-            noise = gtmpi.randn(4, 8) + gtmpi.zeros(4, 8).normal_(0.0, 2.0)
+            noise = gtmpi.randn(4, 8, device="cuda") + \
+                gtmpi.zeros(4, 8, device="cuda").normal_(0.0, 2.0)
             loss = (a.reshape(4, 8) + noise).square().sum()
             loss.backward()
             return loss
 
         f = gtmpi.replayable(step) if replay else step
-        x = gtmpi.tensor(torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32)
+        x = gtmpi.tensor(torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32,
+                         device="cuda")  # on the workers: the written run's draws are theirs
         out = []
         for _ in range(6):
             lin.zero_grad()

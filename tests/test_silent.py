@@ -196,7 +196,7 @@ def test_a_spawned_worker_killed_while_rank_0_is_idle_ends_the_job_naming_it(tmp
     script = tmp_path / "prog.py"
     script.write_text("import time, gtmpi\n"
                       "gtmpi.workers(2)\n"
-                      "gtmpi.ones(3).sum().item()\n"
+                      "gtmpi.ones(3, device='cuda').sum().item()\n"
                       "print('pids', {r: w['pid'] for r, w in gtmpi.info()['workers'].items()},"
                       " flush=True)\n"
                       "time.sleep(60)\n"

@@ -49,7 +49,7 @@ def test_frees_are_batched_and_reach_the_worker():
 
 def test_worker_stats_count_ops_and_bytes():
     s0 = gtmpi.debug.worker_stats()
-    x = gtmpi.tensor(torch.ones(1000))          # 4000 bytes up
+    x = gtmpi.tensor(torch.ones(1000), device="cuda")  # 4000 bytes up, now
     y = (x * 2).sum()
     y.item()                                     # 4 bytes down
     s1 = gtmpi.debug.worker_stats()

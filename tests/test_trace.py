@@ -40,7 +40,7 @@ def traced(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("trace") / "run.h5")
     gtmpi.synchronize()
     gtmpi.trace.start(path)
-    x = gtmpi.randn(8, 8)
+    x = gtmpi.randn(8, 8, device="cuda")  # drawn by the worker (a CPU tensor stays here)
     with gtmpi.trace.scope("block"):
         y = x @ x
         z = (y + 1.0).relu()
@@ -246,7 +246,7 @@ def test_faults_are_marked(tmp_path):
         bad = gtmpi.zeros(1 << 48)
         with pytest.raises(gtmpi.WorkerError):
             (bad + 1).sum().item()
-        gtmpi.ones(2).sum().item()
+        gtmpi.ones(2, device="cuda").sum().item()
     finally:
         gtmpi.trace.stop()
     trace = fileformat.read(path)
@@ -261,7 +261,7 @@ def test_faults_are_marked(tmp_path):
 def test_gpu_ops_timed_with_cuda_events(tmp_path):
     path = str(tmp_path / "gpu.h5")
     gtmpi.trace.start(path, gpu_every=1)
-    a = gtmpi.randn(1024, 1024)
+    a = gtmpi.randn(1024, 1024, device="cuda")
     for _ in range(4):
         a = a @ a / 1024
     a.sum().item()
@@ -282,7 +282,7 @@ def test_snapshots_while_running_lose_and_repeat_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("GTMPI_TRACE_SNAPSHOT_S", "0.005")
     path = str(tmp_path / "parts.h5")
     gtmpi.trace.start(path)
-    x = gtmpi.ones(4, 4)
+    x = gtmpi.ones(4, 4, device="cuda")
     ids = []
     for i in range(200):
         x = x * 0.5 + 1.0
@@ -336,7 +336,7 @@ job = pytest.mark.skipif(UNDER_MPI or mpiexec() is None,
 
 PROGRAM = """
     import sys, gtmpi
-    x = gtmpi.randn(16, 16)
+    x = gtmpi.randn(16, 16, device="cuda")
     for _ in range(10):
         x = (x @ x).tanh()
     print("SUM", x.sum().item(), flush=True)
@@ -439,7 +439,7 @@ def test_gt_instruction_log(tmp_path):
     log = tmp_path / "ops.log"
     proc, _ = run_job(tmp_path, """
         import gtmpi
-        a = gtmpi.ones(2, 2)
+        a = gtmpi.ones(2, 2, device="cuda")
         b = a @ a
         print(b.neg().sum().item())
     """, LIMIT_S, n=None, env={"GT_INSTRUCTION_LOG": str(log)})

@@ -7,7 +7,7 @@ cost no round trip (``for i in torch.randint(n, (8,))`` reads nothing), and smal
 run here, as torch's CPU would run them (``torch.stack`` of a batch's rows). The first op that
 needs one on a worker places it: one upload of its bytes, or, for a constant made by a recipe
 (``zeros``, ``arange``), the recipe itself run where it is used (no bytes, and a replay can
-repeat it). Inside a signal's scope or a replay's recording nothing stays here: those place
+repeat it). Inside a signal's scope or a replayable function nothing stays here: those place
 what they make at once.
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ HOST_OPS = frozenset(name for name, op in OPS.items() if op.kind in _KINDS) - _S
 
 def allowed(rt: Any, device: Any = None) -> bool:
     """Whether a tensor made now with ``device`` may stay in the client: not on a named GPU,
-    not inside a signal's scope (it places what it makes) or a replay's recording (a replay
-    cannot repeat an upload)."""
+    not inside a signal's scope (it places what it makes) or a replayable function (a replay
+    cannot repeat an upload, and its calls draw alike, from the workers' generators)."""
     if device is not None and torch.device(device).type != "cpu":
         return False
     d = rt.dispatcher
-    return d.recording is None and not d.placer.signals
+    return not d.in_replayable and d.recording is None and not d.placer.signals
 

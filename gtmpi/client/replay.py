@@ -62,6 +62,16 @@ class Replayable:
         self.replays = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # every call's tensors are made by the workers, as a replay makes them: the same
+        # draws whether a call runs as written, is recorded or is replayed (client/host.py)
+        d = runtime().dispatcher
+        d.in_replayable += 1
+        try:
+            return self._call(args, kwargs)
+        finally:
+            d.in_replayable -= 1
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if os.environ.get("GTMPI_REPLAY", "1") == "0":
             return self.fn(*args, **kwargs)
         rt = runtime()

@@ -97,6 +97,7 @@ class Dispatcher:
         self.trace_tick: Callable[[], None] | None = None  # called after each traced send
         self.devices: dict[int, str] = {}  # rank -> its device, as the worker said
         self.recording: Recording | None = None  # while a replayable call is recorded
+        self.in_replayable = 0  # replayable calls running now (client/replay.py)
         self.watched: dict[int, list[Program]] = {}  # id -> programs that read it
         self._before: dict | None = None  # the placer's table when the recording started
         self._inserted_before: dict = {}  # and its count of inserted collectives
