@@ -302,9 +302,9 @@ def test_dry_run_asked_for_in_the_program(tmp_path):
 def test_the_ddp_config_trains_an_unchanged_loop_with_one_workers_losses(tmp_path):
     """configs/ddp.yaml on 2 workers: nanoGPT's loop, unchanged, gets the losses of one worker
     (the same batches: drawn from torch's CPU generator), its gradients all-reduced."""
-    env = {"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml")}
+    env = {"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml"), "GTMPI_HOST_TENSORS": "1"}
     two, _ = run_job(tmp_path, NANO, 240, n=3, env=env)
-    one, _ = run_job(tmp_path, NANO, 240, n=None)
+    one, _ = run_job(tmp_path, NANO, 240, n=None, env={"GTMPI_HOST_TENSORS": "1"})
 
     def losses(proc):
         assert proc.returncode == 0, proc.stderr[-3000:]

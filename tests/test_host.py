@@ -17,6 +17,11 @@ from test_torch_port import load
 WORKERS = sorted(gtmpi.info()["workers"])
 
 
+@pytest.fixture(autouse=True)
+def held(monkeypatch):
+    monkeypatch.setenv("GTMPI_HOST_TENSORS", "1")
+
+
 def _reads(path: str) -> int:
     """Rank 0's waits for a read in a trace."""
     rows = analysis.wait_rows(fileformat.read(path))

@@ -102,14 +102,14 @@ def test_embedded_worker_process_trains_and_leaves_with_the_program(tmp_path):
             opt.step()
             losses.append(loss.item())
         try:
-            gtmpi.arange(3)[gtmpi.tensor([5])].tolist()
+            gtmpi.arange(3, device="cuda")[gtmpi.tensor([5])].tolist()
             error = None
         except gtmpi.WorkerError as e:
             error = "index" in str(e)
         pid = gtmpi.info()["workers"][1]["pid"]
         big = gtmpi.arange(400_000.0).numpy()  # 1.6 MB: past what rides in a batch's reply
         print("OUT", json.dumps({"losses": losses, "error": error, "own": pid == os.getpid(),
-                                 "pid": pid, "after": (gtmpi.ones(2) * 2).tolist(),
+                                 "pid": pid, "after": (gtmpi.ones(2, device="cuda") * 2).tolist(),
                                  "big": [float(big[0]), float(big[-1]), len(big)]}))
     """
     results = {}
@@ -129,7 +129,7 @@ def test_embedded_worker_process_trains_and_leaves_with_the_program(tmp_path):
 def test_a_killed_embedded_worker_process_is_named(tmp_path):
     proc, elapsed = run(tmp_path, """
         import os, signal, gtmpi
-        x = gtmpi.ones(3)
+        x = gtmpi.ones(3, device="cuda")  # on the worker (a CPU tensor is the program's own)
         x.sum().item()
         os.kill(gtmpi.info()["workers"][1]["pid"], signal.SIGKILL)
         print((x + 1).sum().item())

@@ -47,8 +47,11 @@ def from_numpy(array: np.ndarray, requires_grad: bool = False) -> Tensor:
 def _held(value: torch.Tensor, device, recipe: tuple | None = None) -> Tensor:
     """A CPU value kept by the client until a worker needs it (client/host.py), or at once on
     the workers where it must be placed now: by its recipe, else by its bytes."""
-    if host.allowed(runtime(), device):
-        return Tensor(None, (value.shape, value.dtype), host=value, recipe=recipe)
+    rt = runtime()
+    if host.allowed(rt, device):
+        t = Tensor(None, (value.shape, value.dtype), host=value, recipe=recipe)
+        t._scope = host.scope(rt, t._sig)
+        return t
     return apply(*recipe) if recipe is not None else upload(value)
 
 
@@ -64,9 +67,12 @@ def _drawn(make, name: str, args: tuple, device, generator: Any = None) -> Tenso
     """A random tensor: drawn from torch's CPU generator where torch would draw it there (no
     device, or the CPU), so that torch.manual_seed gives torch's numbers; from a worker's
     generator, seeded per op, on a GPU."""
-    if host.allowed(runtime(), device) and not isinstance(generator, Generator):
+    rt = runtime()
+    if host.allowed(rt, device) and not isinstance(generator, Generator):
         value = make()
-        return Tensor(None, (value.shape, value.dtype), host=value)
+        t = Tensor(None, (value.shape, value.dtype), host=value)
+        t._scope = host.scope(rt, t._sig)
+        return t
     return apply(name, *args, worker_seed(generator))
 
 

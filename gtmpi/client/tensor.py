@@ -11,6 +11,7 @@ import numbers
 import operator
 import time
 from collections import namedtuple
+from contextlib import ExitStack
 from typing import Any, Iterator, Sequence, Union
 
 import numpy as np
@@ -35,7 +36,7 @@ Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
 
 class Tensor:
     __slots__ = ("_id", "_host", "_recipe", "_sig", "requires_grad", "grad", "_node", "_slot",
-                 "_strides", "_state", "__weakref__")
+                 "_strides", "_state", "_scope", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our reflected operators instead of reading us
 
     def __init__(self, tensor_id: int | None, sig: tuple[torch.Size, torch.dtype],
@@ -45,6 +46,7 @@ class Tensor:
         self._host = host
         self._recipe = recipe  # the creation op that makes _host where it is used
         self._state = False  # a module's parameter or buffer (placed by 'parameters')
+        self._scope: tuple = ()  # the signal scopes open where a held value was made
         self._sig = sig
         self.requires_grad = False
         self.grad: Tensor | None = None
@@ -69,12 +71,12 @@ class Tensor:
         value, recipe = self._host, self._recipe
         self._host = self._recipe = None
         book = runtime().signals
-        implicit = None if book.open else "parameters" if self._state else \
-            "uploads" if recipe is None else None
-        if implicit is not None and implicit in book.signals:
-            with book.scope(implicit):
-                made = apply(*recipe) if recipe is not None else upload(value)
-        else:
+        implicit = "parameters" if self._state else "uploads" if recipe is None else None
+        scopes = self._scope or ((implicit,) if implicit in book.signals and not book.open
+                                 else ())
+        with ExitStack() as inside:  # placed where the signals open at its making place it
+            for name in scopes:
+                inside.enter_context(book.scope(name))
             made = apply(*recipe) if recipe is not None else upload(value)
         self._id, made._id = made._id, None
         return self._id
@@ -704,8 +706,8 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
     for a in args:
         if isinstance(a, Tensor):
             value = a._host
-            if value is None or (a.requires_grad and gradmode.is_grad_enabled()):
-                return None
+            if value is None or a._scope or (a.requires_grad and gradmode.is_grad_enabled()):
+                return None  # a signal's tensor is computed where the signal places it
             total += value.numel()
             held = a
             a = value

@@ -119,7 +119,7 @@ class Placer:
     def place(self, tid: int, sig: tuple, target: Placement, where: str) -> None:
         """Give a tensor a signal's placement."""
         self.active = True
-        self.replace(tid, sig, _fit(target, sig, where))
+        self.replace(tid, sig, fit(target, sig, where))
         self._flush_touched()
 
     def exit(self) -> None:
@@ -616,7 +616,7 @@ class Placer:
         if not self.signals:
             return self.home
         target, where = self.signals[-1]
-        return _fit(target, sig, where)
+        return fit(target, sig, where)
 
     def _mesh(self, kinds: list[Placement | None]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Where an op runs (ranks, axis sizes): the active signal's mesh, else that of its
@@ -721,7 +721,7 @@ class Placer:
         self._touched.clear()
 
 
-def _fit(target: Placement, sig: tuple, where: str) -> Placement:
+def fit(target: Placement, sig: tuple, where: str) -> Placement:
     """A signal's placement for a tensor of this shape: each axis's dim counted from the end
     if negative, and within the tensor's dims. On one worker every kind is the whole tensor,
     but its axes are checked all the same: a config tried on one machine must fail there, not

@@ -13,7 +13,7 @@ class Parameter(Tensor):
             param = object.__new__(cls)
             Tensor.__init__(param, None, data._sig, data._host, data._recipe)
             param.requires_grad = requires_grad
-            param._state = True
+            param._state, param._scope = True, data._scope
             return param
         with no_grad():
             alias = data.detach()
