@@ -45,16 +45,16 @@ def _ask(action: str, *operands: Any) -> Any:
     return answer
 
 
-_properties: dict = {}
-
-
 def _props() -> dict:
-    if "first" not in _properties:
+    """The first worker's GPU, asked once and kept with what the runtime knows of it."""
+    rt = runtime()
+    info = rt.workers[rt.dispatcher.home]
+    if "properties" not in info:
         if not is_available():
             raise RuntimeError("Found no NVIDIA driver on your system: gtmpi's workers have no "
                                "GPU")
-        _properties["first"] = _ask("properties")
-    return _properties["first"]
+        info["properties"] = _ask("properties")
+    return info["properties"]
 
 
 def get_device_properties(device: Any = None) -> SimpleNamespace:

@@ -49,9 +49,7 @@ def _held(value: torch.Tensor, device, recipe: tuple | None = None) -> Tensor:
     the workers where it must be placed now: by its recipe, else by its bytes."""
     rt = runtime()
     if host.allowed(rt, device):
-        t = Tensor(None, (value.shape, value.dtype), host=value, recipe=recipe)
-        t._scope = host.scope(rt, t._sig)
-        return t
+        return Tensor.held(value, recipe, host.scope(rt, (value.shape, value.dtype)))
     return apply(*recipe) if recipe is not None else upload(value)
 
 
@@ -60,19 +58,15 @@ def _constant(name: str, make, args: tuple, device, numel: int) -> Tensor:
     it runs the recipe: no bytes move); a large one made by a worker."""
     if numel <= host.HOST_NUMEL and host.allowed(runtime(), device):
         return _held(make(), device, (name, *args))
-    return apply(name, *args)
+    return apply(name, *args)  # not held: made by a worker, with no value computed here
 
 
 def _drawn(make, name: str, args: tuple, device, generator: Any = None) -> Tensor:
     """A random tensor: drawn from torch's CPU generator where torch would draw it there (no
     device, or the CPU), so that torch.manual_seed gives torch's numbers; from a worker's
     generator, seeded per op, on a GPU."""
-    rt = runtime()
-    if host.allowed(rt, device) and not isinstance(generator, Generator):
-        value = make()
-        t = Tensor(None, (value.shape, value.dtype), host=value)
-        t._scope = host.scope(rt, t._sig)
-        return t
+    if host.allowed(runtime(), device) and not isinstance(generator, Generator):
+        return _held(make(), device)
     return apply(name, *args, worker_seed(generator))
 
 
@@ -171,8 +165,8 @@ def multinomial(probs: Tensor, num_samples: int, replacement: bool = False, *,
     """Drawn where ``probs`` lives: from torch's CPU generator (or ``generator``) for
     probabilities the client holds, else by the worker, seeded per op (or by ``generator``)."""
     if probs._host is not None and host.allowed(runtime()) and not isinstance(generator, Generator):
-        value = torch.multinomial(probs._host, num_samples, replacement, generator=generator)
-        return Tensor(None, (value.shape, value.dtype), host=value)
+        return Tensor.held(torch.multinomial(probs._host, num_samples, replacement,
+                                             generator=generator))
     return apply("multinomial", probs, num_samples, replacement, worker_seed(generator))
 
 

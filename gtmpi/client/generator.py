@@ -35,9 +35,7 @@ class Generator:
         return self
 
     def seed(self) -> int:
-        self.manual_seed(int.from_bytes(torch.randint(0, 1 << 62, (1,)).numpy().tobytes(),
-                                        "little"))
-        return self._seed
+        return self.manual_seed(_draw_seed(None))._seed
 
     def initial_seed(self) -> int:
         return self._seed
@@ -66,4 +64,9 @@ def worker_seed(generator: Any = None) -> int:
         return runtime().next_seed()
     if isinstance(generator, Generator):
         return generator.next_seed()
+    return _draw_seed(generator)
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """A fresh seed from a CPU generator's stream (None: torch's default one)."""
     return int(torch.randint(0, 1 << 62, (1,), generator=generator))

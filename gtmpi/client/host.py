@@ -24,13 +24,14 @@ from ..ops import OPS, Kind
 # a batch's rows stacked, an index picked. Larger work goes to a worker, as the program meant.
 HOST_NUMEL = 1 << 16
 # Kinds a host op may be of: the rest need a worker (fused kernels and their Graphs,
-# collectives) or carry a worker's seed.
+# collectives). Of these, random ops carry a worker's seed and the optimizers' multi-tensor
+# updates keep state that lives on the workers: both stay there.
 _KINDS = frozenset({Kind.ELEMENTWISE, Kind.REDUCE, Kind.MATMUL, Kind.SHAPE, Kind.INDEX,
                     Kind.INPLACE, Kind.GENERAL})
-_SEEDED = frozenset({"normal_", "uniform_", "multinomial", "vjp", "getitem_grad",
+_ON_WORKERS = frozenset({"normal_", "uniform_", "multinomial", "vjp", "getitem_grad",
                      "batch_norm_update_", "adam_foreach", "sgd_foreach", "adam_steps",
                      "norm_foreach", "zero_foreach", "mul_foreach", "add_foreach"})
-HOST_OPS = frozenset(name for name, op in OPS.items() if op.kind in _KINDS) - _SEEDED
+HOST_OPS = frozenset(name for name, op in OPS.items() if op.kind in _KINDS) - _ON_WORKERS
 
 
 def allowed(rt: Any, device: Any = None) -> bool:

@@ -54,6 +54,13 @@ class Tensor:
         self._slot = 0     # which of that Node's results this is
         self._strides: tuple | None = None  # a view's layout where not contiguous (shapes.py)
 
+    @staticmethod
+    def held(value: torch.Tensor, recipe: tuple | None = None, scope: tuple = ()) -> "Tensor":
+        """A tensor whose value the client holds (client/host.py)."""
+        t = Tensor(None, (value.shape, value.dtype), value, recipe)
+        t._scope = scope
+        return t
+
     @property
     def id(self) -> int | None:
         """The logical tensor's id on the workers; a tensor the client holds is placed now."""
@@ -234,7 +241,7 @@ class Tensor:
             # one read for the whole tensor, its rows then held here (indices read back one
             # at a time cost a round trip each)
             rows = self.cpu_torch().unbind(0)
-            return (Tensor(None, (r.shape, r.dtype), host=r) for r in rows)
+            return (Tensor.held(r) for r in rows)
         return (self[i] for i in range(len(self)))
 
     __hash__ = object.__hash__
@@ -433,9 +440,8 @@ class Tensor:
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:
         """torch's forms: to(dtype), to(device), to(device, dtype), to(other), with keywords
-        dtype=, device=, non_blocking=, copy=. Devices are accepted and checked, and change
-        nothing: where data lives is the runtime's choice (signals and configs), not the
-        program's."""
+        dtype=, device=, non_blocking=, copy=. Which workers hold a tensor is the runtime's
+        choice (signals and configs); a GPU device hands a value the client holds to them now."""
         dtype, device = split_device(args, kwargs)
         if device is not None and device.type != "cpu":
             self.id  # a host-held value's upload starts now, as torch's copy to the GPU
@@ -731,8 +737,8 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
         args[0]._recipe = None  # changed: its recipe no longer makes it
         return args[0]
     if isinstance(out, (tuple, list)):
-        return tuple(Tensor(None, (o.shape, o.dtype), host=o) for o in out)
-    return Tensor(None, (out.shape, out.dtype), host=out)
+        return tuple(Tensor.held(o) for o in out)
+    return Tensor.held(out)
 
 
 def upload(value: torch.Tensor) -> Tensor:
