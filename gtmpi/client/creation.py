@@ -45,11 +45,12 @@ def from_numpy(array: np.ndarray, requires_grad: bool = False) -> Tensor:
 
 
 def _held(value: torch.Tensor, device, recipe: tuple | None = None) -> Tensor:
-    """A CPU value kept by the client until a worker needs it (client/host.py), or at once on
-    the workers where it must be placed now: by its recipe, else by its bytes."""
+    """A CPU value kept by the client until a worker needs it (client/host.py), or on the
+    workers at once where it is placed now (a GPU device, a signal's scope): by its recipe,
+    else by its bytes, straight to where the signal places it."""
     rt = runtime()
-    if host.allowed(rt, device):
-        return Tensor.held(value, recipe, host.scope(rt, (value.shape, value.dtype)))
+    if host.allowed(rt, device) and not rt.dispatcher.placer.signals:
+        return Tensor.held(value, recipe)
     return apply(*recipe) if recipe is not None else upload(value)
 
 
@@ -65,7 +66,9 @@ def _drawn(make, name: str, args: tuple, device, generator: Any = None) -> Tenso
     """A random tensor: drawn from torch's CPU generator where torch would draw it there (no
     device, or the CPU), so that torch.manual_seed gives torch's numbers; from a worker's
     generator, seeded per op, on a GPU."""
-    if host.allowed(runtime(), device) and not isinstance(generator, Generator):
+    rt = runtime()
+    if host.allowed(rt, device) and not isinstance(generator, Generator) and \
+            not host.varying(rt):
         return _held(make(), device)
     return apply(name, *args, worker_seed(generator))
 
@@ -89,12 +92,14 @@ def ones(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
 
 def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
     """Zero-filled: a worker never hands out uninitialised memory. Held by the client at any
-    size where torch would make it on the CPU: a parameter's storage, which torch's init
-    functions then fill with torch's numbers (nn.Linear, nn.Embedding)."""
+    size where torch would make it on the CPU, inside a signal's scope too: a parameter's
+    storage, which torch's init functions then fill with torch's numbers (nn.Linear,
+    nn.Embedding), and which the signal places when it is first used."""
     device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
-    if host.allowed(runtime(), device):
-        return _grad(_held(torch.zeros(shape, dtype=dtype), device, ("zeros", shape, dtype)),
-                     requires_grad)
+    rt = runtime()
+    if host.allowed(rt, device):
+        return _grad(Tensor.held(torch.zeros(shape, dtype=dtype), ("zeros", shape, dtype),
+                                 host.scope(rt, (shape, dtype))), requires_grad)
     return zeros(shape, dtype=dtype, requires_grad=requires_grad, device=device)
 
 

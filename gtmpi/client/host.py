@@ -7,8 +7,9 @@ cost no round trip (``for i in torch.randint(n, (8,))`` reads nothing), and smal
 run here, as torch's CPU would run them (``torch.stack`` of a batch's rows). The first op that
 needs one on a worker places it: one upload of its bytes, or, for a constant made by a recipe
 (``zeros``, ``arange``), the recipe itself run where it is used (no bytes, and a replay can
-repeat it). A value made inside a signal's scope is placed by that signal when used; inside a
-replayable function nothing stays here.
+repeat it). Inside a signal's scope a value is placed by the signal at once (a parameter's
+storage made by ``empty`` waits for its init first); inside a replayable function nothing
+stays here.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from typing import Any
 
 import torch
 
-from ..dispatcher.placer import fit
 from ..ops import OPS, Kind
 
 # Ops on host operands run here while their operands hold at most this many elements in all:
@@ -35,10 +35,9 @@ HOST_OPS = frozenset(name for name, op in OPS.items() if op.kind in _KINDS) - _O
 
 
 def allowed(rt: Any, device: Any = None) -> bool:
-    """Whether a tensor made now with ``device`` may stay in the client: not on a named GPU,
+    """Whether a tensor made now with ``device`` may be made by the client: not on a named GPU,
     nor inside a replayable function (a replay cannot repeat an upload, and its calls draw
-    alike, from the workers' generators). Inside a signal's scope it may: it is placed by
-    that signal when used (scope())."""
+    alike, from the workers' generators)."""
     if os.environ.get("GTMPI_HOST_TENSORS", "0") != "1":
         return False  # off by default until the MPI suite's placement tests agree with it
     if device is not None and torch.device(device).type != "cpu":
@@ -47,10 +46,16 @@ def allowed(rt: Any, device: Any = None) -> bool:
     return not d.in_replayable and d.recording is None
 
 
+def varying(rt: Any) -> bool:
+    """Whether a signal open now places what is made as varying (V): each worker draws its
+    own numbers, so a draw cannot be the client's."""
+    return any(kind == "V" for target, _ in rt.dispatcher.placer.signals
+               for kind, _ in target.per_axis())
+
+
 def scope(rt: Any, sig: tuple) -> tuple:
     """The signal scopes open now: a value of ``sig`` held here is placed inside them when
     used. Their placements are checked for it now, as a tensor placed at once would be."""
-    for target, where in rt.dispatcher.placer.signals:
-        fit(target, sig, where)
+    rt.dispatcher.placer.check_open(sig)
     return tuple(name for name, _ in rt.signals.open)
 

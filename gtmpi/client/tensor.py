@@ -21,6 +21,7 @@ from ..ops import OPS, Kind, infer
 from ..ops.table import FUSED_FNS
 from ..ops.shapes import RESTRIDING, SCALARS, VIEWS, signature_key, view_strides
 from ..transport.buffers import NUMPY_DTYPES
+from ..placement.types import Placement
 from .dtypes import as_dtype
 from . import gradmode, host
 from .generator import Generator, worker_seed
@@ -70,20 +71,26 @@ class Tensor:
     def id(self, tensor_id: int | None) -> None:
         self._id = tensor_id
 
-    def _place(self) -> int:
-        """Hand a host-held value to the workers: its recipe run there, else its bytes. Outside
-        any signal's scope, a config's ``parameters`` signal places a module's parameters and
-        buffers, and its ``uploads`` signal the rest of what the program uploads (its batches):
-        data parallelism by a config alone."""
+    def _place(self, beside: tuple | None = None) -> int:
+        """Hand a host-held value to the workers: its recipe run there, else its bytes. Where:
+        by the signals open where it was made; else, outside any signal's scope, by a config's
+        ``parameters`` signal for a module's parameters and buffers and its ``uploads`` signal
+        for the rest of what the program uploads (its batches: data parallelism by a config
+        alone); else whole on every worker of ``beside`` (the mesh of the op that needs it:
+        made where it is used, nothing sent between workers); else on the home worker."""
         value, recipe = self._host, self._recipe
         self._host = self._recipe = None
-        book = runtime().signals
+        rt = runtime()
+        book, placer = rt.signals, rt.dispatcher.placer
         implicit = "parameters" if self._state else "uploads" if recipe is None else None
         scopes = self._scope or ((implicit,) if implicit in book.signals and not book.open
                                  else ())
-        with ExitStack() as inside:  # placed where the signals open at its making place it
+        with ExitStack() as inside:
             for name in scopes:
                 inside.enter_context(book.scope(name))
+            if not scopes and beside is not None and not placer.signals:
+                placer.enter(Placement(beside, "R"), "")
+                inside.callback(placer.exit)
             made = apply(*recipe) if recipe is not None else upload(value)
         self._id, made._id = made._id, None
         return self._id
@@ -634,6 +641,7 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     sigs = []
     operands = []
     grad = False
+    held = []  # operands the client holds: placed once the others' mesh is known
     for i, a in enumerate(args):
         if not isinstance(a, _PLAIN) and a is not None:
             a = _operand(a)
@@ -641,11 +649,17 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         if isinstance(a, Tensor):
             grad = grad or a.requires_grad
             tmask |= 1 << i
-            wire.append(a.id)
+            if a._host is not None:
+                held.append(i)
+            wire.append(a._id)
             sigs.append(a._sig)
         else:
             wire.append(a)
             sigs.append(a)
+    if held:  # those a signal places first: the rest go where the op's placed operands are
+        for i in sorted(held, key=lambda i: not operands[i]._scope):
+            a = operands[i]
+            wire[i] = a._id if a._host is None else a._place(_mesh_beside(rt, wire, tmask))
     if key is not None:
         kw["key"] = key
     recording = grad and gradmode.is_grad_enabled()
@@ -739,6 +753,18 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
     if isinstance(out, (tuple, list)):
         return tuple(Tensor.held(o) for o in out)
     return Tensor.held(out)
+
+
+def _mesh_beside(rt: Any, wire: list, tmask: int) -> tuple | None:
+    """The mesh of an op's first placed operand, where it spans several workers."""
+    placer = rt.dispatcher.placer
+    if not placer.active:
+        return None
+    for i, tid in enumerate(wire):
+        if tmask >> i & 1 and tid is not None:
+            mesh = placer.placement(tid).mesh
+            return mesh if len(mesh) > 1 else None
+    return None
 
 
 def upload(value: torch.Tensor) -> Tensor:

@@ -93,6 +93,11 @@ class Placer:
         self.signals.append((target, where))
         self.active = True
 
+    def check_open(self, sig: tuple) -> None:
+        """Raise the ConfigError a tensor of ``sig`` made now would raise at its placing."""
+        for target, where in self.signals:
+            fit(target, sig, where)
+
     @contextmanager
     def beside(self, tid: int) -> Iterator[None]:
         """Tensors made inside are laid out like ``tid`` (a partial sum's like is whole)."""
