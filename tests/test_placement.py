@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import warnings
 
 import numpy as np
@@ -1015,11 +1016,18 @@ def test_constants_made_outside_signals_are_made_where_they_are_used():
     assert not ran_since(before), ran_since(before)
     want_mask = torch.arange(5)[:, None] >= torch.arange(5)[None, :]
     assert_same(y, host * want_mask)
-    ones = gtmpi.ones(5, 5)
+    ones = gtmpi.ones(5, 5, device="cuda")  # made by the first worker
     ones += 1  # no longer what its recipe makes
     before = collectives()
     assert_same(x * ones, host * 2)
     assert ran_since(before).get("send") == 1
+    held = gtmpi.ones(5, 5)
+    held += 1
+    before = collectives()
+    assert_same(x * held, host * 2)
+    if os.environ.get("GTMPI_HOST_TENSORS") == "1":
+        # the client's value went to each member where it was used: nothing between workers
+        assert "send" not in ran_since(before)
 
 
 @spread
