@@ -40,6 +40,7 @@ from ..recording.events import Flag, Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import Tag
 from .programs import Program, Recording
+from .repeats import Repeats
 
 _clock = time.perf_counter_ns
 
@@ -107,6 +108,10 @@ class Dispatcher:
         self.batch_max = BATCH_MAX
         from .placer import Placer
         self.placer = Placer(self)
+        # GTMPI_AUTO_REPLAY=1: one worker's repeated runs of instructions are replayed
+        # (dispatcher/repeats.py)
+        self.repeats = Repeats(self) if os.environ.get("GTMPI_AUTO_REPLAY", "0") == "1" \
+            else None
 
     def submit(self, ins: tuple, urgent: bool = True, issued: int = 0, sigs: list | None = None,
                outs: list | None = None, host: torch.Tensor | None = None,
@@ -125,6 +130,8 @@ class Dispatcher:
             # a tiny op no instruction of its own
             self._route_frees()
         if self.placer.active:  # logged once placed: only then is its worker known
+            if self.repeats is not None and self.repeats.pending:
+                self.repeats.close()
             rank = self.placer.submit(ins, sigs, outs, urgent, host, key)
             if self.log is not None:
                 self.log.received(ins, rank)
@@ -132,7 +139,10 @@ class Dispatcher:
             rank = self.home
             if self.log is not None:
                 self.log.received(ins, rank)
-            self.enqueue(rank, ins, urgent)
+            if self._holding():
+                self.repeats.add(ins, urgent, key)
+            else:
+                self.enqueue(rank, ins, urgent)
         if self.rounds is not None:
             self.end_round()
         if rec is not None:
@@ -164,6 +174,9 @@ class Dispatcher:
                 pending = self._deferred[rank]
                 self._undefer(rank, 1 + max(j for j, d in enumerate(pending)
                                             if d[0] != "free" and _reads(ins, {d[1]})))
+        self._put(rank, ins, urgent)
+
+    def _put(self, rank: int, ins: tuple, urgent: bool) -> None:
         batch = self._batch[rank]
         batch.append(ins)
         if self.recording is not None:
@@ -175,6 +188,20 @@ class Dispatcher:
         alone = len(batch) - self._frees_in[rank] <= 1
         if len(batch) >= self.batch_max or ((urgent or not alone) and self._idle(rank)):
             self.flush(rank)
+
+    def _holding(self) -> bool:
+        """Whether the client's instructions go into repeated runs (dispatcher/repeats.py):
+        one worker, outside a replayable call's recording and a server's rounds."""
+        return self.repeats is not None and self.recording is None and self.rounds is None \
+            and not self.placer.active
+
+    def close_run(self) -> None:
+        """Before anything that is not an instruction of the client's goes to a worker: the
+        run held so far goes first, with the frees the client owes."""
+        if self.repeats is not None:
+            if self.frees and self._holding():
+                self._route_frees()
+            self.repeats.close()
 
     def defer(self, rank: int, ins: tuple) -> None:
         """A receive, into ``rank``'s stream before the first instruction that reads it."""
@@ -233,6 +260,7 @@ class Dispatcher:
                               "print, bool, ...): its replays would not. Read its results "
                               "after the call instead")
         start = _clock()
+        self.close_run()
         rank, rid = self.placer.read_source(tensor_id, sig) if self.placer.active else \
             (self.home, tensor_id)
         self.settle_transfers()
@@ -265,6 +293,7 @@ class Dispatcher:
 
     def post(self, word: str, args: tuple, ranks: list[int]) -> None:
         """A control word to each of ``ranks``, sent now, behind everything issued before."""
+        self.close_run()
         self.settle_transfers()
         for rank in ranks:
             self._batch[rank].append((word, None, args, 0, None))
@@ -280,7 +309,9 @@ class Dispatcher:
     def flush(self, rank: int) -> None:
         batch = self._batch[rank]
         rec = self.trace
-        if self.frees and (rank == self.home or self.placer.active):
+        if self.frees and (rank == self.home or self.placer.active) and not self._holding():
+            # held runs take frees only where the client's stream puts them, never where a
+            # worker's pace does: a run's frees are part of what makes it repeat
             self._route_frees()
         if not batch:
             return
@@ -320,6 +351,9 @@ class Dispatcher:
         frees, self.frees = self.frees, []
         if self.watched:
             self._freeing(frees)
+        if self._holding():
+            self.repeats.add(("free", None, tuple(frees), 0, None), False)
+            return
         by_rank = self.placer.free(frees) if self.placer.active else {self.home: frees}
         for r, ids in by_rank.items():
             if r in self._deferred and not self._deferred_ids[r].isdisjoint(ids):
@@ -339,6 +373,7 @@ class Dispatcher:
     def start_recording(self, first_id: int) -> None:
         """From now on, what is sent is also recorded (client ids from ``first_id`` on are made
         inside); frees the client owes are sent first, so that none of them is."""
+        self.close_run()
         if self.frees:
             self._route_frees()
         self.settle_transfers()  # a receive asked for before is not the program's
@@ -418,30 +453,12 @@ class Dispatcher:
         if all could do they launch their graphs from then on; otherwise this call, and every
         later one, replays it instruction by instruction, and explain() says why."""
         received = _clock()
+        self.close_run()
         if self.frees:
             self._route_frees()
         self.settle_transfers()
         renames = tuple((out[0], new) for out, new in zip(program.outputs, fresh))
-        mode = "plain"
-        if program.graph is True:
-            mode = "graph"
-        elif program.graph is None and program.replays >= GRAPH_AFTER:
-            # GTMPI_CUDA_GRAPHS=0: never; emulate: the workers' stand-in (tests on CPUs);
-            # otherwise each worker captures if it can
-            graphs = os.environ.get("GTMPI_CUDA_GRAPHS", "1")
-            mode = {"0": "plain", "emulate": "emulate"}.get(graphs, "capture")
-            if mode == "plain":
-                self._graph_note(program, "GTMPI_CUDA_GRAPHS=0")
-        program.replays += 1
-        word = ("replay", None, (program.key, binds, renames, mode, seeds), 0, None)
-        for rank in program.ranks:  # every member of its collectives gets it at once
-            self._batch[rank].append(word)
-            if self.log is not None:
-                self.log.received(word, rank)
-            self.flush(rank)
-        self.end_round()
-        if mode in ("capture", "emulate"):
-            self._commit(program)
+        self.run_program(program, binds, renames, seeds)
         placer = self.placer
         for key, (count, nbytes) in program.inserted.items():  # what the replay runs again
             entry = placer.inserted.setdefault(key, [0, 0])
@@ -464,6 +481,31 @@ class Dispatcher:
                           count=count, flags=Flag.INSERTED,
                           detail=f"{'asked' if asked else 'inserted'} {site}")
 
+    def run_program(self, program: Program, binds: tuple, renames: tuple,
+                    seeds: tuple[int, int] | None) -> None:
+        """The replay word for ``program`` to each of its workers (replay() says what it does),
+        and, where it is captured now, the agreement on its graph."""
+        mode = "plain"
+        if program.graph is True:
+            mode = "graph"
+        elif program.graph is None and program.replays >= GRAPH_AFTER:
+            # GTMPI_CUDA_GRAPHS=0: never; emulate: the workers' stand-in (tests on CPUs);
+            # otherwise each worker captures if it can
+            graphs = os.environ.get("GTMPI_CUDA_GRAPHS", "1")
+            mode = {"0": "plain", "emulate": "emulate"}.get(graphs, "capture")
+            if mode == "plain":
+                self._graph_note(program, "GTMPI_CUDA_GRAPHS=0")
+        program.replays += 1
+        word = ("replay", None, (program.key, binds, renames, mode, seeds), 0, None)
+        for rank in program.ranks:  # every member of its collectives gets it at once
+            self._batch[rank].append(word)
+            if self.log is not None:
+                self.log.received(word, rank)
+            self.flush(rank)
+        self.end_round()
+        if mode in ("capture", "emulate"):
+            self._commit(program)
+
     def _commit(self, program: Program) -> None:
         """Every worker of a program being captured says whether it could; all launch their
         graphs, or none does (a collective captured by some members only would never run)."""
@@ -471,7 +513,12 @@ class Dispatcher:
         refusals = {rank: self.links[rank].wait_reply(Tag.GRAPH, self.watchdog)
                     for rank in program.ranks}
         refused = {rank: why for rank, why in refusals.items() if why is not None}
-        self.post("commit", (program.key, not refused), list(program.ranks))
+        # straight behind the replay word: a free routed between them could take an input
+        # the capture binds
+        for rank in program.ranks:
+            self._batch[rank].append(("commit", None, (program.key, not refused), 0, None))
+            self.flush(rank)
+        self.end_round()
         note = "; ".join(f"worker rank {rank}: {why}" for rank, why in sorted(refused.items()))
         self._graph_note(program, note or None)
         if self.trace is not None:
@@ -496,6 +543,8 @@ class Dispatcher:
         """Programs that read a tensor being freed are stale."""
         for tid in ids:
             for program in self.watched.pop(tid, ()):
+                if program.auto and not program.stale:  # its graph holds what it read
+                    self.repeats.stale.append(program)
                 program.stale = True
 
     def flush_all(self) -> None:
@@ -522,6 +571,7 @@ class Dispatcher:
 
     def shutdown(self, timeout_s: float) -> list[int]:
         """Stop every worker; return the ranks that did not confirm within the timeout."""
+        self.close_run()
         self.settle_transfers()
         self.flush_all()
         self.end_round()

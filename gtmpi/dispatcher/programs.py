@@ -60,7 +60,8 @@ class Program:
 
     def __init__(self, key: int, name: str, ranks: tuple[int, ...], reads: frozenset[int],
                  before: tuple[tuple[int, Any], ...], changed: tuple[tuple[int, Any], ...],
-                 outputs: tuple[tuple[int, Any, bool], ...], random_ops: int) -> None:
+                 outputs: tuple[tuple[int, Any, bool], ...], random_ops: int,
+                 auto: bool = False) -> None:
         self.key = key
         self.name = name  # the replayable function and where it was recorded, for notes
         self.ranks = ranks
@@ -69,6 +70,7 @@ class Program:
         self.changed = changed  # (id, entry) of tensors from outside that it placed anew
         self.outputs = outputs  # (recorded id, the placer's entry for it, whether viewed)
         self.random_ops = random_ops
+        self.auto = auto  # a repeated run's (dispatcher/repeats.py), not a replayable call's
         # the collectives and transfers the placer inserted while it was recorded, by
         # (site, kind, asked): (count, bytes); each replay counts them again (explain())
         self.inserted: dict[tuple[str, str, bool], tuple[int, int]] = {}

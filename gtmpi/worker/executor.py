@@ -70,7 +70,7 @@ class Executor:
         # reads, stats, ...), not ops of the table
         self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
                       "bytes_received": 0, "bytes_sent": 0, "graph_launches": 0,
-                      "graphed_ops": 0, "exec_ns": 0, "wait_ns": 0}
+                      "graphed_ops": 0, "graph_fallbacks": 0, "exec_ns": 0, "wait_ns": 0}
         # exec_ns: host time in batches; wait_ns: the part of it in reads and syncs, which wait
         # for the device
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
@@ -401,7 +401,8 @@ class Executor:
             self.profiler.replay()
         start = self.now()
         if mode == "graph":
-            self._launch(self.graphs[key], binds, renames, seeds)
+            if not self._launch(self.graphs[key], binds, renames, seeds):
+                self._run_program(self._instructions(key, seeds), binds, renames)
         elif mode == "emulate":
             self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
         elif mode == "capture":
@@ -475,7 +476,7 @@ class Executor:
             self._settle_all()
         if self.plane is not None:
             self.plane.settle_sends()
-        inputs = {recorded: env[cur].clone() for cur, recorded in binds}
+        inputs = {recorded: _static(env[cur]) for cur, recorded in binds}
         saved = self._saved(inputs)
 
         def execute(instructions: list[tuple]) -> None:
@@ -511,7 +512,7 @@ class Executor:
             k: (v[0] - counts.get(k, (0, 0))[0], v[1] - counts.get(k, (0, 0))[1])
             for k, v in after.items() if v != counts.get(k)}
         return graphs.Captured(handle, inputs, [(tid, env[tid]) for tid in reads], comm,
-                               len(program))
+                               len(program), graphs.written_inputs(program, set(inputs)))
 
     def _captured(self, program: list[tuple]) -> None:
         """The program's instructions inside a capture: no GPU timing events, and every
@@ -543,48 +544,61 @@ class Executor:
         self._capture = None
         if ok:
             self.graphs[key] = captured
-            self._launch(captured, binds, renames, seeds)
-        else:
+        if not ok or not self._launch(captured, binds, renames, seeds):
             self._run_program(self._instructions(key, seeds), binds, renames)
         if self.device.type == "cuda":
             self._note_ready(new for _, new in renames)
 
-    def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple, seeds) -> None:
+    def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple, seeds) -> bool:
         """One call of a captured program: inputs into its static buffers, the graph launched,
         its outputs handed out under the call's ids. An input or read that failed (or is not
         what was captured) fails the outputs with it, but the graph still runs: the other
-        members' collectives inside it wait for this one's."""
+        members' collectives inside it wait for this one's. False, launching nothing, where
+        the graph cannot keep what the client holds (Captured.launchable): run it op by op."""
         env, poison = self.env, self.poison
         if self.waits:
             self._settle_all()
+        if not captured.launchable(env, binds):
+            self.stats["graph_fallbacks"] += 1
+            return False
+        outputs = tuple(recorded for recorded, _ in renames)
+        if captured.outputs:  # before the inputs are copied in: an output may view one
+            copied = captured.copy_out(env)
+            if copied and self.ready:
+                self._note_ready(i for i in copied if i in self.ready)
         fault = None
         inputs = captured.inputs
         for cur, recorded in binds:
-            if recorded not in inputs:
+            static = inputs.get(recorded)
+            if static is None:
                 continue
             t = env.get(cur)
             if t is not None:
-                inputs[recorded].copy_(t)
+                # through .data: an autograd record may have saved the buffer, and a graph
+                # rewrites what it saved without a version change, as this copy must too
+                if t is not static:  # an autograd record is the captured one (launchable)
+                    static.data.copy_(t)
             elif fault is None:
                 fault = poison.get(cur) or Fault(cur, "replay", self.rank, "an input is not here")
         for tid, t in captured.reads:
             if env.get(tid) is not t and fault is None:
                 fault = poison.get(tid) or Fault(tid, "replay", self.rank,
                                                  f"tensor {tid} is not the one captured")
-        outputs = tuple(recorded for recorded, _ in renames)
-        if captured.outputs:
-            copied = captured.copy_out(env)
-            if copied and self.ready:
-                self._note_ready(i for i in copied if i in self.ready)
         captured.handle.seed(seeds)
         captured.handle.replay(env, outputs)
+        if captured.written and fault is None:
+            for cur, recorded in binds:
+                if recorded in captured.written:
+                    env[cur].copy_(inputs[recorded])
         if not captured.outputs:  # the first launch: its outputs are the graph's for good
             captured.set_outputs(env, outputs)
-        for recorded in outputs:
-            env.pop(recorded, None)
+        # a graph leaves its outputs where they were captured; the stand-in puts them (and
+        # the autograd records it made afresh) under the recorded ids
+        made = {recorded: env.pop(recorded) for recorded in outputs if recorded in env}
         if fault is None:
-            env.update((new, captured.outputs[recorded]) for recorded, new in renames
-                       if recorded in captured.outputs)
+            statics = captured.outputs
+            env.update((new, made.get(recorded, statics.get(recorded))) for recorded, new in
+                       renames if recorded in made or recorded in statics)
             captured.handed = [new for _, new in renames]
         else:
             self._fail(tuple(new for _, new in renames), fault)
@@ -595,6 +609,7 @@ class Executor:
                 entry = self.plane.stats[k]
                 entry[0] += count
                 entry[1] += nbytes
+        return True
 
     def close(self) -> None:
         """Graphs go before the process groups their collectives were captured on."""
@@ -768,6 +783,11 @@ _SAID: set[str] = set()
 
 
 _WAITING = frozenset({"read", "sync"})  # control words that wait for the device
+
+
+def _static(value: Any) -> Any:
+    """What a capture binds an input to: a tensor's own buffer, or the object itself."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _say_once(message: str) -> None:

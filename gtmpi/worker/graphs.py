@@ -3,10 +3,14 @@ replay, then launched as one graph per call instead of one kernel launch of host
 instruction (20-35 us each on the GPU hosts here, against about 1 us per op inside a graph).
 
 A graph reads and writes fixed addresses, so around it:
-  inputs    each call's bound tensors are copied into static buffers made at capture;
+  inputs    each call's bound tensors are copied into static buffers made at capture, and
+            those it writes in place are copied back after it; a bound value that is not a
+            tensor (a fused op's autograd record, made by another graph) is captured as the
+            object it is, and a call that binds another object runs op by op;
   outputs   live in the graph's own memory pool and are handed out as they are; one still held
             when the graph runs again (a loss read two steps later, a view of a gradient) is
-            copied out first, so what a client holds never changes under it;
+            copied out first, so what a client holds never changes under it (an autograd record
+            still held cannot be copied: that call runs op by op);
   reads     tensors from outside (weights, optimizer state) are read where they were at
             capture; the dispatcher re-records a program whose reads were freed or placed anew,
             and a read that is not the tensor captured (or an input that failed) makes the
@@ -32,7 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..ops.table import Seed, derive_seed
+from ..ops.table import OPS, Kind, Seed, derive_seed
+from ..placement.rules import written
 
 HOST_WORDS = frozenset({"agree"})  # control words a graph leaves out (see above)
 
@@ -113,10 +118,10 @@ class _Emulated:
     def replay(self, env: dict[int, Any], outputs: tuple[int, ...]) -> None:
         self.execute(self.now)
         if self.static is None:
-            self.static = {o: env[o] for o in outputs if o in env}
+            self.static = {o: env[o] for o in outputs if isinstance(env.get(o), torch.Tensor)}
             return
-        for o, static in self.static.items():
-            static.copy_(env[o])
+        for o, static in self.static.items():  # an autograd record is handed out as made
+            static.data.copy_(env[o])  # as a graph writes: no version change
             env[o] = static
 
 
@@ -125,9 +130,11 @@ class Captured:
 
     def __init__(self, handle: Any, inputs: dict[int, torch.Tensor],
                  reads: list[tuple[int, Any]], comm: dict[str, tuple[int, int]],
-                 size: int) -> None:
+                 size: int, written: frozenset[int] = frozenset()) -> None:
         self.handle = handle  # _Graph or _Emulated
-        self.inputs = inputs  # recorded id -> the static buffer each call is copied into
+        self.inputs = inputs  # recorded id -> the static buffer each call is copied into,
+        # or the object captured, for what is not a tensor
+        self.written = written  # recorded ids of inputs it writes in place: copied back
         self.reads = reads  # (id, the tensor captured) of what it reads from outside
         self.comm = comm  # collectives per launch, by kind: (count, bytes)
         self.size = size  # instructions it stands for
@@ -138,14 +145,27 @@ class Captured:
 
     def set_outputs(self, env: dict[int, Any], recorded: tuple[int, ...]) -> None:
         self.outputs = {o: env[o] for o in recorded if o in env}
-        self._storages = {t.untyped_storage().data_ptr(): t for t in self.outputs.values()}
+        self._storages = {t.untyped_storage().data_ptr(): t for t in self.outputs.values()
+                          if isinstance(t, torch.Tensor)}
         self._uses = {ptr: _uses(t) for ptr, t in self._storages.items()}
+
+    def launchable(self, env: dict[int, Any], binds: tuple) -> bool:
+        """Whether a launch can keep what the client holds: every bound value that is not a
+        tensor is the one captured, and no such output of the last launch is still held."""
+        inputs = self.inputs
+        for cur, recorded in binds:
+            static = inputs.get(recorded)
+            if static is not None and not isinstance(static, torch.Tensor) and \
+                    env.get(cur) is not static:
+                return False
+        outputs = {id(v) for v in self.outputs.values() if not isinstance(v, torch.Tensor)}
+        return not outputs or all(id(env.get(tid)) not in outputs for tid in self.handed)
 
     def copy_out(self, env: dict[int, Any]) -> list[int]:
         """Before a launch: what still holds the last launch's outputs (the ids they were handed
         out under, or views made of them since) gets copies, since the launch rewrites them.
         Returns the ids copied."""
-        statics = {id(t) for t in self.outputs.values()}
+        statics = {id(t) for t in self.outputs.values() if isinstance(t, torch.Tensor)}
         copied = []
         for tid in self.handed:
             t = env.get(tid)
@@ -200,6 +220,17 @@ def with_seeds(program: list[tuple], where: list, value: Callable[[Seed], Any]) 
             kw = {k: value(v) if k in keys else v for k, v in kw.items()}
         program[i] = (name, out, args, tmask, kw)
     return program
+
+
+def written_inputs(program: list[tuple], inputs: set[int]) -> frozenset[int]:
+    """Which of ``inputs`` an in-place op of ``program`` writes (placement.rules.written: a
+    multi-tensor update writes many)."""
+    found = set()
+    for name, _, args, tmask, _ in program:
+        op = OPS.get(name)
+        if op is not None and op.kind is Kind.INPLACE:
+            found.update(args[i] for i in written(name, args, tmask) if args[i] in inputs)
+    return frozenset(found)
 
 
 def outside_reads(program: list[tuple], inputs: set[int]) -> list[int]:
