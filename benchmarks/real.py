@@ -13,6 +13,8 @@ dropout 0, one micro-step per iteration) for --iters iterations:
   torch        python train.py (the original), one GPU
   embedded     python train.py (gtmpi, the embedded worker), one GPU
   mpiexec      mpiexec -n 2 python train.py (gtmpi), one GPU
+  embedded-replay, mpiexec-replay
+               the same with GTMPI_AUTO_REPLAY=1 (repeated runs replayed, CUDA graphs)
   ddp          torchrun --nproc-per-node N train.py (the original's own DDP), N GPUs, batch
                --batch per GPU (gradient_accumulation_steps N: one micro-step each)
   dp-config    GTMPI_CONFIG=configs/ddp.yaml mpiexec -n N+1 python train.py (gtmpi, the
@@ -50,6 +52,8 @@ sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path("train.py", run_name="__main__")
 if torch.cuda.is_available() and {report}:
     print("PEAK_BYTES", torch.cuda.max_memory_allocated(), flush=True)
+if hasattr(torch, "debug") and torch.debug.repeats():
+    print(torch.debug.repeats(), flush=True)
 """
 LINE = re.compile(r"iter (\d+): loss ([0-9.]+), time ([0-9.]+)ms")
 
@@ -90,6 +94,8 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
     if proc.returncode != 0 or not iters:
         print(out[-4000:], flush=True)
         return {"run": name, "rc": proc.returncode}
+    for said in re.findall(r"^repeated runs.*$", out, re.M):
+        print(said, flush=True)
     steady = [ms for i, _, ms in iters if i >= 10] or [ms for _, _, ms in iters[1:]]
     ms = statistics.median(steady)
     result = {"run": name, "rc": 0, "ms": round(ms, 2), "tokens_per_s": round(tokens_per_iter / ms * 1e3),
@@ -105,7 +111,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for the DP runs (default: all)")
-    ap.add_argument("--runs", default="torch,embedded,mpiexec,ddp,dp-config")
+    ap.add_argument("--runs", default="torch,embedded,mpiexec,embedded-replay,mpiexec-replay,ddp,"
+                    "dp-config")
     ap.add_argument("--size", default="gpt2", choices=["gpt2", "tiny"],
                     help="tiny: 2 layers of 64 on 64 tokens, to try it on CPUs")
     ap.add_argument("--timeout", type=int, default=900)
@@ -138,13 +145,15 @@ def main() -> None:
         if "torch" in runs:
             results.append(run("torch", [py, "run.py", *common, *one], dirs["torch"], env,
                                tokens, args.timeout, args.trace))
-        if "embedded" in runs:
-            results.append(run("gtmpi embedded", [py, "run.py", *common, *one], dirs["gtmpi"],
-                               env, tokens, args.timeout, args.trace))
-        if "mpiexec" in runs:
-            results.append(run("gtmpi mpiexec -n 2", [*mpiexec, "-n", "2", py, "run.py", *common,
-                                                      *one], dirs["gtmpi"], env, tokens,
-                               args.timeout, args.trace))
+        for replay in ("", "-replay"):
+            genv = {**env, "GTMPI_AUTO_REPLAY": "1"} if replay else env
+            if "embedded" + replay in runs:
+                results.append(run("gtmpi embedded" + replay, [py, "run.py", *common, *one],
+                                   dirs["gtmpi"], genv, tokens, args.timeout, args.trace))
+            if "mpiexec" + replay in runs:
+                results.append(run("gtmpi mpiexec -n 2" + replay,
+                                   [*mpiexec, "-n", "2", py, "run.py", *common, *one],
+                                   dirs["gtmpi"], genv, tokens, args.timeout, args.trace))
         if gpus > 1 and "ddp" in runs:
             results.append(run(f"torch DDP x{gpus}", [py, "-m", "torch.distributed.run",
                                                       "--standalone", f"--nproc-per-node={gpus}",

@@ -87,7 +87,8 @@ def explain(file: TextIO | None = None) -> dict[tuple[str, str, bool], tuple[int
     caused it: kind, count (per worker taking part; a transfer once) and bytes, and whether a
     signal or a read asked for it or the placement rules fell back to it. Printed as a table
     (largest bytes first) and returned as {(site, kind, asked): (count, bytes)}. Then how each
-    replayed function runs: as a CUDA graph, or op by op and why (``graph_notes()``)."""
+    replayed function runs: as a CUDA graph, or op by op and why (``graph_notes()``), and what
+    repeated runs replayed (``repeats()``)."""
     from .client.runtime import runtime
     inserted = {k: tuple(v) for k, v in runtime().dispatcher.placer.inserted.items()}
     out = file or sys.stdout
@@ -98,7 +99,18 @@ def explain(file: TextIO | None = None) -> dict[tuple[str, str, bool], tuple[int
               file=out)
     for name, note in graph_notes().items():
         print(f"replayed {name}: {note}", file=out)
+    said = repeats()
+    if said is not None:
+        print(said, file=out)
     return inserted
+
+
+def repeats() -> str | None:
+    """With GTMPI_AUTO_REPLAY=1: how many instructions went to the worker replayed as repeated
+    runs, and why the others ran as written (dispatcher/repeats.py); None when it is off."""
+    from .client.runtime import runtime
+    found = runtime().dispatcher.repeats
+    return None if found is None else found.report()
 
 
 def graph_notes() -> dict[str, str]:
