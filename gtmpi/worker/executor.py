@@ -362,7 +362,7 @@ class Executor:
         env = self.env
         for i in ids:
             t = env.get(i)
-            if t is not None:
+            if isinstance(t, torch.Tensor):  # not an autograd record a replay handed out
                 self.ready[i] = (event, t)
 
     def _free(self, out, ids: tuple) -> None:
