@@ -54,6 +54,11 @@ if torch.cuda.is_available() and {report}:
     print("PEAK_BYTES", torch.cuda.max_memory_allocated(), flush=True)
 if hasattr(torch, "debug") and torch.debug.repeats():
     print(torch.debug.repeats(), flush=True)
+if hasattr(torch, "debug"):
+    keys = ("ops", "control", "batches", "exec_ns", "wait_ns", "graph_launches", "graphed_ops",
+            "graph_fallbacks")
+    for rank, s in torch.debug.worker_stats().items():
+        print("worker", rank, {{k: s.get(k) for k in keys}}, flush=True)
 """
 LINE = re.compile(r"iter (\d+): loss ([0-9.]+), time ([0-9.]+)ms")
 
@@ -94,7 +99,7 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
     if proc.returncode != 0 or not iters:
         print(out[-4000:], flush=True)
         return {"run": name, "rc": proc.returncode}
-    for said in re.findall(r"^repeated runs.*$", out, re.M):
+    for said in re.findall(r"^(?:repeated runs|worker \d+ ).*$", out, re.M):
         print(said, flush=True)
     steady = [ms for i, _, ms in iters if i >= 10] or [ms for _, _, ms in iters[1:]]
     ms = statistics.median(steady)

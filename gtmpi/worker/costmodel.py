@@ -26,11 +26,14 @@ class Gpu(NamedTuple):
     # that runs a matrix product: on an H100 with torch 2.11 (cuBLAS 13.1), 32 + 1 MiB,
     # measured (2026-11-27); on an A100, torch's default configuration for it (not measured)
     blas_workspace: int = 33 * 2 ** 20
+    capability: tuple[int, int] = (9, 0)  # what torch.cuda says of it in a dry run
+    processors: int = 132
 
 
 GPUS = {"H100": Gpu(80 * 2 ** 30, 989e12, 67e12, 3.35e12, 450e9),
         "H200": Gpu(141 * 2 ** 30, 989e12, 67e12, 4.8e12, 450e9),
-        "A100": Gpu(80 * 2 ** 30, 312e12, 19.5e12, 2.0e12, 300e9, (8 * 2 ** 10 + 128 + 2 ** 10) * 2 ** 10)}
+        "A100": Gpu(80 * 2 ** 30, 312e12, 19.5e12, 2.0e12, 300e9, (8 * 2 ** 10 + 128 + 2 ** 10) * 2 ** 10,
+                     (8, 0), 108)}
 
 MATMUL_SHARE = 0.7   # of peak arithmetic that large matrix products reach
 MEMORY_SHARE = 0.8   # of peak bandwidth that streaming kernels reach

@@ -14,9 +14,11 @@ from ..transport.tags import Tag
 
 
 class DeviceQueries:
-    def __init__(self, device: torch.device, reply: Callable[[Tag, Any], None]) -> None:
+    def __init__(self, device: torch.device, reply: Callable[[Tag, Any], None],
+                 simulated: dict | None = None) -> None:
         self.device = device
         self.reply = reply
+        self.simulated = simulated  # a dry run's properties of the GPU it stands for
         self.events: dict[int, Any] = {}
 
     def run(self, out: Any, args: tuple) -> None:
@@ -57,7 +59,7 @@ class DeviceQueries:
 
     def _properties(self) -> None:
         if self.device.type != "cuda":
-            self.reply(Tag.DEVICE, None)
+            self.reply(Tag.DEVICE, self.simulated)
             return
         p = torch.cuda.get_device_properties(self.device)
         self.reply(Tag.DEVICE, {"name": p.name, "total_memory": p.total_memory,

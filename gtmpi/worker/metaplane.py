@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ops.table import OPS, Kind
 from . import costmodel
+from .devicequery import DeviceQueries
 from .executor import Executor
 
 
@@ -41,6 +42,11 @@ class MetaExecutor(Executor):
         super().__init__(rank, torch.device("meta"), link)
         self.plane = MetaPlane(workers)
         self.gpu = gpu
+        name = next((k for k, v in costmodel.GPUS.items() if v is gpu), "GPU")
+        self._control["device"] = DeviceQueries(self.device, link.reply, {
+            "name": f"{name} (simulated)", "total_memory": gpu.memory, "major": gpu.capability[0],
+            "minor": gpu.capability[1], "multi_processor_count": gpu.processors,
+            "bf16": True}).run
         self._modeled = time.perf_counter_ns()
         self.now = lambda: self._modeled
         self._made = _Made()
