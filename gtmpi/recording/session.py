@@ -49,6 +49,8 @@ class TraceRun:
         # interpreter's shutdown.
         import h5py  # noqa: F401
         d = self.rt.dispatcher
+        self._outer_watchdog = d.watchdog  # what stop() puts back, however far start gets
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         ranks = list(d.links)
         self.parts: dict[int, list[dict]] = {r: [] for r in ranks}  # events sent so far
         self.pending = dict.fromkeys(ranks, 0)  # parts asked for and not yet received
@@ -61,7 +63,6 @@ class TraceRun:
         self._interval = min(FIRST_SNAPSHOT_S, self.snapshot_s)
         self._next_snapshot = time.monotonic() + self._interval
         self._write(now(), "running: started", {}, {})
-        self._outer_watchdog = d.watchdog
         if self.snapshot_s > 0:
             d.trace_tick = self._tick
             d.watchdog = self._watchdog
