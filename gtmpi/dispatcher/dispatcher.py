@@ -195,6 +195,14 @@ class Dispatcher:
         return self.repeats is not None and self.recording is None and self.rounds is None \
             and not self.placer.active
 
+    def auto_replay(self, on: bool) -> None:
+        """Repeated runs replayed from now on (a fresh memory of them), or no longer: what is
+        held goes out, and the workers forget the programs."""
+        if self.repeats is not None:
+            self.close_run()
+            self.repeats.forget()
+        self.repeats = Repeats(self) if on else None
+
     def close_run(self) -> None:
         """Before anything that is not an instruction of the client's goes to a worker: the
         run held so far goes first, with the frees the client owes."""

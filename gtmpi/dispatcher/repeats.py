@@ -246,6 +246,13 @@ class Repeats:
                 variant.program.stale = True
                 self.stale.append(variant.program)
 
+    def forget(self) -> None:
+        """Every program goes: the workers drop them (and their graphs' memory)."""
+        for shape in self.shapes.values():
+            self._forget(shape)
+        self.shapes.clear()
+        self._drop_stale()
+
     def _drop_stale(self) -> None:
         stale, self.stale = self.stale, []
         for program in stale:
