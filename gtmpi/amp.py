@@ -9,6 +9,10 @@ op of the float32 list gets them cast to float32, and every other op runs on wha
 The casts are ordinary ops of the table, so autograd takes each gradient back to its
 operand's dtype, as torch does. The lists are torch's for the table's ops (torch's
 autocast_mode.cpp, CUDA and CPU); a leaf's cast is made once per region (torch's cast cache).
+linear, whose three casts (input, weight, bias) and their three gradients would be six more
+instructions around each layer, casts inside its kernel instead (kw ``cast``): its gradient
+kernel casts again and hands each gradient back in its operand's dtype, torch's numbers either
+way.
 
 GradScaler scales the loss, unscales the gradients in place, skips the optimizer's step when
 one is not finite and adjusts the scale as torch's does (it reads one flag per step to the
@@ -45,6 +49,7 @@ LOWER = frozenset(_TORCH_LOWER & set(OPS))
 FLOAT32 = {"cuda": frozenset(_TORCH_FLOAT32_CUDA & set(OPS)),
            "cpu": frozenset(_TORCH_FLOAT32_CPU & set(OPS))}
 DEFAULT_DTYPE = {"cuda": float16, "cpu": bfloat16}
+FUSED = frozenset({"linear"})  # lower-precision ops that cast inside their kernels
 
 
 class Region:
@@ -55,6 +60,18 @@ class Region:
         self.float32 = FLOAT32[device_type]
         self.composite_cross_entropy = device_type == "cuda"
         self.cache: dict[int, Any] = {}  # id of a leaf -> its cast (torch's cast cache)
+
+    def fused(self, name: str, args: tuple) -> torch.dtype | None:
+        """The dtype ``name`` casts its operands to inside its kernel (linear), or None."""
+        if name not in FUSED:
+            return None
+        from .client.tensor import Tensor
+        to = self.dtype
+        for a in args:
+            if isinstance(a, Tensor) and a.dtype != to and a.dtype.is_floating_point and \
+                    a.dtype != torch.float64:
+                return to
+        return None
 
     def operands(self, name: str, args: tuple) -> tuple | None:
         """The operands of ``name`` cast as the region wants them, or None (run as given)."""

@@ -246,8 +246,10 @@ def _linear(node, g):
     # the input's gradient is whole once this op gives it: where it comes out as partial sums
     # (tensor parallelism), the dispatcher may sum them while the weight's gradient computes
     sole = x._node is not None and x._node.uses[x._slot] == 1
-    return _scatter(node, wanted, apply("linear_grad", g, *node.operands, grads=wanted,
-                                        **({"sole": True} if sole and 0 in wanted else {})))
+    extra = {"sole": True} if sole and 0 in wanted else {}
+    if node.kw and "cast" in node.kw:
+        extra["cast"] = node.kw["cast"]
+    return _scatter(node, wanted, apply("linear_grad", g, *node.operands, grads=wanted, **extra))
 
 
 @rule(*FUSED_FNS)

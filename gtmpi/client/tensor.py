@@ -632,9 +632,13 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
             return held
     rt = runtime()
     if rt.autocast is not None:  # gtmpi.autocast: operands cast as torch's lists say
-        cast = rt.autocast.operands(name, args)
-        if cast is not None:
-            args = cast
+        fused = rt.autocast.fused(name, args)
+        if fused is not None:
+            kw["cast"] = fused
+        else:
+            cast = rt.autocast.operands(name, args)
+            if cast is not None:
+                args = cast
     issued = _clock() if rt.dispatcher.trace is not None else 0
     tmask = 0
     wire = []

@@ -41,10 +41,11 @@ PROGRAMS_MAX = 512  # programs installed at once (each CUDA graph keeps its memo
 
 
 class _Run:
-    """One run's shape and ids: ``key`` (its instructions, ids as slots, with their signature
-    keys), ``ids`` by slot, and which slots it makes, reads and frees."""
+    """One run's shape and ids: ``key`` (its instructions as one flat tuple: each one's
+    signature key, its operands with ids as slots, its results' slots; a free's slots after
+    "free"), ``ids`` by slot, and which slots it makes, reads and frees."""
 
-    __slots__ = ("key", "ids", "made", "read", "freed", "top")
+    __slots__ = ("key", "ids", "made", "read", "freed")
 
     def __init__(self, instructions: list[tuple], keys: list[tuple | None]) -> None:
         slots: dict[int, int] = {}
@@ -52,39 +53,54 @@ class _Run:
         made: list[bool] = []
         read: set[int] = set()
         freed: set[int] = set()
-
-        def slot(tid: int, out: bool) -> int:
-            s = slots.get(tid)
-            if s is None:
-                s = slots[tid] = len(ids)
-                ids.append(tid)
-                made.append(out)
-            return s
-
-        parts = []
-        for (name, out, args, tmask, kw), key in zip(instructions, keys):
+        flat: list = []
+        put, get, new_id, new_made = flat.append, slots.get, ids.append, made.append
+        for (name, out, args, tmask, _), key in zip(instructions, keys):
             if name == "free":
-                gone = tuple(slot(i, False) for i in args)
-                freed.update(gone)
-                parts.append(("free", gone))
+                put("free")
+                for tid in args:
+                    s = get(tid)
+                    if s is None:
+                        s = slots[tid] = len(ids)
+                        new_id(tid)
+                        new_made(False)
+                    freed.add(s)
+                    put(s)
                 continue
-            if tmask:
-                args = tuple(slot(a, False) if tmask >> j & 1 else a for j, a in enumerate(args))
-                read.update(a for j, a in enumerate(args) if tmask >> j & 1)
-            if type(out) is int:
-                out = slot(out, True)
-            elif out:
-                out = tuple(slot(o, True) for o in out)
             if key is None:
                 raise TypeError("no signature key")
-            parts.append((key, out, args))
-        self.key = tuple(parts)
+            put(key)
+            j = 1
+            for a in args:
+                if tmask & j:
+                    s = get(a)
+                    if s is None:
+                        s = slots[a] = len(ids)
+                        new_id(a)
+                        new_made(False)
+                    read.add(s)
+                    put(s)
+                else:
+                    put(a)
+                j <<= 1
+            for o in ((out,) if type(out) is int else out or ()):
+                s = get(o)
+                if s is None:
+                    s = slots[o] = len(ids)
+                    new_id(o)
+                    new_made(True)
+                put(s)
+        self.key = tuple(flat)
         hash(self.key)  # a TypeError: a constant that cannot be compared
         self.ids = ids
         self.made = made
         self.read = read  # slots an op reads (made ones included)
         self.freed = freed
-        self.top = max(ids)  # every id up to it existed when this run was sent
+
+    @property
+    def top(self) -> int:
+        """Every id up to it existed when this run was sent."""
+        return max(self.ids)
 
     def inputs(self) -> list[int]:
         """Slots of tensors from before the run that its ops read."""
@@ -200,7 +216,8 @@ class Repeats:
         """A program for ``run``: tensors that ``earlier`` read too are read as they are, the
         rest of what it reads is bound per replay; what it makes gets ids of its own."""
         d = self.d
-        fixed = {s: run.ids[s] for s in run.inputs() if run.ids[s] <= earlier.top}
+        top = earlier.top
+        fixed = {s: run.ids[s] for s in run.inputs() if run.ids[s] <= top}
         slots = [run.ids[s] if s in fixed else d.placer.new_temp() for s in range(len(run.ids))]
         at = {tid: s for s, tid in enumerate(run.ids)}.__getitem__
         program = []
@@ -278,8 +295,8 @@ def _fitting(earlier: list[_Run], run: _Run) -> _Run | None:
     inputs = run.inputs()
     ids = run.ids
     for before in reversed(earlier):
-        old = before.ids
-        if all(ids[s] > before.top or ids[s] == old[s] for s in inputs):
+        old, top = before.ids, before.top
+        if all(ids[s] > top or ids[s] == old[s] for s in inputs):
             return before
     return None
 

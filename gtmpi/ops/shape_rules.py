@@ -88,6 +88,11 @@ def _linear(args, tmask, kw):
     x, w, b = args
     if not _tensors(args, tmask, 2) or len(w[0]) != 2 or not x[0] or x[0][-1] != w[0][1]:
         return None
+    cast = kw.get("cast") if kw else None  # autocast's, inside the kernel (gtmpi/amp.py)
+    if cast is not None:
+        floating = x[1] in _FLOAT and w[1] in _FLOAT and (b is None or b[1] in _FLOAT)
+        return ((Size((*x[0][:-1], w[0][0])), cast),) if floating and \
+            (b is None or (tmask & 4 and b[0] == Size([w[0][0]]))) else None
     if b is not None and not (tmask & 4 and b[0] == Size([w[0][0]]) and b[1] == x[1]):
         return None
     return ((Size((*x[0][:-1], w[0][0])), x[1]),) if _float(x, w) else None
@@ -96,12 +101,18 @@ def _linear(args, tmask, kw):
 @rule("linear_grad")
 def _linear_grad(args, tmask, kw):
     g, x, w = args[:3]
-    if not _tensors(args, tmask, 3) or not _float(g, x, w) or len(w[0]) != 2 or \
+    cast = kw.get("cast")
+    if not _tensors(args, tmask, 3) or len(w[0]) != 2 or \
+            not (_float(g, x, w) if cast is None else _float(x) and _float(w) and _float(g)) or \
             len(g[0]) != len(x[0]) or g[0][:-1] != x[0][:-1] or g[0][-1] != w[0][0] or \
             x[0][-1] != w[0][1]:
         return None
     shapes = {0: x[0], 1: w[0], 2: Size([w[0][0]])}
-    return tuple((shapes[i], g[1]) for i in kw["grads"])
+    if cast is None:
+        return tuple((shapes[i], g[1]) for i in kw["grads"])
+    # cast inside: each gradient in its operand's dtype, as autocast's casts give them
+    dtypes = {0: x[1], 1: w[1], 2: args[3][1] if tmask & 8 else g[1]}
+    return tuple((shapes[i], dtypes[i]) for i in kw["grads"])
 
 
 @rule("matmul")

@@ -105,7 +105,7 @@ def _check(name: str, op, args: tuple, tmask: int, kw: dict | None) -> None:
     if name in ("clamp", "clamp_") and args[1] is None and args[2] is None:
         raise RuntimeError(f"torch.{name}: At least one of 'min' or 'max' must not be None")
     if op.kind is Kind.MATMUL and name != "linear_grad" and tmask & 3 == 3 and \
-            args[0][1] != args[1][1]:
+            args[0][1] != args[1][1] and not (kw and "cast" in kw):  # autocast's, inside
         a, b = (_C_NAMES.get(t[1], str(t[1])) for t in args[:2])
         raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a} != {b}")
     if op.kind is Kind.INDEX or name == "setitem":

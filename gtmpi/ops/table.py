@@ -606,12 +606,16 @@ def row_pieces(rows: int, chunks: int) -> list[slice]:
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
-def _linear(x, w, b=None, group=None, partial=None, chunks=1, plane=None):
+def _linear(x, w, b=None, group=None, partial=None, chunks=1, plane=None, cast=None):
     """torch's linear. With ``group``, a row-parallel layer's partial sum that the dispatcher
     wants whole, summed by the kernel as it goes (the seed's overlap): its rows are multiplied
     in ``chunks`` pieces, and each piece's all-reduce starts as soon as it is computed, running
     beside the next piece's matmul; the worker waits for them where the result is first read.
-    ``partial``: the result's (shape, dtype), for a member that must take part without it."""
+    ``partial``: the result's (shape, dtype), for a member that must take part without it.
+    ``cast``: autocast's dtype, which the operands are cast to first (gtmpi/amp.py)."""
+    if cast is not None:
+        x, w = x.to(cast), w.to(cast)
+        b = None if b is None else b.to(cast)
     if group is None:
         return F.linear(x, w, b)
     y = x.new_empty(*x.shape[:-1], w.shape[0])
@@ -625,25 +629,31 @@ def _linear(x, w, b=None, group=None, partial=None, chunks=1, plane=None):
     return y
 
 
-def _linear_grad(g, x, w, b, grads, sole=False, group=None, partial=None, plane=None):
+def _linear_grad(g, x, w, b, grads, sole=False, group=None, partial=None, plane=None,
+                 cast=None):
     """The gradients of linear(x, w, b) wanted (``grads``: operand positions), each one matmul
     or sum, as torch's linear backward computes them. With ``group``, the input's gradient is
     a partial sum the dispatcher wants whole (tensor parallelism): its all-reduce starts as
     soon as it is computed and runs beside the weight's gradient (Megatron's asynchronous
     gradient all-reduce); the worker waits for it where the input's gradient is first read.
-    ``partial``: that gradient's (shape, dtype), for a member that must take part without it."""
+    ``partial``: that gradient's (shape, dtype), for a member that must take part without it.
+    ``cast``: the forward cast its operands to this dtype; each gradient goes back to its
+    operand's dtype, as the casts' own gradients would take it."""
+    dtypes = (x.dtype, w.dtype, b.dtype if b is not None else g.dtype)
+    if cast is not None:
+        x, w = x.to(cast), w.to(cast)
     out = []
     if 0 in grads:
-        dx = g @ w
+        dx = (g @ w).to(dtypes[0])
         if group is not None:
             plane.all_reduce_async(dx, group)
         out.append(dx)
     if 1 in grads or 2 in grads:
         g2 = g.reshape(-1, g.shape[-1])
         if 1 in grads:
-            out.append(g2.t() @ x.reshape(-1, x.shape[-1]))
+            out.append((g2.t() @ x.reshape(-1, x.shape[-1])).to(dtypes[1]))
         if 2 in grads:
-            out.append(g2.sum(0))
+            out.append(g2.sum(0).to(dtypes[2]))
     return tuple(out)
 
 

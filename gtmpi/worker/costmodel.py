@@ -61,7 +61,8 @@ def instruction_ns(name: str, kind: Kind | None, inputs: list[torch.Tensor],
         return 0
     moved = sum(t.numel() * t.element_size() for t in (*inputs, *(made or outputs)))
     flops = _flops(name, kind, inputs, outputs)
-    half = any(t.dtype in (torch.bfloat16, torch.float16) for t in inputs)
+    # an autocast linear casts inside: its result (or its gradient's input) is half
+    half = any(t.dtype in (torch.bfloat16, torch.float16) for t in (*inputs, *outputs))
     peak = (gpu.half_flops if half else gpu.float_flops) * MATMUL_SHARE
     return LAUNCH_NS + int(max(flops / peak, moved / (gpu.bandwidth * MEMORY_SHARE)) * 1e9)
 
