@@ -105,7 +105,8 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
     ms = statistics.median(steady)
     result = {"run": name, "rc": 0, "ms": round(ms, 2), "tokens_per_s": round(tokens_per_iter / ms * 1e3),
               "loss0": iters[0][1], "loss_last": iters[-1][1], "iters": len(iters),
-              "peak_gb": round(max(peaks) / 1e9, 3) if peaks else None}
+              "peak_gb": round(max(peaks) / 1e9, 3) if peaks else None,
+              "ms_each": [round(ms, 1) for _, _, ms in iters]}
     print(json.dumps(result), flush=True)
     return result
 
