@@ -141,6 +141,10 @@ class Dispatcher:
                 self.log.received(ins, rank)
             if self._holding():
                 self.repeats.add(ins, urgent, key)
+                # held instructions touch MPI only where a run goes out: poll now and then,
+                # or an upload's bytes (a rendezvous, which moves only while this side calls
+                # MPI) would keep the worker waiting for them
+                self._idle(rank)
             else:
                 self.enqueue(rank, ins, urgent)
         if self.rounds is not None:
