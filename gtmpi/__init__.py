@@ -13,7 +13,7 @@ import warnings as _warnings
 
 import torch as _torch
 
-from . import amp, backends, cuda, debug, nn, optim, pipeline, trace, utils
+from . import amp, backends, cuda, debug, nn, optim, pipeline, profiler, trace, utils
 from .amp import autocast
 from .backends import get_float32_matmul_precision, set_float32_matmul_precision
 from . import signals as signal

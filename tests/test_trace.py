@@ -521,3 +521,39 @@ def test_kernel_profile_splits_a_step_into_compute_nccl_and_idle(tmp_path, capsy
                                             ("nccl SendRecv", "vectorized_elementwise_kernel")}
     assert kernels.main([str(tmp_path), "--steps", "2", "--gaps", "2"]) == 0
     assert "longest idle gaps" in capsys.readouterr().out
+
+
+def test_torch_profiler_calls_record_a_trace_of_the_scheduled_steps(tmp_path):
+    """nanoGPT's bench.py profiles with torch.profiler: the same calls on gtmpi record the
+    schedule's active steps as a trace, hand it to tensorboard_trace_handler as Chrome JSON,
+    and key_averages() counts the workers' ops of those steps."""
+    prof_api = gtmpi.profiler
+    x = gtmpi.randn(8, 8, device="cuda")
+    with prof_api.profile(activities=[prof_api.ProfilerActivity.CPU,
+                                      prof_api.ProfilerActivity.CUDA],
+                          schedule=prof_api.schedule(wait=1, warmup=1, active=2),
+                          on_trace_ready=prof_api.tensorboard_trace_handler(str(tmp_path)),
+                          record_shapes=False, profile_memory=False, with_stack=False,
+                          with_flops=True, with_modules=False) as prof:
+        for step in range(5):
+            with prof_api.record_function(f"step{step}"):
+                for _ in range(step + 1):
+                    x = (x @ x).tanh()
+            prof.step()
+    files = list(tmp_path.glob("*.pt.trace.json"))
+    assert len(files) == 1  # one window: steps 2 and 3
+    events = json.loads(files[0].read_text())["traceEvents"]
+    names = [e["name"] for e in events]
+    assert "step2" in names and "step3" in names and "step1" not in names and "step4" not in names
+    rows = {r["op"]: r["count"] for r in prof.key_averages()}
+    assert rows["matmul"] == 3 + 4 and rows["tanh"] == 7  # steps 2 and 3 only
+    assert "matmul" in prof.key_averages().table(sort_by="count", row_limit=5)
+    assert not gtmpi.trace.active()
+
+
+def test_profiler_schedule_is_torchs():
+    import torch
+    for kw in ({"wait": 1, "warmup": 1, "active": 2}, {"wait": 0, "warmup": 2, "active": 1,
+               "repeat": 2, "skip_first": 3}):
+        ours, theirs = gtmpi.profiler.schedule(**kw), torch.profiler.schedule(**kw)
+        assert [ours(i).name for i in range(20)] == [theirs(i).name for i in range(20)]
