@@ -54,16 +54,21 @@ class _Run:
         read: set[int] = set()
         freed: set[int] = set()
         flat: list = []
-        put, get, new_id, new_made = flat.append, slots.get, ids.append, made.append
+        put = flat.append
+
+        def slot(tid: int, out: bool) -> int:
+            s = slots.get(tid)
+            if s is None:
+                s = slots[tid] = len(ids)
+                ids.append(tid)
+                made.append(out)
+            return s
+
         for (name, out, args, tmask, _), key in zip(instructions, keys):
             if name == "free":
                 put("free")
                 for tid in args:
-                    s = get(tid)
-                    if s is None:
-                        s = slots[tid] = len(ids)
-                        new_id(tid)
-                        new_made(False)
+                    s = slot(tid, False)
                     freed.add(s)
                     put(s)
                 continue
@@ -73,23 +78,14 @@ class _Run:
             j = 1
             for a in args:
                 if tmask & j:
-                    s = get(a)
-                    if s is None:
-                        s = slots[a] = len(ids)
-                        new_id(a)
-                        new_made(False)
+                    s = slot(a, False)
                     read.add(s)
                     put(s)
                 else:
                     put(a)
                 j <<= 1
             for o in ((out,) if type(out) is int else out or ()):
-                s = get(o)
-                if s is None:
-                    s = slots[o] = len(ids)
-                    new_id(o)
-                    new_made(True)
-                put(s)
+                put(slot(o, True))
         self.key = tuple(flat)
         hash(self.key)  # a TypeError: a constant that cannot be compared
         self.ids = ids
