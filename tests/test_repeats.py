@@ -1,13 +1,28 @@
 """Repeated runs replayed without gtmpi.replayable (dispatcher/repeats.py): an unchanged
 training loop gives the losses and weights it gives as written, bit for bit, while most of its
 instructions reach the worker as replays (graphs through the CPU stand-in); whatever differs
-between iterations runs as written, and says so."""
+between iterations runs as written, and says so.
+
+Each case runs in a job of its own (plain python, or mpiexec with one worker): repeated runs
+are one worker's, and a session whose tensors were ever placed on several (this suite's
+sharding tests) sends every instruction through the placer."""
 from __future__ import annotations
 
-import numpy as np
-import pytest
-import torch
+import json
+import os
 
+import pytest
+
+from conftest import UNDER_MPI, mpiexec, run_job
+
+pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own jobs; run from the serial suite")
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+LOOP = """
+import json, sys
+import numpy as np
+import torch
+sys.path.insert(0, {tests!r})
 import gtmpi
 from gtmpi.client.runtime import runtime
 from test_torch_port import load
@@ -15,19 +30,9 @@ from test_torch_port import load
 G = load("gpt_torch_style_repeats", True)
 
 
-@pytest.fixture
-def auto(monkeypatch):
-    """Repeated runs replayed, as CUDA graphs through the CPU stand-in, for one test."""
-    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", "emulate")
-    gtmpi.debug.auto_replay(True)
-    yield runtime().dispatcher.repeats
-    gtmpi.debug.auto_replay(False)
-
-
-def _train(iters: int = 8, accumulate: int = 2, set_to_none: bool = True, dropout: float = 0.0,
-           batch_at: dict | None = None, swap_at: int | None = None) -> tuple[list[float], list]:
-    """nanoGPT's loop in small: batches sliced from a token array and uploaded, autocast-free
-    forward, gradient accumulation, clipping, AdamW with a schedule, zero_grad, loss.item()."""
+def train(iters=8, accumulate=2, set_to_none=True, dropout=0.0, batch_at=None, swap_at=None):
+    # nanoGPT's loop in small: batches sliced from a token array and uploaded, gradient
+    # accumulation, clipping, AdamW with a schedule, zero_grad, loss.item()
     gtmpi.manual_seed(0)
     model = G.GPT(G.GPTConfig(dropout=dropout)).to("cuda")
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
@@ -37,7 +42,7 @@ def _train(iters: int = 8, accumulate: int = 2, set_to_none: bool = True, dropou
     for it in range(iters):
         for group in opt.param_groups:
             group["lr"] = 1e-3 * (it + 1) / iters  # a schedule: the step's constants change
-        batch = (batch_at or {}).get(it, 4)
+        batch = {{int(k): v for k, v in (batch_at or {{}}).items()}}.get(it, 4)
         for _ in range(accumulate):
             ix = rng.integers(0, len(data) - 33, batch)
             x = gtmpi.stack([gtmpi.from_numpy(data[i:i + 32]) for i in ix]).to("cuda")
@@ -49,62 +54,74 @@ def _train(iters: int = 8, accumulate: int = 2, set_to_none: bool = True, dropou
         opt.zero_grad(set_to_none=set_to_none)
         if it == swap_at:  # new weight tensors: what was kept reads the old ones
             with gtmpi.no_grad():
-                model.transformer.ln_f.weight = gtmpi.nn.Parameter(model.transformer.ln_f.weight * 1.0)
+                model.transformer.ln_f.weight = gtmpi.nn.Parameter(
+                    model.transformer.ln_f.weight * 1.0)
             opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
         losses.append(loss.item())
     return losses, [p.detach().cpu_torch() for p in model.parameters()]
 
 
-def _same(a: tuple, b: tuple) -> None:
-    assert a[0] == b[0]
-    for p, q in zip(a[1], b[1]):
-        assert torch.equal(p, q)
+case = json.loads(sys.argv[1])
+written = train(**case)
+before = sum(s["graph_launches"] for s in gtmpi.debug.worker_stats().values())
+gtmpi.debug.auto_replay(True)
+replayed = train(**case)
+same = written[0] == replayed[0] and all(torch.equal(a, b) for a, b in zip(written[1], replayed[1]))
+launches = sum(s["graph_launches"] for s in gtmpi.debug.worker_stats().values()) - before
+report = gtmpi.debug.repeats()
+import io
+out = io.StringIO()
+gtmpi.debug.explain(out)
+print("RESULT", json.dumps({{"same": same, "report": report, "launches": launches,
+                            "explained": report in out.getvalue(),
+                            "programs": runtime().dispatcher.repeats.installed}}))
+"""
 
 
-def _replayed(report: str) -> int:
+def _run(tmp_path, n: int | None = None, **case) -> dict:
+    proc, _ = run_job(tmp_path, LOOP.format(tests=TESTS), 240, n=n, args=[json.dumps(case)],
+                      env={"GTMPI_CUDA_GRAPHS": "emulate"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(line[-1][len("RESULT "):])
+
+
+def _count(report: str, what: str) -> int:
+    if what == "total":
+        return int(report.split("of ")[1].split(" instructions")[0].replace(",", ""))
     return int(report.split("instructions, ")[1].split(" replayed")[0].replace(",", ""))
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_a_repeated_loop_gives_the_losses_and_weights_it_gives_as_written(auto, set_to_none):
-    gtmpi.debug.auto_replay(False)
-    written = _train(set_to_none=set_to_none)
-    launches = sum(s["graph_launches"] for s in gtmpi.debug.worker_stats().values())
-    gtmpi.debug.auto_replay(True)
-    replayed = _train(set_to_none=set_to_none)
-    _same(written, replayed)
-    report = gtmpi.debug.repeats()
-    total = int(report.split("of ")[1].split(" instructions")[0].replace(",", ""))
-    assert _replayed(report) > total / 2, report  # most of the loop went out as replays
-    stats = gtmpi.debug.worker_stats()
-    assert sum(s["graph_launches"] for s in stats.values()) > launches + 8
+def test_a_repeated_loop_gives_the_losses_and_weights_it_gives_as_written(tmp_path, set_to_none):
+    got = _run(tmp_path, set_to_none=set_to_none)
+    assert got["same"]
+    report = got["report"]
+    assert _count(report, "replayed") > _count(report, "total") / 2, report  # most went as replays
+    assert got["launches"] > 8 and got["explained"]
 
 
-def test_what_differs_between_iterations_runs_as_written_and_is_counted(auto):
-    gtmpi.debug.auto_replay(False)
-    written = _train(dropout=0.1, batch_at={5: 3})
-    gtmpi.debug.auto_replay(True)
-    _same(written, _train(dropout=0.1, batch_at={5: 3}))
-    report = gtmpi.debug.repeats()
-    assert "as written: not seen before" in report
-    assert "as written: an upload or an optimizer's step" in report
+@pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")
+def test_under_mpiexec_the_worker_replays_the_same(tmp_path):
+    got = _run(tmp_path, n=2, iters=6)
+    assert got["same"] and got["launches"] > 4
 
 
-def test_new_weights_make_the_runs_that_read_the_old_ones_go(auto):
-    gtmpi.debug.auto_replay(False)
-    written = _train(iters=10, swap_at=5)
-    gtmpi.debug.auto_replay(True)
-    _same(written, _train(iters=10, swap_at=5))
-    assert runtime().dispatcher.repeats.installed > 0
+def test_what_differs_between_iterations_runs_as_written_and_is_counted(tmp_path):
+    got = _run(tmp_path, dropout=0.1, batch_at={"5": 3})
+    assert got["same"]
+    assert "as written: not seen before" in got["report"]
+    assert "as written: an upload or an optimizer's step" in got["report"]
 
 
-def test_explain_says_what_was_replayed(auto, capsys):
-    _train(iters=4)
-    gtmpi.debug.explain()
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("repeated runs")]
-    assert line and _replayed(line[0]) > 0
+def test_new_weights_make_the_runs_that_read_the_old_ones_go(tmp_path):
+    got = _run(tmp_path, iters=10, swap_at=5)
+    assert got["same"] and got["programs"] > 0
 
 
-def test_off_nothing_is_held():
-    assert runtime().dispatcher.repeats is None
-    assert gtmpi.debug.repeats() is None
+def test_off_by_default_nothing_is_held():
+    import gtmpi
+    from gtmpi.client.runtime import runtime
+    assert os.environ.get("GTMPI_AUTO_REPLAY", "0") == "0"
+    assert runtime().dispatcher.repeats is None and gtmpi.debug.repeats() is None
