@@ -15,6 +15,7 @@ LAYERS = {
     "client": 2, "autograd": 2,
     "nn": 3, "optim": 3, "signals": 3, "trace": 3, "debug": 3, "checkpoint": 3, "launch": 3,
     "cli": 3, "pipeline": 3, "cuda": 3, "interop": 3, "amp": 3, "backends": 3, "utils": 3,
+    "profiler": 3,
     "server": 3, "__init__": 3, "__main__": 3,
 }
 
