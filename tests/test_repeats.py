@@ -125,3 +125,22 @@ def test_off_by_default_nothing_is_held():
     from gtmpi.client.runtime import runtime
     assert os.environ.get("GTMPI_AUTO_REPLAY", "0") == "0"
     assert runtime().dispatcher.repeats is None and gtmpi.debug.repeats() is None
+
+
+def test_the_trace_says_which_runs_were_replayed_and_why_others_were_not(tmp_path):
+    from gtmpi.recording import fileformat
+    from gtmpi.recording.events import Kind, Lane
+    path = tmp_path / "run.h5"
+    proc, _ = run_job(tmp_path, LOOP.format(tests=TESTS), 240, n=None,
+                      args=[json.dumps({"iters": 5})],
+                      env={"GTMPI_CUDA_GRAPHS": "emulate", "GTMPI_TRACE": str(path)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trace = fileformat.read(str(path))
+    rows = trace.events[0]
+    mine = rows[(rows["kind"] == Kind.REPLAY) & (rows["lane"] == Lane.DISPATCHER)]
+    fates = {(trace.name(int(e["name"])), trace.name(int(e["detail"]))) for e in mine}
+    names = {what for what, _ in fates}
+    assert {"replayed", "as written"} <= names, fates
+    assert ("as written", "not seen before") in fates
+    replayed = mine[[trace.name(int(e["name"])) == "replayed" for e in mine]]
+    assert replayed["count"].sum() > 100  # instructions that went out as replays

@@ -27,9 +27,11 @@ ids, that running it as written would give; what the run frees is freed after it
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from typing import Any
 
+from ..recording.events import Kind, Lane
 from .programs import Program
 
 RUN_LEN = 64  # instructions per run: the worker starts on a run once it is whole
@@ -203,6 +205,7 @@ class Repeats:
 
     def _as_written(self, instructions: list[tuple], urgent: bool, why: str) -> None:
         self.counts[f"as written: {why}"] += len(instructions)
+        self._note("as written", -1, len(instructions), why)
         put, home = self.d._put, self.d.home
         for ins in instructions[:-1]:
             put(home, ins, False)
@@ -248,6 +251,7 @@ class Repeats:
         binds = tuple((ids[s], slots[s]) for s in variant.bound)
         renames = tuple((slots[s], ids[s]) for s in variant.kept)
         self.counts["replayed"] += count
+        self._note("replayed", variant.program.key, count, variant.program.name)
         self.d.run_program(variant.program, binds, renames, None)
         gone = tuple(ids[s] for s in sorted(run.freed) if not run.made[s])
         if gone:
@@ -258,6 +262,13 @@ class Repeats:
             if not variant.program.stale:
                 variant.program.stale = True
                 self.stale.append(variant.program)
+
+    def _note(self, what: str, key: int, count: int, detail: str) -> None:
+        """A run's fate on the dispatcher's lane of the trace, when one is recording."""
+        rec = self.d.trace
+        if rec is not None:
+            t = time.perf_counter_ns()
+            rec.event(Kind.REPLAY, Lane.DISPATCHER, t, t, what, key, count=count, detail=detail)
 
     def forget(self) -> None:
         """Every program goes: the workers drop them (and their graphs' memory)."""

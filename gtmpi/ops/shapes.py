@@ -28,8 +28,11 @@ _cache: dict[tuple, tuple[tuple[Sig, ...], bool]] = {}
 def _freeze(v: Any) -> Any:
     """A hashable stand-in for a constant (slices and lists are not hashable). Scalars carry
     their type: 4 == 4.0 == True as dict keys, but not as torch arguments."""
-    if type(v) in SCALARS:
-        return (type(v), v)
+    t = type(v)
+    if t in SCALARS:
+        return (t, v)
+    if t is tuple and all(type(x) is int for x in v):  # a shape, the commonest constant
+        return ("ints", v)
     if isinstance(v, slice):
         return ("slice", v.start, v.stop, v.step)
     if isinstance(v, (list, tuple)):
