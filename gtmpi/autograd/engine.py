@@ -21,6 +21,7 @@ from .grads import GRADS, kept
 from .node import Node
 
 _state = threading.local()  # the graph recorded last in this thread (for printing)
+_INPLACE = frozenset(name for name, op in OPS.items() if op.kind is Kind.INPLACE)
 
 
 def zero_grads(params: Iterable[Any], set_to_none: bool = True) -> None:
@@ -75,7 +76,7 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any
     ``graph``: a fused op's handle to torch's record of it on the worker, which its rule reads."""
     if not any(isinstance(a, Tensor) and a.requires_grad for a in operands):
         return
-    if OPS[op].kind is Kind.INPLACE:
+    if op in _INPLACE:
         target = operands[0]
         if target.requires_grad and target._node is None:
             raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
@@ -91,18 +92,25 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any
         with no_grad():
             saved = tuple(o.detach() for o in outs)
     # a leaf that requires grad stays itself: backward accumulates into it
-    operands = tuple(a if i in keep or not isinstance(a, Tensor) or
-                     (a.requires_grad and a._node is None) else Ghost(a)
-                     for i, a in enumerate(operands))
-    for a in operands:
-        if isinstance(a, Tensor) and a._node is not None:
-            a._node.uses[a._slot] += 1
-    node = Node(op, operands, kw, len(outs), saved)
-    node.results = tuple((o.id, o._sig) for o in outs)
-    node.backward = runtime().signals.backward()
+    kept_operands = []
+    for i, a in enumerate(operands):
+        if isinstance(a, Tensor):
+            if a._node is not None:
+                a._node.uses[a._slot] += 1
+                if i not in keep:
+                    a = Ghost(a)
+            elif i not in keep and not a.requires_grad:
+                a = Ghost(a)
+        kept_operands.append(a)
+    node = Node(op, tuple(kept_operands), kw, len(outs), saved)
+    node.results = tuple((o._id, o._sig) for o in outs)
+    book = runtime().signals
+    if book.open:
+        node.backward = book.backward()
     _state.last = weakref.ref(node)  # weak: printing must not keep a dropped graph alive
     for slot, o in enumerate(outs):
-        if o.dtype.is_floating_point or o.dtype.is_complex:
+        dtype = o._sig[1]
+        if dtype.is_floating_point or dtype.is_complex:
             o.requires_grad = True
             o._node = node
             o._slot = slot
