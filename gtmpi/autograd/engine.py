@@ -119,7 +119,7 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any
 def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> None:
     if not root.requires_grad:
         raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
-    with no_grad():
+    with no_grad(), runtime().sites_here():
         if gradient is None:
             if root.numel() != 1:
                 raise RuntimeError("grad can be implicitly created only for scalar outputs")
