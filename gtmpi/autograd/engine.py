@@ -72,10 +72,9 @@ class Ghost:
 
 
 def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any = None) -> None:
-    """Called by every op: link the result into the graph if an operand requires grad.
-    ``graph``: a fused op's handle to torch's record of it on the worker, which its rule reads."""
-    if not any(isinstance(a, Tensor) and a.requires_grad for a in operands):
-        return
+    """Called by every op that has an operand requiring grad while grad mode is on (apply
+    checks): link the result into the graph. ``graph``: a fused op's handle to torch's record
+    of it on the worker, which its rule reads."""
     if op in _INPLACE:
         target = operands[0]
         if target.requires_grad and target._node is None:

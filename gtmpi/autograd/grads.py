@@ -7,6 +7,7 @@ run with autograd off and are written with gtmpi's own ops, so they execute on t
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -39,12 +40,13 @@ SAVES: dict[str, tuple[tuple[int, ...] | slice, bool]] = {
 }
 
 
-def kept(op: str, n: int) -> tuple[set[int] | range, bool]:
+@functools.lru_cache(maxsize=4096)
+def kept(op: str, n: int) -> tuple[frozenset[int] | range, bool]:
     """The operand positions (of n) that op's rule reads, and whether it reads the results."""
     keep, uses_output = SAVES.get(op, (None, False))
     if keep is None:
         return range(n), uses_output
-    return set(range(n)[keep] if isinstance(keep, slice) else keep), uses_output
+    return frozenset(range(n)[keep] if isinstance(keep, slice) else keep), uses_output
 
 
 def rule(*names: str):
