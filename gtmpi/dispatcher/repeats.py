@@ -19,11 +19,15 @@ becomes a program (dispatcher/programs.py) with those old tensors read as they a
 ones bound per run, and every tensor it makes the program's own, handed out under the run's
 ids; it is replayed from then on whenever a run of its shape reads those same old tensors, and
 on a GPU it is a CUDA graph from its second replay (worker/graphs.py). Anything else runs as
-written, counted by why (``explain()``): a shape not seen before, no earlier run fitting, a
-random op (its seed differs per run), a constant that cannot be compared.
+written, counted by why (``explain()``) and marked on the dispatcher's lane of the trace: a
+shape not seen before (a run with a random op is new every time: its seed differs), no earlier
+run fitting, a constant that cannot be compared.
 
 Replays keep what the instructions say: a run's tensors get the same values, under the same
-ids, that running it as written would give; what the run frees is freed after it.
+ids, that running it as written would give; what the run frees is freed after it. What they
+cost is memory: each program's CUDA graph keeps a pool of its own, so a graphed iteration holds
+what every run of it needed at once (nanoGPT's GPT-2 small: 2.06x torch's peak). That is why
+this is off by default.
 """
 from __future__ import annotations
 
