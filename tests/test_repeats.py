@@ -115,10 +115,20 @@ def test_under_mpiexec_the_worker_replays_the_same(tmp_path):
 
 
 def test_what_differs_between_iterations_runs_as_written_and_is_counted(tmp_path):
-    got = _run(tmp_path, dropout=0.1, batch_at={"5": 3})
+    got = _run(tmp_path, batch_at={"5": 3})
     assert got["same"]
     assert "as written: not seen before" in got["report"]
     assert "as written: an upload or an optimizer's step" in got["report"]
+
+
+def test_runs_with_dropout_replay_the_draws_they_make_as_written(tmp_path):
+    """Each run's random ops take the session's next seeds on a replay too (graphs reseed
+    their generators per launch): the same masks, bit for bit."""
+    got = _run(tmp_path, dropout=0.1)
+    assert got["same"]
+    report = got["report"]
+    assert _count(report, "replayed") > _count(report, "total") / 2, report
+    assert got["launches"] > 8
 
 
 def test_new_weights_make_the_runs_that_read_the_old_ones_go(tmp_path):

@@ -172,7 +172,9 @@ class Runtime:
         seed = derive_seed(self._seed, self._random_ops)
         recording = self.dispatcher.recording
         if recording is None:
-            return seed
+            # where repeated runs are replayed, the seed says its place in the session's
+            # stream, so that a run of random ops can be replayed with the seeds of its own
+            return seed if self.dispatcher.repeats is None else Seed(seed, self._random_ops)
         recording.random_ops += 1
         return Seed(seed, recording.random_ops)
 

@@ -20,8 +20,12 @@ ones bound per run, and every tensor it makes the program's own, handed out unde
 ids; it is replayed from then on whenever a run of its shape reads those same old tensors, and
 on a GPU it is a CUDA graph from its second replay (worker/graphs.py). Anything else runs as
 written, counted by why (``explain()``) and marked on the dispatcher's lane of the trace: a
-shape not seen before (a run with a random op is new every time: its seed differs), no earlier
-run fitting, a constant that cannot be compared.
+shape not seen before, no earlier run fitting, a constant that cannot be compared, random ops
+whose seeds are not the session's next ones in a row (a generator of the program's own).
+
+A random op's seed is no part of a run's shape: the session's seeds are consecutive numbers
+(ops/table.py: derive_seed), so a replay gives the run's k random ops the k seeds that follow
+the one before its first, which is what they draw as written.
 
 Replays keep what the instructions say: a run's tensors get the same values, under the same
 ids, that running it as written would give; what the run frees is freed after it. What they
@@ -35,6 +39,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
+from ..ops.table import Seed
 from ..recording.events import Kind, Lane
 from .programs import Program
 
@@ -51,7 +56,7 @@ class _Run:
     signature key, its operands with ids as slots, its results' slots; a free's slots after
     "free"), ``ids`` by slot, and which slots it makes, reads and frees."""
 
-    __slots__ = ("key", "ids", "made", "read", "freed")
+    __slots__ = ("key", "ids", "made", "read", "freed", "seeds")
 
     def __init__(self, instructions: list[tuple], keys: list[tuple | None]) -> None:
         slots: dict[int, int] = {}
@@ -59,6 +64,7 @@ class _Run:
         made: list[bool] = []
         read: set[int] = set()
         freed: set[int] = set()
+        seeds: list[Seed] = []  # in the order drawn
         flat: list = []
         put = flat.append
 
@@ -70,7 +76,7 @@ class _Run:
                 made.append(out)
             return s
 
-        for (name, out, args, tmask, _), key in zip(instructions, keys):
+        for (name, out, args, tmask, kw), key in zip(instructions, keys):
             if name == "free":
                 put("free")
                 for tid in args:
@@ -87,9 +93,14 @@ class _Run:
                     s = slot(a, False)
                     read.add(s)
                     put(s)
+                elif type(a) is Seed:
+                    seeds.append(a)
+                    put("seed")
                 else:
                     put(a)
                 j <<= 1
+            if kw:  # the signature key holds a keyword seed as "seed" already
+                seeds += [v for v in kw.values() if type(v) is Seed]
             for o in ((out,) if type(out) is int else out or ()):
                 put(slot(o, True))
         self.key = tuple(flat)
@@ -98,6 +109,7 @@ class _Run:
         self.made = made
         self.read = read  # slots an op reads (made ones included)
         self.freed = freed
+        self.seeds = seeds
 
     @property
     def top(self) -> int:
@@ -107,6 +119,11 @@ class _Run:
     def inputs(self) -> list[int]:
         """Slots of tensors from before the run that its ops read."""
         return [s for s in sorted(self.read) if not self.made[s]]
+
+    def drawn_in_a_row(self) -> bool:
+        """Whether its random ops took the session's seeds one after another."""
+        first = self.seeds[0].offset if self.seeds else 0
+        return all(s.offset == first + i for i, s in enumerate(self.seeds))
 
 
 class _Variant:
@@ -184,6 +201,9 @@ class Repeats:
             return self._as_written(instructions, urgent, "a constant that cannot be compared")
         if min(run.ids) < 0:  # the dispatcher's own tensors: a placed program, not repeated
             return self._as_written(instructions, urgent, "the dispatcher's own tensors")
+        if not run.drawn_in_a_row():
+            return self._as_written(instructions, urgent,
+                                    "random ops with seeds not the session's next in a row")
         shape = self.shapes.get(run.key)
         if shape is None:
             if len(self.shapes) >= SHAPES_MAX:
@@ -223,6 +243,13 @@ class Repeats:
         fixed = {s: run.ids[s] for s in run.inputs() if run.ids[s] <= top}
         slots = [run.ids[s] if s in fixed else d.placer.new_temp() for s in range(len(run.ids))]
         at = {tid: s for s, tid in enumerate(run.ids)}.__getitem__
+        # each seed as its place among the run's random ops (1, 2, ...), which a replay's
+        # seeds are derived from
+        before = run.seeds[0].offset - 1 if run.seeds else 0
+
+        def relative(v: Any) -> Any:
+            return Seed(v, v.offset - before) if type(v) is Seed else v
+
         program = []
         for name, out, args, tmask, kw in instructions:
             if name == "free":  # the run's own tensors; those from before go after it
@@ -230,8 +257,10 @@ class Repeats:
                 if mine:
                     program.append(("free", None, mine, 0, None))
                 continue
-            if tmask:
-                args = tuple(slots[at(a)] if tmask >> j & 1 else a for j, a in enumerate(args))
+            args = tuple(slots[at(a)] if tmask >> j & 1 else relative(a)
+                         for j, a in enumerate(args))
+            if kw and run.seeds:
+                kw = {k: relative(v) for k, v in kw.items()}
             if type(out) is int:
                 out = slots[at(out)]
             elif out:
@@ -243,7 +272,7 @@ class Repeats:
         made = Program(d._programs, f"repeated run {d._programs} ({len(program)} instructions,"
                        f" {program[0][0]} ... {program[-1][0]})", (d.home,),
                        frozenset(fixed.values()), (), (),
-                       tuple((slots[s], None, False) for s in kept), 0, auto=True)
+                       tuple((slots[s], None, False) for s in kept), len(run.seeds), auto=True)
         d._put(d.home, ("program", None, (made.key, program), 0, None), False)
         for tid in fixed.values():
             d.watched.setdefault(tid, []).append(made)
@@ -256,7 +285,10 @@ class Repeats:
         renames = tuple((slots[s], ids[s]) for s in variant.kept)
         self.counts["replayed"] += count
         self._note("replayed", variant.program.key, count, variant.program.name)
-        self.d.run_program(variant.program, binds, renames, None)
+        # derive_seed(0, n) is n: the worker's seed for the run's i-th random op is then the
+        # seed before this run's first, plus i (the session's seeds go up by one per op)
+        seeds = (0, int(run.seeds[0]) - 1) if run.seeds else None
+        self.d.run_program(variant.program, binds, renames, seeds)
         gone = tuple(ids[s] for s in sorted(run.freed) if not run.made[s])
         if gone:
             self.d._put(self.d.home, ("free", None, gone, 0, None), False)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .shape_rules import RULES, broadcast_shape
-from .table import OPS, Kind
+from .table import OPS, Kind, Seed
 
 # ops whose kernel returns a tuple even of one tensor (their rule's single Sig is still a tuple)
 _TUPLED = frozenset({"linear_grad", "add_foreach"})
@@ -31,6 +31,8 @@ def _freeze(v: Any) -> Any:
     t = type(v)
     if t in SCALARS:
         return (t, v)
+    if t is Seed:  # a random op's seed changes no shape, placement or program
+        return ("seed",)
     if t is tuple and all(type(x) is int for x in v):  # a shape, the commonest constant
         return ("ints", v)
     if isinstance(v, slice):
