@@ -114,7 +114,7 @@ MLP = """
     t.manual_seed(1)
     net = t.nn.Sequential(t.nn.Linear(8, 32), t.nn.ReLU(), t.nn.Linear(32, 1))
     opt = t.optim.SGD(net.parameters(), lr=0.05)
-    x = t.randn(64, 8)
+    x = t.randn(64, 8, device="cuda")
     y = (x[:, :1] * 2 - x[:, 1:2]).detach()
     for step in range(40):
         loss = ((net(x) - y) ** 2).mean()
@@ -129,7 +129,7 @@ READS = """
     import sys
     import gtmpi as t
     k = int(sys.argv[1])
-    x = t.zeros(16)
+    x = t.zeros(16, device="cuda")
     for i in range(1, 301):
         x = x + k
         assert float(x[3]) == i * k, (i, k, float(x[3]))
@@ -177,7 +177,7 @@ def test_the_port_file_is_the_owners_and_its_token_is_required(server, tmp_path)
 ISOLATION_VICTIM = """
     import os, sys, time
     import gtmpi as t
-    secret = t.arange(4.0) * 10
+    secret = t.arange(4.0, device="cuda") * 10
     ready, go = sys.argv[1], sys.argv[2]
     with open(ready, "w") as f:
         f.write(str(secret.id))
@@ -207,7 +207,7 @@ ISOLATION_ATTACKER = """
         t.synchronize()
     except t.WorkerError as e:
         print("write skipped:", str(e).splitlines()[0][:80])
-    mine = t.ones(3) * 2
+    mine = t.ones(3, device="cuda") * 2
     print("mine", mine.numpy().tolist())
 """
 
@@ -231,7 +231,7 @@ def test_another_clients_ids_reach_nothing_of_it(server, tmp_path):
 KEEPER = """
     import sys, time
     import gtmpi as t
-    big = t.ones(2_000_000)  # 8 MB on a worker
+    big = t.ones(2_000_000, device="cuda")  # 8 MB on a worker
     print("ready", float(big[0]), flush=True)
     time.sleep(600)
 """
@@ -241,7 +241,7 @@ UNTAKEN = """
     import sys, time
     import gtmpi as t
     from gtmpi.client.runtime import runtime
-    big = t.ones(2_000_000)  # 8 MB: it leaves the worker only as the client takes it
+    big = t.ones(2_000_000, device="cuda")  # 8 MB: it leaves the worker only as the client takes it
     print("ready", float(big[0]), flush=True)
     d = runtime().dispatcher
     d.links[1].send([("read", None, (big.id,), 0, None)], 99)  # a read nobody receives
@@ -309,9 +309,9 @@ def test_a_client_over_its_quota_gets_a_memory_error_and_keeps_the_rest(tmp_path
     try:
         out = finish(s.client(tmp_path, "greedy", """
             import gtmpi as t
-            small = t.ones(1000) * 3
+            small = t.ones(1000, device="cuda") * 3
             try:
-                big = t.ones(2_000_000) + 1   # 8 MB of each: over 4 MB
+                big = t.ones(2_000_000, device="cuda") + 1   # 8 MB of each: over 4 MB
                 print(float(big[0]))
             except t.WorkerError as e:
                 print("refused:", "MemoryError" in str(e), "quota" in str(e))
@@ -332,7 +332,7 @@ def test_sigterm_ends_the_server_and_tells_its_clients(tmp_path):
     waiting = s.client(tmp_path, "waiting", """
         import time
         import gtmpi as t
-        x = t.ones(4)
+        x = t.ones(4, device="cuda")
         print("ready", flush=True)
         try:
             while True:
@@ -354,7 +354,7 @@ LOAD = """
     import sys
     import gtmpi as t
     k = int(sys.argv[1])
-    x = t.full((8,), float(k))
+    x = t.full((8,), float(k), device="cuda")
     for i in range(1, 5001):
         x = x + k
         if i % 500 == 0:
@@ -432,7 +432,7 @@ def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(server, tmp_
     out = finish(server.client(tmp_path, "hostile", """
         import gtmpi as t
         from gtmpi.client.runtime import runtime
-        x = t.ones(3)
+        x = t.ones(3, device="cuda")
         print("before", x.numpy().tolist(), flush=True)
         d = runtime().dispatcher
         d.links[1].send([("no such instruction",)], 99)  # not a 5-tuple: no op can run it
