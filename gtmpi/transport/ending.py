@@ -110,6 +110,8 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
     except OSError:
         pass
     time.sleep(SETTLE_S)
+    if rank != 0 and host == job[0]:
+        _await_rank0(job)
     if not claimed(job) and first(job) == rank:
         who = "rank 0" if rank == 0 else f"worker rank {rank}"
         claim(job, f"gtmpi: {who} (pid {pid} on {host}) died; the job is ending")
@@ -119,6 +121,20 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
             os.unlink(path)
         except OSError:
             pass
+
+
+RANK0_NOTE_S = 3.0  # how long a worker's watcher waits for a dead rank 0's note
+
+
+def _await_rank0(job: Job) -> None:
+    """Rank 0 is dead but its watcher has not noted it yet (a loaded host schedules watchers
+    late): wait for that note, so that the earliest death is chosen among all of them, not
+    among the watchers that happened to run first."""
+    note = f"{_path(job)}.0"
+    deadline = time.monotonic() + RANK0_NOTE_S
+    while not claimed(job) and not alive(job[1]) and not os.path.exists(note) and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def first(job: Job) -> int | None:
