@@ -84,10 +84,11 @@ def stop_line(kind: type, tb) -> str:
 def stop_on_sigterm() -> None:
     """SIGTERM (a SLURM time limit or preemption, a forwarded kill of mpiexec) raises
     Terminated in the program, as SIGINT raises KeyboardInterrupt: the program may save a
-    checkpoint, the trace is written, the job ends with one line. A handler the program set
-    first is left alone."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    checkpoint, the trace is written, the job ends with one line. Neither is raised inside a
+    finaliser (a dropped tensor's __del__), where Python would print it and drop it: the
+    signal comes again 10 ms later (Ctrl-C once hung a test's job that way). A handler the
+    program set first is left alone."""
+    if threading.current_thread() is not threading.main_thread():
         return
 
     def raise_terminated(signum, frame):
@@ -95,7 +96,24 @@ def stop_on_sigterm() -> None:
         if rt is not None and rt.death_pending:  # not a SIGTERM: a spawned worker died
             rt._watchdog()
         raise Terminated("SIGTERM")
-    signal.signal(signal.SIGTERM, raise_terminated)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _outside_finalisers(raise_terminated))
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _outside_finalisers(signal.default_int_handler))
+
+
+def _outside_finalisers(handler):
+    def deliver(signum, frame):
+        inner = frame
+        for _ in range(4):  # __del__ itself, or what it calls
+            if inner is None:
+                break
+            if inner.f_code.co_name == "__del__":
+                threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+                return
+            inner = inner.f_back
+        handler(signum, frame)
+    return deliver
 
 
 def user_line(tb) -> str:
