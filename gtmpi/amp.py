@@ -65,13 +65,8 @@ class Region:
         """The dtype ``name`` casts its operands to inside its kernel (linear), or None."""
         if name not in FUSED:
             return None
-        from .client.tensor import Tensor
         to = self.dtype
-        for a in args:
-            if isinstance(a, Tensor) and a.dtype != to and a.dtype.is_floating_point and \
-                    a.dtype != torch.float64:
-                return to
-        return None
+        return to if any(_changes(a, to) for a in args) else None
 
     def operands(self, name: str, args: tuple) -> tuple | None:
         """The operands of ``name`` cast as the region wants them, or None (run as given)."""
@@ -84,9 +79,7 @@ class Region:
         return tuple(self._cast(a, to) for a in args)
 
     def _cast(self, a: Any, to: torch.dtype) -> Any:
-        from .client.tensor import Tensor
-        if not isinstance(a, Tensor) or not a.dtype.is_floating_point or \
-                a.dtype in (torch.float64, to):
+        if not _changes(a, to):
             return a
         from .autograd import is_grad_enabled
         # torch's cache: float32 leaves that need gradients, cast down (and here only where
@@ -101,6 +94,14 @@ class Region:
         if cached:
             self.cache[id(a)] = (a, cast)
         return cast
+
+
+def _changes(a: Any, to: torch.dtype) -> bool:
+    """Whether a region casts operand ``a`` to ``to``: a floating tensor of another dtype,
+    float64 aside."""
+    from .client.tensor import Tensor
+    return isinstance(a, Tensor) and a.dtype.is_floating_point and \
+        a.dtype not in (torch.float64, to)
 
 
 class autocast:

@@ -90,7 +90,7 @@ def _linear(args, tmask, kw):
         return None
     cast = kw.get("cast") if kw else None  # autocast's, inside the kernel (gtmpi/amp.py)
     if cast is not None:
-        floating = x[1] in _FLOAT and w[1] in _FLOAT and (b is None or b[1] in _FLOAT)
+        floating = _float(x) and _float(w) and (b is None or _float(b))
         return ((Size((*x[0][:-1], w[0][0])), cast),) if floating and \
             (b is None or (tmask & 4 and b[0] == Size([w[0][0]]))) else None
     if b is not None and not (tmask & 4 and b[0] == Size([w[0][0]]) and b[1] == x[1]):
