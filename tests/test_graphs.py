@@ -84,6 +84,29 @@ def test_outputs_held_across_launches_keep_their_values(monkeypatch):
     assert step.replays == 5
 
 
+def test_a_graph_never_writes_over_another_graphs_outputs_still_held(monkeypatch):
+    """A worker's graphs share one memory pool, so one graph's scratch (its temporaries, free
+    once it ends) may hold the outputs of a graph captured after it; outputs still held when
+    the first launches again keep their values."""
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", GRAPHS)
+    w = gtmpi.ones(512, 512)
+
+    @gtmpi.replayable
+    def scratchy(x):
+        return ((w * x).exp() * 2 + 1).sum()  # temporaries of w's size, one number out
+
+    @gtmpi.replayable
+    def big(x):
+        return w * x  # w's size, made where scratchy's temporaries were
+
+    held = []
+    for i in range(8):
+        assert scratchy(gtmpi.zeros(1)).item() == 3 * 512 * 512
+        held.append(big(gtmpi.full((1,), float(i))))
+    assert [h.sum().item() for h in held] == [512.0 * 512 * i for i in range(8)]
+    assert scratchy.replays == big.replays == 6
+
+
 def test_results_read_calls_later_and_changed_in_place_read_right(monkeypatch):
     """A training loop's reads: each call's result read two calls later (on a GPU worker the
     read waits only for the call that made it, not for the calls queued since), one changed

@@ -70,9 +70,11 @@ class Executor:
         # reads, stats, ...), not ops of the table
         self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
                       "bytes_received": 0, "bytes_sent": 0, "graph_launches": 0,
-                      "graphed_ops": 0, "graph_fallbacks": 0, "exec_ns": 0, "wait_ns": 0}
+                      "graphed_ops": 0, "graph_fallbacks": 0, "graph_input_bytes": 0, "graph_copies": 0,
+                      "exec_ns": 0, "wait_ns": 0}
         # exec_ns: host time in batches; wait_ns: the part of it in reads and syncs, which wait
-        # for the device
+        # for the device; graph_input_bytes: the buffers graphs copy their inputs into;
+        # graph_copies: outputs of graphs still held, copied out of a launch's way
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
@@ -104,7 +106,7 @@ class Executor:
         # where their random ops keep their seeds, and their CUDA graphs (worker/graphs.py)
         self.programs: dict[int, list[tuple]] = {}
         self.seeded: dict[int, list] = {}
-        self.graphs: dict[int, graphs.Captured] = {}
+        self.graphs = graphs.Kept()
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture
         self.profiler = KernelProfiler.from_env(rank, device)  # GTMPI_PROFILE (worker/profiler.py)
@@ -379,7 +381,7 @@ class Executor:
     def _program(self, out, args: tuple) -> None:
         """(key, instructions): keep a recorded sequence; (key, None): drop it."""
         key, instructions = args
-        self.graphs.pop(key, None)
+        self.graphs.pop(key)
         if instructions is None:
             self.programs.pop(key, None)
             self.seeded.pop(key, None)
@@ -476,7 +478,13 @@ class Executor:
             self._settle_all()
         if self.plane is not None:
             self.plane.settle_sends()
-        inputs = {recorded: _static(env[cur]) for cur, recorded in binds}
+        inputs, shared = {}, set()
+        for cur, recorded in binds:
+            inputs[recorded], same = self.graphs.bind(env[cur])
+            if same and isinstance(inputs[recorded], torch.Tensor):
+                shared.add(recorded)
+            elif not same:
+                self.stats["graph_input_bytes"] += inputs[recorded].nbytes
         saved = self._saved(inputs)
 
         def execute(instructions: list[tuple]) -> None:
@@ -512,7 +520,8 @@ class Executor:
             k: (v[0] - counts.get(k, (0, 0))[0], v[1] - counts.get(k, (0, 0))[1])
             for k, v in after.items() if v != counts.get(k)}
         return graphs.Captured(handle, inputs, [(tid, env[tid]) for tid in reads], comm,
-                               len(program), graphs.written_inputs(program, set(inputs)))
+                               len(program), graphs.written_inputs(program, set(inputs)),
+                               frozenset(shared))
 
     def _captured(self, program: list[tuple]) -> None:
         """The program's instructions inside a capture: no GPU timing events, and every
@@ -543,7 +552,7 @@ class Executor:
         _, binds, renames, seeds, captured = self._capture
         self._capture = None
         if ok:
-            self.graphs[key] = captured
+            self.graphs.add(key, captured)
         if not ok or not self._launch(captured, binds, renames, seeds):
             self._run_program(self._instructions(key, seeds), binds, renames)
         if self.device.type == "cuda":
@@ -562,10 +571,12 @@ class Executor:
             self.stats["graph_fallbacks"] += 1
             return False
         outputs = tuple(recorded for recorded, _ in renames)
+        copied = self.graphs.clear_way(captured, env)
         if captured.outputs:  # before the inputs are copied in: an output may view one
-            copied = captured.copy_out(env)
-            if copied and self.ready:
-                self._note_ready(i for i in copied if i in self.ready)
+            copied += captured.copy_out(env)
+        self.stats["graph_copies"] += len(copied)
+        if copied and self.ready:
+            self._note_ready(i for i in copied if i in self.ready)
         fault = None
         inputs = captured.inputs
         for cur, recorded in binds:
@@ -588,10 +599,11 @@ class Executor:
         captured.handle.replay(env, outputs)
         if captured.written and fault is None:
             for cur, recorded in binds:
-                if recorded in captured.written:
+                if recorded in captured.written and env[cur] is not inputs[recorded]:
                     env[cur].copy_(inputs[recorded])
         if not captured.outputs:  # the first launch: its outputs are the graph's for good
             captured.set_outputs(env, outputs)
+            self.graphs.launched(captured)
         # a graph leaves its outputs where they were captured; the stand-in puts them (and
         # the autograd records it made afresh) under the recorded ids
         made = {recorded: env.pop(recorded) for recorded in outputs if recorded in env}
@@ -783,11 +795,6 @@ _SAID: set[str] = set()
 
 
 _WAITING = frozenset({"read", "sync"})  # control words that wait for the device
-
-
-def _static(value: Any) -> Any:
-    """What a capture binds an input to: a tensor's own buffer, or the object itself."""
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _say_once(message: str) -> None:

@@ -7,10 +7,17 @@ A graph reads and writes fixed addresses, so around it:
             those it writes in place are copied back after it; a bound value that is not a
             tensor (a fused op's autograd record, made by another graph) is captured as the
             object it is, and a call that binds another object runs op by op;
-  outputs   live in the graph's own memory pool and are handed out as they are; one still held
-            when the graph runs again (a loss read two steps later, a view of a gradient) is
-            copied out first, so what a client holds never changes under it (an autograd record
-            still held cannot be copied: that call runs op by op);
+  outputs   are handed out as they are and stay the graph's for good; one still held when the
+            graph runs again (a loss read two steps later, a view of a gradient) is copied out
+            first, so what a client holds never changes under it (an autograd record still held
+            cannot be copied: that call runs op by op). An input that is another graph's output
+            (the activations a backward reads) is read where that graph leaves it, not copied;
+  memory    every graph of a worker shares one pool, as torch's own graphs of a step do, so a
+            graph's scratch memory is the next one's (a private pool each doubled a step's
+            peak). A graph's launch rewrites the scratch it had at capture, which a later
+            capture may have given to its outputs: Kept works out, from the allocator's blocks
+            around each capture, which outputs of other graphs lie there, and copies any still
+            held out of the way before the launch;
   reads     tensors from outside (weights, optimizer state) are read where they were at
             capture; the dispatcher re-records a program whose reads were freed or placed anew,
             and a read that is not the tensor captured (or an input that failed) makes the
@@ -55,6 +62,7 @@ class CudaBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
         # cuBLAS makes a handle and workspace per stream on first use, which a capture must
         # not be the one to do
         with torch.cuda.stream(self.stream):
@@ -70,17 +78,32 @@ class CudaBackend:
         graph = torch.cuda.CUDAGraph()
         for gen in gens.values():
             graph.register_generator_state(gen)
+        before = self._blocks()
         # thread_local: the process group's watchdog thread may query events meanwhile
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=self.stream,
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
                               capture_error_mode="thread_local"):
             execute(with_seeds(program, where, lambda s: gens[s.offset]))
-        return _Graph(graph, gens)
+        after = self._blocks()
+        held = {block for block, active in before.items() if active}
+        return _Graph(graph, gens, scratch=[b for b, active in after.items() if not active],
+                      kept=[b for b, active in after.items() if active and b not in held])
+
+    def _blocks(self) -> dict[tuple[int, int], bool]:
+        """The pool's blocks now: (start, end) -> whether a tensor holds it."""
+        return {(b["address"], b["address"] + b["size"]): b["state"] != "inactive"
+                for seg in torch.cuda.memory_snapshot()
+                if tuple(seg["segment_pool_id"]) == tuple(self.pool) for b in seg["blocks"]}
 
 
 class _Graph:
-    def __init__(self, graph: Any, gens: dict[int, torch.Generator]) -> None:
+    def __init__(self, graph: Any, gens: dict[int, torch.Generator],
+                 scratch: list[tuple[int, int]], kept: list[tuple[int, int]]) -> None:
         self.graph = graph
         self.gens = gens  # offset of a random op among the call's -> its generator
+        # the pool's free blocks after capture, which its launches may write (a superset of
+        # its scratch), and the blocks it holds from then on (outputs, saved tensors, inputs)
+        self.scratch = scratch
+        self.kept = kept
 
     def seed(self, seeds: tuple[int, int] | None) -> None:
         if seeds is not None:
@@ -93,6 +116,7 @@ class _Graph:
 
 
 class EmulatedBackend:
+    """Its graphs allocate afresh at each launch: no pool, so nothing in another's way."""
     emulated = True
 
     def capture(self, program: list[tuple], execute: Callable[[list[tuple]], None]) -> "_Emulated":
@@ -102,6 +126,9 @@ class EmulatedBackend:
 class _Emulated:
     """A stand-in graph: each launch runs the program, then copies what it made into the
     outputs of the first launch, so outputs keep their storage as a graph's do."""
+
+    scratch: list[tuple[int, int]] = []
+    kept: list[tuple[int, int]] = []
 
     def __init__(self, program: list[tuple], execute: Callable[[list[tuple]], None]) -> None:
         self.program = self.now = program
@@ -128,13 +155,16 @@ class _Emulated:
 class Captured:
     """One program's graph and the fixed tensors around it."""
 
-    def __init__(self, handle: Any, inputs: dict[int, torch.Tensor],
-                 reads: list[tuple[int, Any]], comm: dict[str, tuple[int, int]],
-                 size: int, written: frozenset[int] = frozenset()) -> None:
+    def __init__(self, handle: Any, inputs: dict[int, Any], reads: list[tuple[int, Any]],
+                 comm: dict[str, tuple[int, int]], size: int,
+                 written: frozenset[int] = frozenset(), shared: frozenset[int] = frozenset()) -> None:
         self.handle = handle  # _Graph or _Emulated
         self.inputs = inputs  # recorded id -> the static buffer each call is copied into,
         # or the object captured, for what is not a tensor
         self.written = written  # recorded ids of inputs it writes in place: copied back
+        # recorded ids of inputs bound by identity: what is not a tensor, and another graph's
+        # outputs, read where that graph leaves them
+        self.same = shared | {r for r, v in inputs.items() if not isinstance(v, torch.Tensor)}
         self.reads = reads  # (id, the tensor captured) of what it reads from outside
         self.comm = comm  # collectives per launch, by kind: (count, bytes)
         self.size = size  # instructions it stands for
@@ -142,6 +172,9 @@ class Captured:
         self.handed: list[int] = []  # ids the last launch's outputs were handed out under
         self._storages: dict[int, torch.Tensor] = {}  # output storage -> an output on it
         self._uses: dict[int, int] = {}  # output storage -> references to it after a launch
+        # what its launches must first move out of the way: (another graph, the storages of
+        # its outputs in this one's scratch, whether an autograd record it made is there too)
+        self.risks: list[tuple[Captured, frozenset[int], bool]] = []
 
     def set_outputs(self, env: dict[int, Any], recorded: tuple[int, ...]) -> None:
         self.outputs = {o: env[o] for o in recorded if o in env}
@@ -150,30 +183,38 @@ class Captured:
         self._uses = {ptr: _uses(t) for ptr, t in self._storages.items()}
 
     def launchable(self, env: dict[int, Any], binds: tuple) -> bool:
-        """Whether a launch can keep what the client holds: every bound value that is not a
-        tensor is the one captured, and no such output of the last launch is still held."""
-        inputs = self.inputs
-        for cur, recorded in binds:
-            static = inputs.get(recorded)
-            if static is not None and not isinstance(static, torch.Tensor) and \
-                    env.get(cur) is not static:
-                return False
-        outputs = {id(v) for v in self.outputs.values() if not isinstance(v, torch.Tensor)}
-        return not outputs or all(id(env.get(tid)) not in outputs for tid in self.handed)
+        """Whether a launch can keep what the client holds: every value bound by identity is
+        the one captured, no autograd record of the last launch is still held, nor one of
+        another graph's that this launch would rewrite."""
+        inputs, same = self.inputs, self.same
+        if same and any(recorded in same and env.get(cur) is not inputs[recorded]
+                        for cur, recorded in binds):
+            return False
+        return not self.holds_record(env) and \
+            not any(records and other.holds_record(env) for other, _, records in self.risks)
 
-    def copy_out(self, env: dict[int, Any]) -> list[int]:
-        """Before a launch: what still holds the last launch's outputs (the ids they were handed
-        out under, or views made of them since) gets copies, since the launch rewrites them.
-        Returns the ids copied."""
-        statics = {id(t) for t in self.outputs.values() if isinstance(t, torch.Tensor)}
+    def holds_record(self, env: dict[int, Any]) -> bool:
+        """Whether an autograd record the last launch handed out is still held."""
+        records = {id(v) for v in self.outputs.values() if not isinstance(v, torch.Tensor)}
+        return bool(records) and any(id(env.get(tid)) in records for tid in self.handed)
+
+    def copy_out(self, env: dict[int, Any], storages: frozenset[int] | None = None) -> list[int]:
+        """Before a launch that rewrites them (this graph's, or one whose scratch holds
+        ``storages`` of its outputs): what still holds the last launch's outputs (the ids they
+        were handed out under, or views made of them since) gets copies. Returns the ids
+        copied."""
+        statics = {id(t) for t in self.outputs.values() if isinstance(t, torch.Tensor) and
+                   (storages is None or t.untyped_storage().data_ptr() in storages)}
         copied = []
         for tid in self.handed:
             t = env.get(tid)
             if t is not None and id(t) in statics:
                 env[tid] = t.clone()
                 copied.append(tid)
-        self.handed = []
-        grown = {ptr for ptr, t in self._storages.items() if _uses(t) > self._uses[ptr]}
+        if storages is None:
+            self.handed = []
+        grown = {ptr for ptr, t in self._storages.items() if _uses(t) > self._uses[ptr] and
+                 (storages is None or ptr in storages)}
         if not grown:
             return copied
         for tid, t in list(env.items()):
@@ -182,6 +223,100 @@ class Captured:
                 env[tid] = t.clone()
                 copied.append(tid)
         return copied
+
+
+class Kept:
+    """A worker's captured programs by key, and what they are to each other: whose outputs
+    another reads where they lie, and whose outputs lie in another's scratch."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[int, Captured] = {}
+        self._made: dict[int, Captured] = {}  # id of an output tensor -> the graph it is of
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.by_key
+
+    def __getitem__(self, key: int) -> Captured:
+        return self.by_key[key]
+
+    def bind(self, value: Any) -> tuple[Any, bool]:
+        """At capture: what an input is bound to, and whether by identity (another graph's
+        output, read where it lies; an object that is not a tensor) rather than a copy."""
+        if not isinstance(value, torch.Tensor):
+            return value, True
+        if id(value) in self._made:
+            return value, True
+        return value.clone(), False
+
+    def add(self, key: int, captured: Captured) -> None:
+        self.pop(key)
+        self.by_key[key] = captured
+
+    def launched(self, captured: Captured) -> None:
+        """After a graph's first launch, with its outputs known: which graph's scratch holds
+        them (only an earlier capture's can: a graph's own blocks are held from its capture
+        on, so none captured later writes them)."""
+        self._made.update((id(t), captured) for t in captured.outputs.values()
+                          if isinstance(t, torch.Tensor))
+        kept = captured.handle.kept
+        if not kept:
+            return
+        outputs = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                   for t in captured.outputs.values() if isinstance(t, torch.Tensor)]
+        inputs = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                  for t in captured.inputs.values() if isinstance(t, torch.Tensor)]
+        records = any(not isinstance(v, torch.Tensor) for v in captured.outputs.values())
+        for other in self.by_key.values():
+            if other is captured or not other.handle.scratch:
+                continue
+            lying = overlaps(kept, other.handle.scratch)
+            if not lying:
+                continue
+            storages = frozenset(p for p, n in outputs if overlaps([(p, p + n)], lying))
+            known = [(p, p + n) for p, n in outputs + inputs]
+            unknown = any(not _covered(block, known) for block in lying)
+            other.risks.append((captured, storages, records and unknown))
+
+    def clear_way(self, captured: Captured, env: dict[int, Any]) -> list[int]:
+        """Before ``captured`` launches: other graphs' outputs still held in its scratch get
+        copies (Captured.launchable has made sure no autograd record is among them)."""
+        copied = []
+        for other, storages, _ in captured.risks:
+            if storages and other.outputs:
+                copied += other.copy_out(env, storages)
+        return copied
+
+    def pop(self, key: int) -> None:
+        gone = self.by_key.pop(key, None)
+        if gone is None:
+            return
+        for t in gone.outputs.values():
+            self._made.pop(id(t), None)
+        for other in self.by_key.values():
+            other.risks = [r for r in other.risks if r[0] is not gone]
+
+    def clear(self) -> None:
+        self.by_key.clear()
+        self._made.clear()
+
+
+def overlaps(blocks: list[tuple[int, int]], within: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``blocks`` (start, end) that lie in any of ``within``."""
+    found = []
+    for a, b in blocks:
+        for c, d in within:
+            if a < d and c < b:
+                found.append((max(a, c), min(b, d)))
+    return found
+
+
+def _covered(block: tuple[int, int], by: list[tuple[int, int]]) -> bool:
+    """Whether ranges ``by`` cover ``block`` whole."""
+    start, end = block
+    for a, b in sorted(by):
+        if a <= start < b:
+            start = b
+    return start >= end
 
 
 def _uses(t: torch.Tensor) -> int:
