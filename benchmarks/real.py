@@ -56,7 +56,7 @@ if hasattr(torch, "debug") and torch.debug.repeats():
     print(torch.debug.repeats(), flush=True)
 if hasattr(torch, "debug"):
     keys = ("ops", "control", "batches", "exec_ns", "wait_ns", "graph_launches", "graphed_ops",
-            "graph_fallbacks", "graph_input_bytes")
+            "graph_fallbacks", "graph_fallback_reasons", "graph_input_bytes", "graph_copies")
     for rank, s in torch.debug.worker_stats().items():
         print("worker", rank, {{k: s.get(k) for k in keys}}, flush=True)
 """

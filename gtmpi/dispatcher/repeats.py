@@ -28,10 +28,8 @@ A random op's seed is no part of a run's shape: the session's seeds are consecut
 the one before its first, which is what they draw as written.
 
 Replays keep what the instructions say: a run's tensors get the same values, under the same
-ids, that running it as written would give; what the run frees is freed after it. What they
-cost is memory: each program's CUDA graph keeps a pool of its own, so a graphed iteration holds
-what every run of it needed at once (nanoGPT's GPT-2 small: 2.06x torch's peak). That is why
-this is off by default.
+ids, that running it as written would give; what the run frees of older tensors is freed before
+it where it never reads them, else after it.
 """
 from __future__ import annotations
 
@@ -288,10 +286,18 @@ class Repeats:
         # derive_seed(0, n) is n: the worker's seed for the run's i-th random op is then the
         # seed before this run's first, plus i (the session's seeds go up by one per op)
         seeds = (0, int(run.seeds[0]) - 1) if run.seeds else None
+        # tensors from before the run that it frees: those it never reads go before it (no value
+        # changes, and last step's autograd records, freed at the start of this one, would
+        # otherwise still be held at its launch and make its graph run op by op); those it
+        # reads go after it
+        gone = [s for s in sorted(run.freed) if not run.made[s]]
+        first = tuple(ids[s] for s in gone if s not in run.read)
+        if first:
+            self.d._put(self.d.home, ("free", None, first, 0, None), False)
         self.d.run_program(variant.program, binds, renames, seeds)
-        gone = tuple(ids[s] for s in sorted(run.freed) if not run.made[s])
-        if gone:
-            self.d._put(self.d.home, ("free", None, gone, 0, None), False)
+        after = tuple(ids[s] for s in gone if s in run.read)
+        if after:
+            self.d._put(self.d.home, ("free", None, after, 0, None), False)
 
     def _forget(self, shape: _Shape) -> None:
         for variant in shape.variants:

@@ -71,10 +71,11 @@ class Executor:
         self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
                       "bytes_received": 0, "bytes_sent": 0, "graph_launches": 0,
                       "graphed_ops": 0, "graph_fallbacks": 0, "graph_input_bytes": 0, "graph_copies": 0,
+                      "graph_fallback_reasons": {}, "graph_recaptures": 0,
                       "exec_ns": 0, "wait_ns": 0}
         # exec_ns: host time in batches; wait_ns: the part of it in reads and syncs, which wait
         # for the device; graph_input_bytes: the buffers graphs copy their inputs into;
-        # graph_copies: outputs of graphs still held, copied out of a launch's way
+        # graph_copies: outputs of graphs still held, copied out of a launch's way (or aside)
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
@@ -403,7 +404,10 @@ class Executor:
             self.profiler.replay()
         start = self.now()
         if mode == "graph":
-            if not self._launch(self.graphs[key], binds, renames, seeds):
+            why = self._launch(self.graphs[key], binds, renames, seeds)
+            if why in graphs.RECAPTURE_MENDS:
+                why = self._recapture(key, binds, renames, seeds)
+            if why is not None:
                 self._run_program(self._instructions(key, seeds), binds, renames)
         elif mode == "emulate":
             self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
@@ -553,28 +557,53 @@ class Executor:
         self._capture = None
         if ok:
             self.graphs.add(key, captured)
-        if not ok or not self._launch(captured, binds, renames, seeds):
+        if not ok or self._launch(captured, binds, renames, seeds) is not None:
             self._run_program(self._instructions(key, seeds), binds, renames)
         if self.device.type == "cuda":
             self._note_ready(new for _, new in renames)
 
-    def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple, seeds) -> bool:
+    def _recapture(self, key: int, binds: tuple, renames: tuple, seeds) -> str | None:
+        """Capture a one-worker program's graph again and launch it (graphs.RECAPTURE_MENDS);
+        why not, if not. A program with collectives or sends is captured by all its members
+        together, at the dispatcher's word only."""
+        old = self.graphs[key]
+        if old.comm or old.recaptures >= graphs.RECAPTURES_MAX or \
+                not isinstance(self._cuda_backend, graphs.CudaBackend):
+            return "captured again too often" if old.recaptures else "not one worker's"
+        count, old.recaptures = old.recaptures + 1, graphs.RECAPTURES_MAX  # no retry if it fails
+        try:
+            captured = self._capture_graph(key, binds, renames, self._cuda_backend)
+        except Exception as e:  # a graph that could be captured once can be again, but if not
+            return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if captured.comm:  # made a collective or a send after all: not this worker's alone
+            return "not one worker's"
+        captured.recaptures = count
+        self.graphs.add(key, captured)
+        self.stats["graph_recaptures"] += 1
+        return self._launch(captured, binds, renames, seeds)
+
+    def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple,
+                seeds) -> str | None:
         """One call of a captured program: inputs into its static buffers, the graph launched,
         its outputs handed out under the call's ids. An input or read that failed (or is not
         what was captured) fails the outputs with it, but the graph still runs: the other
-        members' collectives inside it wait for this one's. False, launching nothing, where
-        the graph cannot keep what the client holds (Captured.launchable): run it op by op."""
+        members' collectives inside it wait for this one's. Where the graph cannot keep what
+        the client holds, it launches nothing and says why (Kept.unlaunchable): run it op by
+        op, or capture it again."""
         env, poison = self.env, self.poison
         if self.waits:
             self._settle_all()
-        if not captured.launchable(env, binds):
+        why = self.graphs.unlaunchable(captured, env, binds)
+        if why is not None:
             self.stats["graph_fallbacks"] += 1
-            return False
+            reasons = self.stats["graph_fallback_reasons"]
+            reasons[why] = reasons.get(why, 0) + 1
+            return why
         outputs = tuple(recorded for recorded, _ in renames)
-        copied = self.graphs.clear_way(captured, env)
-        if captured.outputs:  # before the inputs are copied in: an output may view one
-            copied += captured.copy_out(env)
-        self.stats["graph_copies"] += len(copied)
+        aside = self.graphs.clear_way(captured, env)
+        # before the inputs are copied in: an output may view one
+        copied = captured.copy_out(env) if captured.outputs else []
+        self.stats["graph_copies"] += len(copied) + len(aside)
         if copied and self.ready:
             self._note_ready(i for i in copied if i in self.ready)
         fault = None
@@ -587,7 +616,7 @@ class Executor:
             if t is not None:
                 # through .data: an autograd record may have saved the buffer, and a graph
                 # rewrites what it saved without a version change, as this copy must too
-                if t is not static:  # an autograd record is the captured one (launchable)
+                if t is not static:  # an autograd record is the captured one (unlaunchable)
                     static.data.copy_(t)
             elif fault is None:
                 fault = poison.get(cur) or Fault(cur, "replay", self.rank, "an input is not here")
@@ -597,6 +626,8 @@ class Executor:
                                                  f"tensor {tid} is not the one captured")
         captured.handle.seed(seeds)
         captured.handle.replay(env, outputs)
+        for storage, saved in aside:
+            storage.copy_(saved)
         if captured.written and fault is None:
             for cur, recorded in binds:
                 if recorded in captured.written and env[cur] is not inputs[recorded]:
@@ -621,7 +652,7 @@ class Executor:
                 entry = self.plane.stats[k]
                 entry[0] += count
                 entry[1] += nbytes
-        return True
+        return None
 
     def close(self) -> None:
         """Graphs go before the process groups their collectives were captured on."""

@@ -17,7 +17,7 @@ A graph reads and writes fixed addresses, so around it:
             peak). A graph's launch rewrites the scratch it had at capture, which a later
             capture may have given to its outputs: Kept works out, from the allocator's blocks
             around each capture, which outputs of other graphs lie there, and copies any still
-            held out of the way before the launch;
+            held aside before the launch and back after it;
   reads     tensors from outside (weights, optimizer state) are read where they were at
             capture; the dispatcher re-records a program whose reads were freed or placed anew,
             and a read that is not the tensor captured (or an input that failed) makes the
@@ -152,6 +152,18 @@ class _Emulated:
             env[o] = static
 
 
+# why a launch falls back to running its program op by op (Captured.unlaunchable, Kept)
+NOT_CAPTURED = "an input is not the one captured"
+RECORD_HELD = "its last autograd record is held"
+RECORD_IN_SCRATCH = "another's autograd record in its scratch is held"
+MOVED = "an input is another graph's output anew"
+# what capturing the graph again, now, mends: it was captured before graphs it now runs after
+# (another's blocks in its scratch; an output read where it lay before that one was captured
+# again), and a capture now takes the pool as the step leaves it at this point
+RECAPTURE_MENDS = frozenset({RECORD_IN_SCRATCH, MOVED})
+RECAPTURES_MAX = 2  # per program: a step whose order keeps changing runs op by op
+
+
 class Captured:
     """One program's graph and the fixed tensors around it."""
 
@@ -175,6 +187,7 @@ class Captured:
         # what its launches must first move out of the way: (another graph, the storages of
         # its outputs in this one's scratch, whether an autograd record it made is there too)
         self.risks: list[tuple[Captured, frozenset[int], bool]] = []
+        self.recaptures = 0  # times its program was captured again (Kept.unlaunchable)
 
     def set_outputs(self, env: dict[int, Any], recorded: tuple[int, ...]) -> None:
         self.outputs = {o: env[o] for o in recorded if o in env}
@@ -182,39 +195,38 @@ class Captured:
                           if isinstance(t, torch.Tensor)}
         self._uses = {ptr: _uses(t) for ptr, t in self._storages.items()}
 
-    def launchable(self, env: dict[int, Any], binds: tuple) -> bool:
-        """Whether a launch can keep what the client holds: every value bound by identity is
-        the one captured, no autograd record of the last launch is still held, nor one of
-        another graph's that this launch would rewrite."""
+    def unlaunchable(self, env: dict[int, Any], binds: tuple) -> str | None:
+        """Why a launch cannot keep what the client holds, if it cannot: a value bound by
+        identity that is not the one captured, an autograd record of the last launch still
+        held, or one of another graph's that this launch would rewrite."""
         inputs, same = self.inputs, self.same
-        if same and any(recorded in same and env.get(cur) is not inputs[recorded]
-                        for cur, recorded in binds):
-            return False
-        return not self.holds_record(env) and \
-            not any(records and other.holds_record(env) for other, _, records in self.risks)
+        for cur, recorded in binds:
+            if recorded in same and env.get(cur) is not inputs[recorded]:
+                return NOT_CAPTURED
+        if self.holds_record(env):
+            return RECORD_HELD
+        if any(records and other.holds_record(env) for other, _, records in self.risks):
+            return RECORD_IN_SCRATCH
+        return None
 
     def holds_record(self, env: dict[int, Any]) -> bool:
         """Whether an autograd record the last launch handed out is still held."""
         records = {id(v) for v in self.outputs.values() if not isinstance(v, torch.Tensor)}
         return bool(records) and any(id(env.get(tid)) in records for tid in self.handed)
 
-    def copy_out(self, env: dict[int, Any], storages: frozenset[int] | None = None) -> list[int]:
-        """Before a launch that rewrites them (this graph's, or one whose scratch holds
-        ``storages`` of its outputs): what still holds the last launch's outputs (the ids they
-        were handed out under, or views made of them since) gets copies. Returns the ids
-        copied."""
-        statics = {id(t) for t in self.outputs.values() if isinstance(t, torch.Tensor) and
-                   (storages is None or t.untyped_storage().data_ptr() in storages)}
+    def copy_out(self, env: dict[int, Any]) -> list[int]:
+        """Before a launch: what still holds the last launch's outputs (the ids they were handed
+        out under, or views made of them since) gets copies, since the launch rewrites them.
+        Returns the ids copied."""
+        statics = {id(t) for t in self.outputs.values() if isinstance(t, torch.Tensor)}
         copied = []
         for tid in self.handed:
             t = env.get(tid)
             if t is not None and id(t) in statics:
                 env[tid] = t.clone()
                 copied.append(tid)
-        if storages is None:
-            self.handed = []
-        grown = {ptr for ptr, t in self._storages.items() if _uses(t) > self._uses[ptr] and
-                 (storages is None or ptr in storages)}
+        self.handed = []
+        grown = {ptr for ptr, t in self._storages.items() if _uses(t) > self._uses[ptr]}
         if not grown:
             return copied
         for tid, t in list(env.items()):
@@ -224,6 +236,15 @@ class Captured:
                 copied.append(tid)
         return copied
 
+    def held(self, env: dict[int, Any], storages: frozenset[int]) -> list[torch.UntypedStorage]:
+        """Which of ``storages`` (of its outputs) something still holds: an id the last launch
+        handed one out under, or a view made of one since."""
+        statics = {id(t): ptr for t in self.outputs.values() if isinstance(t, torch.Tensor)
+                   and (ptr := t.untyped_storage().data_ptr()) in storages}
+        ptrs = {statics[id(env.get(tid))] for tid in self.handed if id(env.get(tid)) in statics}
+        ptrs.update(p for p in storages if p in self._uses and
+                    _uses(self._storages[p]) > self._uses[p])
+        return [self._storages[p].untyped_storage() for p in ptrs]
 
 class Kept:
     """A worker's captured programs by key, and what they are to each other: whose outputs
@@ -248,6 +269,16 @@ class Kept:
             return value, True
         return value.clone(), False
 
+    def unlaunchable(self, captured: Captured, env: dict[int, Any], binds: tuple) -> str | None:
+        """Captured.unlaunchable, where an input bound by identity that is now another graph's
+        output (one captured again since) is MOVED."""
+        why = captured.unlaunchable(env, binds)
+        if why is NOT_CAPTURED and all(
+                id(env.get(cur)) in self._made for cur, recorded in binds
+                if recorded in captured.same and env.get(cur) is not captured.inputs[recorded]):
+            return MOVED
+        return why
+
     def add(self, key: int, captured: Captured) -> None:
         self.pop(key)
         self.by_key[key] = captured
@@ -261,30 +292,33 @@ class Kept:
         kept = captured.handle.kept
         if not kept:
             return
-        outputs = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                   for t in captured.outputs.values() if isinstance(t, torch.Tensor)]
-        inputs = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                  for t in captured.inputs.values() if isinstance(t, torch.Tensor)]
+        # a block of the allocator is one tensor's storage, which starts where it starts
+        outputs = {t.untyped_storage().data_ptr() for t in captured.outputs.values()
+                   if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage().data_ptr() for t in captured.inputs.values()
+                  if isinstance(t, torch.Tensor)}
         records = any(not isinstance(v, torch.Tensor) for v in captured.outputs.values())
         for other in self.by_key.values():
             if other is captured or not other.handle.scratch:
                 continue
-            lying = overlaps(kept, other.handle.scratch)
+            lying = [block for block in kept if overlaps([block], other.handle.scratch)]
             if not lying:
                 continue
-            storages = frozenset(p for p, n in outputs if overlaps([(p, p + n)], lying))
-            known = [(p, p + n) for p, n in outputs + inputs]
-            unknown = any(not _covered(block, known) for block in lying)
-            other.risks.append((captured, storages, records and unknown))
+            storages = frozenset(start for start, _ in lying if start in outputs)
+            # what is neither an output nor an input buffer: what an autograd record saved
+            saved = any(start not in outputs and start not in inputs for start, _ in lying)
+            other.risks.append((captured, storages, records and saved))
 
-    def clear_way(self, captured: Captured, env: dict[int, Any]) -> list[int]:
-        """Before ``captured`` launches: other graphs' outputs still held in its scratch get
-        copies (Captured.launchable has made sure no autograd record is among them)."""
-        copied = []
+    def clear_way(self, captured: Captured, env: dict[int, Any]) -> list[tuple[Any, Any]]:
+        """Before ``captured`` launches: the storages of other graphs' outputs still held in its
+        scratch, each with a copy to put back after the launch (Captured.unlaunchable has made
+        sure no autograd record lies there). Put back, not handed out: a later graph of the
+        step reads such an output where it lies."""
+        kept = []
         for other, storages, _ in captured.risks:
             if storages and other.outputs:
-                copied += other.copy_out(env, storages)
-        return copied
+                kept += [(s, s.clone()) for s in other.held(env, storages)]
+        return kept
 
     def pop(self, key: int) -> None:
         gone = self.by_key.pop(key, None)
@@ -309,14 +343,6 @@ def overlaps(blocks: list[tuple[int, int]], within: list[tuple[int, int]]) -> li
                 found.append((max(a, c), min(b, d)))
     return found
 
-
-def _covered(block: tuple[int, int], by: list[tuple[int, int]]) -> bool:
-    """Whether ranges ``by`` cover ``block`` whole."""
-    start, end = block
-    for a, b in sorted(by):
-        if a <= start < b:
-            start = b
-    return start >= end
 
 
 def _uses(t: torch.Tensor) -> int:
