@@ -38,7 +38,7 @@ from ..transport.buffers import as_bytes
 from ..errors import Fault, ReplayError
 from ..recording.events import Flag, Kind, Lane
 from ..transport.poll import wait_for
-from ..transport.tags import Tag
+from ..transport.tags import GRAPH_LATER, Tag
 from .programs import Program, Recording
 from .repeats import Repeats
 
@@ -52,6 +52,7 @@ MAX_INFLIGHT = 64
 FREES_AHEAD = 64  # dropped ids that travel before the next instruction even if it is small
 ACK_POLL_S = 5e-5  # how often a busy worker's acks are polled while ops are issued
 GRAPH_AFTER = 1  # plain replays of a program before its workers capture it (a warm one)
+CAPTURES_MAX = 4  # captures of a program its workers put off (transport.tags.GRAPH_LATER)
 
 
 class Link(Protocol):
@@ -540,6 +541,9 @@ class Dispatcher:
                                                            else "captured"))
 
     def _graph_note(self, program: Program, refused: str | None) -> None:
+        program.captures += 1
+        if refused is not None and refused.endswith(GRAPH_LATER) and program.captures < CAPTURES_MAX:
+            return  # tried again at its next replay
         program.graph = True if refused is None else refused
         self.graph_notes[program.name] = (
             f"a CUDA graph on worker(s) {', '.join(map(str, program.ranks))}" if refused is None

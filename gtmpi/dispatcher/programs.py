@@ -79,3 +79,4 @@ class Program:
         # None until a capture is tried; then True (its workers launch it as a CUDA graph) or
         # why it runs without one
         self.graph: bool | str | None = None
+        self.captures = 0  # captures tried: one a worker put off is tried again, a few times

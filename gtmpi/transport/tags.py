@@ -42,3 +42,10 @@ class Tag(IntEnum):
     WELCOME = 26     # the client's slot and the workers
     GOODBYE = 27     # answers LEAVE: nothing of the client is left
     ENDING = 28      # (dropped, why): the server drops this client, or shuts down
+
+
+# ends a Tag.GRAPH reply where a worker puts a capture off: the program is captured again at a
+# later replay (a few times at most), while an autograd record it reads is made outside a graph
+# (its producer's graph comes a replay later; a record cannot be copied in, so a graph bound to
+# that one would never launch again)
+GRAPH_LATER = "(tried again later)"

@@ -32,7 +32,7 @@ from ..transport.buffers import as_bytes
 from ..ops.table import OPS, Graph, Kind, derive_seed, row_pieces
 from ..recording import events
 from ..recording.recorder import Recorder
-from ..transport.tags import Tag
+from ..transport.tags import GRAPH_LATER, Tag
 from . import bounds, graphs
 from .profiler import KernelProfiler
 from ..ops import settings
@@ -71,7 +71,7 @@ class Executor:
         self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
                       "bytes_received": 0, "bytes_sent": 0, "graph_launches": 0,
                       "graphed_ops": 0, "graph_fallbacks": 0, "graph_input_bytes": 0, "graph_copies": 0,
-                      "graph_fallback_reasons": {}, "graph_recaptures": 0,
+                      "graph_fallback_reasons": {},
                       "exec_ns": 0, "wait_ns": 0}
         # exec_ns: host time in batches; wait_ns: the part of it in reads and syncs, which wait
         # for the device; graph_input_bytes: the buffers graphs copy their inputs into;
@@ -404,10 +404,7 @@ class Executor:
             self.profiler.replay()
         start = self.now()
         if mode == "graph":
-            why = self._launch(self.graphs[key], binds, renames, seeds)
-            if why in graphs.RECAPTURE_MENDS:
-                why = self._recapture(key, binds, renames, seeds)
-            if why is not None:
+            if self._launch(self.graphs[key], binds, renames, seeds) is not None:
                 self._run_program(self._instructions(key, seeds), binds, renames)
         elif mode == "emulate":
             self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
@@ -482,6 +479,9 @@ class Executor:
             self._settle_all()
         if self.plane is not None:
             self.plane.settle_sends()
+        if not backend.emulated and any(  # tags.GRAPH_LATER (the stand-in makes records afresh)
+                isinstance(env[cur], Graph) and not self.graphs.made(env[cur]) for cur, _ in binds):
+            raise RuntimeError(f"an autograd record it reads is made outside a graph {GRAPH_LATER}")
         inputs, shared = {}, set()
         for cur, recorded in binds:
             inputs[recorded], same = self.graphs.bind(env[cur])
@@ -562,38 +562,18 @@ class Executor:
         if self.device.type == "cuda":
             self._note_ready(new for _, new in renames)
 
-    def _recapture(self, key: int, binds: tuple, renames: tuple, seeds) -> str | None:
-        """Capture a one-worker program's graph again and launch it (graphs.RECAPTURE_MENDS);
-        why not, if not. A program with collectives or sends is captured by all its members
-        together, at the dispatcher's word only."""
-        old = self.graphs[key]
-        if old.comm or old.recaptures >= graphs.RECAPTURES_MAX or \
-                not isinstance(self._cuda_backend, graphs.CudaBackend):
-            return "captured again too often" if old.recaptures else "not one worker's"
-        count, old.recaptures = old.recaptures + 1, graphs.RECAPTURES_MAX  # no retry if it fails
-        try:
-            captured = self._capture_graph(key, binds, renames, self._cuda_backend)
-        except Exception as e:  # a graph that could be captured once can be again, but if not
-            return f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        if captured.comm:  # made a collective or a send after all: not this worker's alone
-            return "not one worker's"
-        captured.recaptures = count
-        self.graphs.add(key, captured)
-        self.stats["graph_recaptures"] += 1
-        return self._launch(captured, binds, renames, seeds)
-
     def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple,
                 seeds) -> str | None:
         """One call of a captured program: inputs into its static buffers, the graph launched,
         its outputs handed out under the call's ids. An input or read that failed (or is not
         what was captured) fails the outputs with it, but the graph still runs: the other
         members' collectives inside it wait for this one's. Where the graph cannot keep what
-        the client holds, it launches nothing and says why (Kept.unlaunchable): run it op by
-        op, or capture it again."""
+        the client holds, it launches nothing and says why (Captured.unlaunchable): run it op by
+        op."""
         env, poison = self.env, self.poison
         if self.waits:
             self._settle_all()
-        why = self.graphs.unlaunchable(captured, env, binds)
+        why = captured.unlaunchable(env, binds)
         if why is not None:
             self.stats["graph_fallbacks"] += 1
             reasons = self.stats["graph_fallback_reasons"]

@@ -156,12 +156,6 @@ class _Emulated:
 NOT_CAPTURED = "an input is not the one captured"
 RECORD_HELD = "its last autograd record is held"
 RECORD_IN_SCRATCH = "another's autograd record in its scratch is held"
-MOVED = "an input is another graph's output anew"
-# what capturing the graph again, now, mends: it was captured before graphs it now runs after
-# (another's blocks in its scratch; an output read where it lay before that one was captured
-# again), and a capture now takes the pool as the step leaves it at this point
-RECAPTURE_MENDS = frozenset({RECORD_IN_SCRATCH, MOVED})
-RECAPTURES_MAX = 2  # per program: a step whose order keeps changing runs op by op
 
 
 class Captured:
@@ -187,7 +181,6 @@ class Captured:
         # what its launches must first move out of the way: (another graph, the storages of
         # its outputs in this one's scratch, whether an autograd record it made is there too)
         self.risks: list[tuple[Captured, frozenset[int], bool]] = []
-        self.recaptures = 0  # times its program was captured again (Kept.unlaunchable)
 
     def set_outputs(self, env: dict[int, Any], recorded: tuple[int, ...]) -> None:
         self.outputs = {o: env[o] for o in recorded if o in env}
@@ -260,24 +253,16 @@ class Kept:
     def __getitem__(self, key: int) -> Captured:
         return self.by_key[key]
 
+    def made(self, value: Any) -> bool:
+        """Whether ``value`` is an output of a kept graph."""
+        return id(value) in self._made
+
     def bind(self, value: Any) -> tuple[Any, bool]:
         """At capture: what an input is bound to, and whether by identity (another graph's
         output, read where it lies; an object that is not a tensor) rather than a copy."""
-        if not isinstance(value, torch.Tensor):
-            return value, True
-        if id(value) in self._made:
+        if not isinstance(value, torch.Tensor) or id(value) in self._made:
             return value, True
         return value.clone(), False
-
-    def unlaunchable(self, captured: Captured, env: dict[int, Any], binds: tuple) -> str | None:
-        """Captured.unlaunchable, where an input bound by identity that is now another graph's
-        output (one captured again since) is MOVED."""
-        why = captured.unlaunchable(env, binds)
-        if why is NOT_CAPTURED and all(
-                id(env.get(cur)) in self._made for cur, recorded in binds
-                if recorded in captured.same and env.get(cur) is not captured.inputs[recorded]):
-            return MOVED
-        return why
 
     def add(self, key: int, captured: Captured) -> None:
         self.pop(key)
@@ -287,8 +272,7 @@ class Kept:
         """After a graph's first launch, with its outputs known: which graph's scratch holds
         them (only an earlier capture's can: a graph's own blocks are held from its capture
         on, so none captured later writes them)."""
-        self._made.update((id(t), captured) for t in captured.outputs.values()
-                          if isinstance(t, torch.Tensor))
+        self._made.update((id(v), captured) for v in captured.outputs.values())
         kept = captured.handle.kept
         if not kept:
             return
