@@ -13,6 +13,7 @@ import torch
 
 import gtmpi
 from conftest import HOME_DEVICE
+from gtmpi.worker import graphs
 from test_replay import (WORKERS, _train, data_parallel, pipeline_run, spread,
                          tensor_parallel_run)
 
@@ -208,3 +209,66 @@ def test_random_ops_in_a_replayed_step_draw_what_they_draw_as_written(monkeypatc
     written, replayed = run(False), run(True)
     assert replayed == written
     assert len({r[0] for r in written}) == 6  # each call drew afresh
+
+
+def _graph_of(outputs: dict, scratch=(), kept=()) -> "graphs.Captured":
+    """A captured program as the worker keeps it, over CPU tensors: its handle's pool blocks
+    are what a CUDA capture reads from the allocator."""
+    from types import SimpleNamespace
+    captured = graphs.Captured(SimpleNamespace(scratch=list(scratch), kept=list(kept)), {}, [],
+                               {}, 1)
+    captured.set_outputs(dict(outputs), tuple(outputs))
+    return captured
+
+
+def _block(t: torch.Tensor) -> tuple[int, int]:
+    start = t.untyped_storage().data_ptr()
+    return start, start + t.untyped_storage().nbytes()
+
+
+def test_outputs_in_another_graphs_scratch_are_set_aside_while_it_runs():
+    """Kept, alone: an output captured into an earlier graph's scratch is that graph's risk;
+    held when it launches, it is copied aside and put back; not held, it costs nothing; an
+    input that is a graph's output is read where it lies, any other is copied."""
+    kept = graphs.Kept()
+    x = torch.arange(8.0)
+    start, end = _block(x)
+    first = _graph_of({1: torch.zeros(2)}, scratch=[(start - 512, end + 512)])
+    kept.add(1, first)
+    kept.launched(first)
+    later = _graph_of({2: x}, kept=[(start, end)])
+    kept.add(2, later)
+    kept.launched(later)
+    assert first.risks == [(later, frozenset({start}), False)] and later.risks == []
+    later.handed = [7]  # its last launch's output went out under id 7
+    assert kept.clear_way(first, {7: x.clone()}) == []  # 7 is another tensor now: not held
+    aside = kept.clear_way(first, {7: x})
+    assert [storage.data_ptr() for storage, _ in aside] == [start]
+    x.zero_()  # what the launch writes in its scratch
+    for storage, saved in aside:
+        storage.copy_(saved)
+    assert x.tolist() == list(range(8))
+    assert kept.bind(x) == (x, True)
+    other = torch.ones(3)
+    copy, same = kept.bind(other)
+    assert not same and copy is not other and torch.equal(copy, other)
+    kept.pop(2)
+    assert first.risks == [] and kept.bind(x)[1] is False
+
+
+def test_a_held_autograd_record_in_a_graphs_scratch_makes_it_run_op_by_op():
+    from gtmpi.ops.table import Graph
+    w = torch.ones(4, requires_grad=True)
+    record = Graph((w * 2).sum(), [w])
+    saved = torch.zeros(16)  # what the record saved: no output of its graph
+    kept = graphs.Kept()
+    first = _graph_of({1: torch.zeros(2)}, scratch=[_block(saved)])
+    kept.add(1, first)
+    kept.launched(first)
+    later = _graph_of({2: torch.zeros(1), 3: record}, kept=[_block(saved)])
+    kept.add(2, later)
+    kept.launched(later)
+    assert first.risks == [(later, frozenset(), True)]
+    later.handed = [8, 9]
+    assert first.unlaunchable({8: torch.zeros(1), 9: record}, ()) == graphs.RECORD_IN_SCRATCH
+    assert first.unlaunchable({8: torch.zeros(1)}, ()) is None  # the record is gone

@@ -410,7 +410,8 @@ class Executor:
             self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
         elif mode == "capture":
             if self._cuda_backend is None:
-                self._cuda_backend = graphs.cuda_backend(self.device)
+                alone = self.plane is None or self.plane.workers_comm.Get_size() == 1
+                self._cuda_backend = graphs.cuda_backend(self.device, shared=alone)
             self._try_capture(key, binds, renames, seeds, self._cuda_backend)
         else:
             self._run_program(self._instructions(key, seeds), binds, renames)

@@ -12,12 +12,14 @@ A graph reads and writes fixed addresses, so around it:
             first, so what a client holds never changes under it (an autograd record still held
             cannot be copied: that call runs op by op). An input that is another graph's output
             (the activations a backward reads) is read where that graph leaves it, not copied;
-  memory    every graph of a worker shares one pool, as torch's own graphs of a step do, so a
-            graph's scratch memory is the next one's (a private pool each doubled a step's
-            peak). A graph's launch rewrites the scratch it had at capture, which a later
+  memory    the graphs of a job's only worker share one pool, as torch's own graphs of a step
+            do, so a graph's scratch memory is the next one's (a private pool each doubled a
+            step's peak). A graph's launch rewrites the scratch it had at capture, which a later
             capture may have given to its outputs: Kept works out, from the allocator's blocks
             around each capture, which outputs of other graphs lie there, and copies any still
-            held aside before the launch and back after it;
+            held aside before the launch and back after it (an autograd record's saved tensors
+            cannot be: a launch that would rewrite a held one runs op by op). With several
+            workers each graph keeps a pool of its own: sharing is checked on one GPU only;
   reads     tensors from outside (weights, optimizer state) are read where they were at
             capture; the dispatcher re-records a program whose reads were freed or placed anew,
             and a read that is not the tensor captured (or an input that failed) makes the
@@ -49,20 +51,21 @@ from ..placement.rules import written
 HOST_WORDS = frozenset({"agree"})  # control words a graph leaves out (see above)
 
 
-def cuda_backend(device: torch.device) -> CudaBackend | str:
-    """The capture backend of a worker on ``device``, or why it has none."""
+def cuda_backend(device: torch.device, shared: bool) -> CudaBackend | str:
+    """The capture backend of a worker on ``device``, or why it has none; ``shared``: its
+    graphs share one memory pool."""
     if device.type != "cuda":
         return f"the worker runs on the {device.type}"
-    return CudaBackend(device)
+    return CudaBackend(device, shared)
 
 
 class CudaBackend:
     emulated = False
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, shared: bool) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if shared else None
         # cuBLAS makes a handle and workspace per stream on first use, which a capture must
         # not be the one to do
         with torch.cuda.stream(self.stream):
@@ -78,21 +81,24 @@ class CudaBackend:
         graph = torch.cuda.CUDAGraph()
         for gen in gens.values():
             graph.register_generator_state(gen)
-        before = self._blocks()
+        pool = self.pool or torch.cuda.graph_pool_handle()
+        before = _blocks(pool)
         # thread_local: the process group's watchdog thread may query events meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream,
                               capture_error_mode="thread_local"):
             execute(with_seeds(program, where, lambda s: gens[s.offset]))
-        after = self._blocks()
+        after = _blocks(pool)
         held = {block for block, active in before.items() if active}
         return _Graph(graph, gens, scratch=[b for b, active in after.items() if not active],
                       kept=[b for b, active in after.items() if active and b not in held])
 
-    def _blocks(self) -> dict[tuple[int, int], bool]:
-        """The pool's blocks now: (start, end) -> whether a tensor holds it."""
-        return {(b["address"], b["address"] + b["size"]): b["state"] != "inactive"
-                for seg in torch.cuda.memory_snapshot()
-                if tuple(seg["segment_pool_id"]) == tuple(self.pool) for b in seg["blocks"]}
+
+
+def _blocks(pool: Any) -> dict[tuple[int, int], bool]:
+    """A pool's blocks now: (start, end) -> whether a tensor holds it."""
+    return {(b["address"], b["address"] + b["size"]): b["state"] != "inactive"
+            for seg in torch.cuda.memory_snapshot()
+            if tuple(seg["segment_pool_id"]) == tuple(pool) for b in seg["blocks"]}
 
 
 class _Graph:
