@@ -239,7 +239,7 @@ def test_outputs_in_another_graphs_scratch_are_set_aside_while_it_runs():
     later = _graph_of({2: x}, kept=[(start, end)])
     kept.add(2, later)
     kept.launched(later)
-    assert first.risks == [(later, frozenset({start}), False)] and later.risks == []
+    assert first.risks == [(later, frozenset({start}), {}, False)] and later.risks == []
     later.handed = [7]  # its last launch's output went out under id 7
     assert kept.clear_way(first, {7: x.clone()}) == []  # 7 is another tensor now: not held
     aside = kept.clear_way(first, {7: x})
@@ -256,19 +256,38 @@ def test_outputs_in_another_graphs_scratch_are_set_aside_while_it_runs():
     assert first.risks == [] and kept.bind(x)[1] is False
 
 
-def test_a_held_autograd_record_in_a_graphs_scratch_makes_it_run_op_by_op():
+@pytest.mark.parametrize("aside", [False, True], ids=["unknown", "set-aside"])
+def test_a_held_autograd_record_in_a_graphs_scratch(aside):
+    """What a record saved for its backward, in an earlier graph's scratch while the record is
+    held: that graph runs op by op, or (GTMPI_GRAPH_SAVED_ASIDE=1) the record's saved tensors,
+    found on its backward nodes, are set aside and put back like outputs."""
     from gtmpi.ops.table import Graph
-    w = torch.ones(4, requires_grad=True)
-    record = Graph((w * 2).sum(), [w])
-    saved = torch.zeros(16)  # what the record saved: no output of its graph
-    kept = graphs.Kept()
-    first = _graph_of({1: torch.zeros(2)}, scratch=[_block(saved)])
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    out = torch.nn.functional.layer_norm(x, (8,), w)
+    record = Graph(out, [x, w])
+    mean = out.grad_fn._saved_result1  # saved by torch's layer norm: neither output nor leaf
+    assert graphs.saved_storages(record).keys() >= {_block(mean)[0], _block(x)[0], _block(out)[0]}
+    kept = graphs.Kept(saved_aside=aside)
+    first = _graph_of({1: torch.zeros(2)}, scratch=[_block(mean)])
     kept.add(1, first)
     kept.launched(first)
-    later = _graph_of({2: torch.zeros(1), 3: record}, kept=[_block(saved)])
+    later = _graph_of({2: torch.zeros(1), 3: record}, kept=[_block(mean)])
     kept.add(2, later)
     kept.launched(later)
-    assert first.risks == [(later, frozenset(), True)]
     later.handed = [8, 9]
-    assert first.unlaunchable({8: torch.zeros(1), 9: record}, ()) == graphs.RECORD_IN_SCRATCH
-    assert first.unlaunchable({8: torch.zeros(1)}, ()) is None  # the record is gone
+    held = {8: torch.zeros(1), 9: record}
+    if not aside:
+        assert first.risks == [(later, frozenset(), {}, True)]
+        assert first.unlaunchable(held, ()) == graphs.RECORD_IN_SCRATCH
+        assert first.unlaunchable({8: torch.zeros(1)}, ()) is None  # the record is gone
+        return
+    assert first.unlaunchable(held, ()) is None
+    before = mean.clone()
+    moved = kept.clear_way(first, held)
+    assert [s.data_ptr() for s, _ in moved] == [_block(mean)[0]]
+    mean.zero_()  # the launch writes its scratch
+    for storage, copy in moved:
+        storage.copy_(copy)
+    assert torch.equal(mean, before)
+    assert kept.clear_way(first, {8: torch.zeros(1)}) == []  # not held: nothing to move

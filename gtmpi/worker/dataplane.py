@@ -50,6 +50,11 @@ class DataPlane:
     def started(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
+    @property
+    def workers(self) -> int:
+        """The job's workers."""
+        return self.workers_comm.Get_size()
+
     def init(self, backend: str) -> None:
         """Collective over every worker: the first one hosts the rendezvous store. A server's
         second client finds the process group made and makes only its own groups."""

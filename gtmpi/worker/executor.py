@@ -18,6 +18,7 @@ reported once, at the next read or sync, unless a read of a dependent tensor rep
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import time
@@ -107,7 +108,7 @@ class Executor:
         # where their random ops keep their seeds, and their CUDA graphs (worker/graphs.py)
         self.programs: dict[int, list[tuple]] = {}
         self.seeded: dict[int, list] = {}
-        self.graphs = graphs.Kept()
+        self.graphs = graphs.Kept(os.environ.get("GTMPI_GRAPH_SAVED_ASIDE") == "1")
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture
         self.profiler = KernelProfiler.from_env(rank, device)  # GTMPI_PROFILE (worker/profiler.py)
@@ -410,7 +411,7 @@ class Executor:
             self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
         elif mode == "capture":
             if self._cuda_backend is None:
-                alone = self.plane is None or self.plane.workers_comm.Get_size() == 1
+                alone = self.plane is None or self.plane.workers == 1
                 self._cuda_backend = graphs.cuda_backend(self.device, shared=alone)
             self._try_capture(key, binds, renames, seeds, self._cuda_backend)
         else:

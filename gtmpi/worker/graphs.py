@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..ops.table import OPS, Kind, Seed, derive_seed
+from ..ops.table import OPS, Graph, Kind, Seed, derive_seed
 from ..placement.rules import written
 
 HOST_WORDS = frozenset({"agree"})  # control words a graph leaves out (see above)
@@ -184,9 +184,10 @@ class Captured:
         self.handed: list[int] = []  # ids the last launch's outputs were handed out under
         self._storages: dict[int, torch.Tensor] = {}  # output storage -> an output on it
         self._uses: dict[int, int] = {}  # output storage -> references to it after a launch
-        # what its launches must first move out of the way: (another graph, the storages of
-        # its outputs in this one's scratch, whether an autograd record it made is there too)
-        self.risks: list[tuple[Captured, frozenset[int], bool]] = []
+        # what its launches must first move out of the way: (another graph, the storages of its
+        # outputs in this one's scratch, those its autograd records saved there by start,
+        # whether anything else of a graph with records lies there: unknown, so not movable)
+        self.risks: list[tuple[Captured, frozenset[int], dict[int, Any], bool]] = []
 
     def set_outputs(self, env: dict[int, Any], recorded: tuple[int, ...]) -> None:
         self.outputs = {o: env[o] for o in recorded if o in env}
@@ -204,7 +205,7 @@ class Captured:
                 return NOT_CAPTURED
         if self.holds_record(env):
             return RECORD_HELD
-        if any(records and other.holds_record(env) for other, _, records in self.risks):
+        if any(unknown and other.holds_record(env) for other, _, _, unknown in self.risks):
             return RECORD_IN_SCRATCH
         return None
 
@@ -249,8 +250,11 @@ class Kept:
     """A worker's captured programs by key, and what they are to each other: whose outputs
     another reads where they lie, and whose outputs lie in another's scratch."""
 
-    def __init__(self) -> None:
+    def __init__(self, saved_aside: bool = False) -> None:
         self.by_key: dict[int, Captured] = {}
+        # an autograd record's saved tensors in another's scratch set aside like outputs, not
+        # a reason to run op by op (GTMPI_GRAPH_SAVED_ASIDE=1: not yet checked on a GPU)
+        self.saved_aside = saved_aside
         self._made: dict[int, Captured] = {}  # id of an output tensor -> the graph it is of
 
     def __contains__(self, key: int) -> bool:
@@ -287,7 +291,11 @@ class Kept:
                    if isinstance(t, torch.Tensor)}
         inputs = {t.untyped_storage().data_ptr() for t in captured.inputs.values()
                   if isinstance(t, torch.Tensor)}
-        records = any(not isinstance(v, torch.Tensor) for v in captured.outputs.values())
+        records = [v for v in captured.outputs.values() if isinstance(v, Graph)]
+        saved = {}
+        if self.saved_aside:
+            for record in records:
+                saved.update(saved_storages(record))
         for other in self.by_key.values():
             if other is captured or not other.handle.scratch:
                 continue
@@ -295,9 +303,11 @@ class Kept:
             if not lying:
                 continue
             storages = frozenset(start for start, _ in lying if start in outputs)
-            # what is neither an output nor an input buffer: what an autograd record saved
-            saved = any(start not in outputs and start not in inputs for start, _ in lying)
-            other.risks.append((captured, storages, records and saved))
+            aside = {start: saved[start] for start, _ in lying if start in saved}
+            # neither an output, an input buffer nor a tensor a record is known to have saved
+            unknown = any(start not in outputs and start not in inputs and start not in saved
+                          for start, _ in lying)
+            other.risks.append((captured, storages, aside, bool(records) and unknown))
 
     def clear_way(self, captured: Captured, env: dict[int, Any]) -> list[tuple[Any, Any]]:
         """Before ``captured`` launches: the storages of other graphs' outputs still held in its
@@ -305,9 +315,11 @@ class Kept:
         sure no autograd record lies there). Put back, not handed out: a later graph of the
         step reads such an output where it lies."""
         kept = []
-        for other, storages, _ in captured.risks:
+        for other, storages, saved, _ in captured.risks:
             if storages and other.outputs:
                 kept += [(s, s.clone()) for s in other.held(env, storages)]
+            if saved and other.holds_record(env):
+                kept += [(s, s.clone()) for s in saved.values()]
         return kept
 
     def pop(self, key: int) -> None:
@@ -322,6 +334,35 @@ class Kept:
     def clear(self) -> None:
         self.by_key.clear()
         self._made.clear()
+
+
+def saved_storages(record: Graph) -> dict[int, torch.UntypedStorage]:
+    """The storages of what an autograd record holds for its backward, by start: its output,
+    its leaves, and every tensor its backward nodes saved (torch's ``_saved_*`` of a built-in
+    node, ``saved_tensors`` of a Python one), down to the leaves."""
+    found = {}
+
+    def note(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            found.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        elif isinstance(t, (tuple, list)):
+            for item in t:
+                note(item)
+
+    note(record.output)
+    note(record.leaves)
+    todo, seen = [record.output.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or hasattr(node, "variable"):  # a leaf's
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                note(getattr(node, name))
+        note(getattr(node, "saved_tensors", None))
+        todo += [next_node for next_node, _ in node.next_functions]
+    return found
 
 
 def overlaps(blocks: list[tuple[int, int]], within: list[tuple[int, int]]) -> list[tuple[int, int]]:

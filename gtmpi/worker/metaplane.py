@@ -204,6 +204,10 @@ class MetaPlane:
         self._sends: list[torch.Tensor] = []  # while holding: the snapshots of the sends
         self.holding = False  # in a program a GPU captures: every send's until its end
 
+    @property
+    def workers(self) -> int:
+        return self.sizes[0]
+
     def init(self, backend: str) -> None:
         self.started = True
 
