@@ -257,9 +257,6 @@ class Kept:
         self.saved_aside = saved_aside
         self._made: dict[int, Captured] = {}  # id of an output tensor -> the graph it is of
 
-    def __contains__(self, key: int) -> bool:
-        return key in self.by_key
-
     def __getitem__(self, key: int) -> Captured:
         return self.by_key[key]
 
@@ -299,7 +296,7 @@ class Kept:
         for other in self.by_key.values():
             if other is captured or not other.handle.scratch:
                 continue
-            lying = [block for block in kept if overlaps([block], other.handle.scratch)]
+            lying = [block for block in kept if overlaps(block, other.handle.scratch)]
             if not lying:
                 continue
             storages = frozenset(start for start, _ in lying if start in outputs)
@@ -365,14 +362,10 @@ def saved_storages(record: Graph) -> dict[int, torch.UntypedStorage]:
     return found
 
 
-def overlaps(blocks: list[tuple[int, int]], within: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``blocks`` (start, end) that lie in any of ``within``."""
-    found = []
-    for a, b in blocks:
-        for c, d in within:
-            if a < d and c < b:
-                found.append((max(a, c), min(b, d)))
-    return found
+def overlaps(block: tuple[int, int], within: list[tuple[int, int]]) -> bool:
+    """Whether ``block`` (start, end) meets any of ``within``."""
+    start, end = block
+    return any(start < d and c < end for c, d in within)
 
 
 
