@@ -120,6 +120,18 @@ def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, ex
 
 
 @serial
+@pytest.mark.timeout(300)
+def test_an_8_worker_pipeline_with_host_held_tensors_never_hangs(tmp_path):
+    """With GTMPI_HOST_TENSORS=1 every parameter is uploaded to the first stage and sent on
+    from there; a stage waiting in a gloo send once stopped receiving rank 0's messages, whose
+    shared-memory cells then kept rank 0's batches from the stage that had the receive
+    (configs/gpt_tp2_pp4.yaml hung about one run in two)."""
+    env = {"GTMPI_CONFIG": str(ROOT / "configs" / "gpt_tp2_pp4.yaml"), "GTMPI_HOST_TENSORS": "1"}
+    real, _ = run_job(tmp_path, gpt("--layers", "4"), 240, n=9, env=env)
+    assert any(_collectives(real).values())
+
+
+@serial
 def test_a_dry_run_says_what_does_not_fit(tmp_path):
     """8 GiB of weights on a simulated worker: past no GPU's size here, so a bigger tensor."""
     proc, _ = run_job(tmp_path, """

@@ -108,3 +108,30 @@ def test_in_flight_batches_are_bounded():
         worst = max(worst, link.sent - link.allowed)
     assert worst <= dmod.MAX_INFLIGHT
     assert link.sent >= dmod.MAX_INFLIGHT * 2  # it kept going as acks came in
+
+
+def test_a_worker_waiting_in_the_data_plane_takes_what_rank_0_sent():
+    """HostLink.take_waiting: batches and upload bytes received early (a worker waiting in
+    gloo must not leave them to hold MPI's cells), then handed out in the order sent."""
+    import numpy as np
+    from mpi4py import MPI
+    from gtmpi.transport.mpi import Comms, HostLink
+    from gtmpi.transport.tags import Tag
+    comms = Comms.dup(MPI.COMM_SELF)  # this rank is both rank 0 and the worker
+    sent = np.arange(40, dtype=np.uint8)
+    reqs = [comms.ctrl.isend([("first",)], 0, Tag.BATCH),
+            comms.data.Isend([sent, MPI.BYTE], 0, Tag.UPLOAD),
+            comms.ctrl.isend([("second",)], 0, Tag.BATCH)]
+    link = HostLink(comms)
+    link.take_waiting()
+    MPI.Request.Waitall(reqs)  # all three were received
+    assert comms.ctrl.iprobe(0, MPI.ANY_TAG) is False and link.more_waiting()
+    first = link.next_message()
+    assert (first.tag, first.body) == (Tag.BATCH, [("first",)]) and first.nbytes > 0
+    got = np.zeros(40, np.uint8)
+    link.recv_upload(got)
+    assert (got == sent).all()
+    assert link.next_message().body == [("second",)]
+    assert link.next_message() is None and not link.more_waiting()
+    for c in comms[1:]:
+        c.Free()

@@ -514,20 +514,20 @@ class _VocabCrossEntropy(torch.autograd.Function):
     log-probabilities), with no communication."""
 
     @staticmethod
-    def forward(ctx, logits, target, offset, ignore_index, reduction, group):
+    def forward(ctx, logits, target, offset, ignore_index, reduction, plane, group):
         width = logits.shape[1]
         fused = fused_rows.available(logits)  # one pass on GPUs, not a float copy and four
         lse = fused_rows.row_lse(logits) if fused else torch.logsumexp(logits.float(), 1)
         top = lse.clone()
-        _all_reduce(top, dist.ReduceOp.MAX, group)
+        _all_reduce(top, dist.ReduceOp.MAX, plane, group)
         total = torch.exp(lse - top)
-        _all_reduce(total, dist.ReduceOp.SUM, group)
+        _all_reduce(total, dist.ReduceOp.SUM, plane, group)
         lse = top + total.log()
         local = (target - offset).clamp(0, width - 1)
         valid = target != ignore_index
         hit = (target - offset >= 0) & (target - offset < width) & valid
         picked = logits.gather(1, local[:, None])[:, 0].float() * hit
-        _all_reduce(picked, dist.ReduceOp.SUM, group)
+        _all_reduce(picked, dist.ReduceOp.SUM, plane, group)
         losses = (lse - picked) * valid
         count = valid.sum()
         ctx.save_for_backward(logits, lse, local, hit, valid, count)
@@ -544,17 +544,17 @@ class _VocabCrossEntropy(torch.autograd.Function):
         if fused_rows.available(logits):
             grad = fused_rows.softmax_minus_onehot(logits, lse, torch.where(hit, local, -1),
                                                    coef.expand(valid.shape))
-            return grad, None, None, None, None, None
+            return grad, None, None, None, None, None, None
         grad = (logits.float() - lse[:, None]).exp_()
         grad.scatter_add_(1, local[:, None], -hit.float()[:, None])
         grad *= coef[:, None]
-        return grad.to(logits.dtype), None, None, None, None, None
+        return grad.to(logits.dtype), None, None, None, None, None, None
 
 
-def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> None:
-    """In place over the group; a dry run's meta tensors have no values to sum."""
+def _all_reduce(t: torch.Tensor, op: Any, plane: Any, group: int) -> None:
+    """In place over the plane's group; a dry run's meta tensors have no values to sum."""
     if t.device.type != "meta":
-        dist.all_reduce(t, op, group=group)
+        plane.wait(dist.all_reduce(t, op, group=plane.groups[group], async_op=True))
 
 
 _cross_entropy_from_logits = _recorded(_cross_entropy)
@@ -567,10 +567,9 @@ def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing,
     same (a record from the logits would hold them too: a whole extra logits tensor). With
     ``offset``, the classes are split over the members of ``group`` (_VocabCrossEntropy)."""
     if offset is not None:
-        pg = plane.groups[group]
         return _recorded(lambda x, t: _VocabCrossEntropy.apply(x, t, offset, ignore_index,
-                                                               reduction, pg))(x, target,
-                                                                                grads=grads)
+                                                               reduction, plane, group))(
+            x, target, grads=grads)
     if label_smoothing or not grads:
         return _cross_entropy_from_logits(x, target, ignore_index, reduction, label_smoothing,
                                           nll_float32, grads=grads)

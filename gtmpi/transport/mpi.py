@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -173,30 +174,76 @@ class ClientGone(RuntimeError):
     """A server's client did not take a read: it was dropped, or it does not receive."""
 
 
+class Incoming(NamedTuple):
+    """A message rank 0 sent a worker on ctrl, received: its tag (slot included), its object,
+    and its size on the wire."""
+    tag: int
+    body: Any
+    nbytes: int
+
+
+class Inbox:
+    """What a worker took from rank 0 before it got to it (HostLink.take_waiting), shared by
+    the links of all its slots as the communicators are."""
+
+    def __init__(self) -> None:
+        self.ctrl: deque[Incoming] = deque()
+        self.uploads: dict[int, deque[np.ndarray]] = {}  # by tag: the bytes, in order sent
+
+
 class HostLink:
     """A worker's end of the conversation with rank 0 (see worker.executor.HostLink): of the
     ordinary session (slot 0), or of one client of a server (its slot rides in every tag)."""
 
     def __init__(self, comms: Comms, slot: int = 0, sends: Sends | None = None,
-                 client: MPI.Intercomm | None = None):
+                 client: MPI.Intercomm | None = None, inbox: Inbox | None = None):
         self.comms = comms
         self.slot = slot
         self._o = SLOT_STRIDE * slot
         self._sends = sends if sends is not None else Sends()
         self._reads = client if client is not None else comms.data
+        self.inbox = inbox if inbox is not None else Inbox()
 
     def for_slot(self, slot: int, client: MPI.Intercomm) -> "HostLink":
         """The same worker's link for a server's client ``slot`` (one queue of sends), whose
         reads go to the client itself, over ``client`` (the client is its rank 0)."""
-        return HostLink(self.comms, slot, self._sends, client)
+        return HostLink(self.comms, slot, self._sends, client, self.inbox)
 
-    def next_message(self, status: MPI.Status) -> MPI.Message | None:
-        return self.comms.ctrl.improbe(0, MPI.ANY_TAG, status)
+    def next_message(self) -> Incoming | None:
+        """The next message on ctrl, of any slot, received; None if none has come."""
+        if self.inbox.ctrl:
+            return self.inbox.ctrl.popleft()
+        return self._take()
+
+    def _take(self) -> Incoming | None:
+        status = MPI.Status()
+        msg = self.comms.ctrl.improbe(0, MPI.ANY_TAG, status)
+        if msg is None:
+            return None
+        return Incoming(status.Get_tag(), msg.recv(), status.Get_count(MPI.BYTE))
 
     def more_waiting(self) -> bool:
-        return self.comms.ctrl.iprobe(0, MPI.ANY_TAG)
+        return bool(self.inbox.ctrl) or self.comms.ctrl.iprobe(0, MPI.ANY_TAG)
+
+    def take_waiting(self) -> None:
+        """Receive now everything rank 0 has sent this worker (batches, upload bytes), to be
+        handed out in order later: while the worker waits in the data plane. Messages left
+        unreceived hold MPI's shared-memory cells of the sender (MPICH's), so rank 0's sends
+        to every other worker would wait for this one, and the worker whose next batch holds
+        the receive this one waits for would never get it."""
+        while (got := self._take()) is not None:
+            self.inbox.ctrl.append(got)
+        status, data = MPI.Status(), self.comms.data
+        while (msg := data.improbe(0, MPI.ANY_TAG, status)) is not None:
+            buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+            msg.Recv([buf, MPI.BYTE])
+            self.inbox.uploads.setdefault(status.Get_tag(), deque()).append(buf)
 
     def recv_upload(self, buf: np.ndarray) -> None:
+        taken = self.inbox.uploads.get(Tag.UPLOAD + self._o)
+        if taken:
+            buf[:] = taken.popleft()
+            return
         req = self.comms.data.Irecv([buf, MPI.BYTE], 0, Tag.UPLOAD + self._o)
         wait_for(lambda: True if req.Test() else None)
 
@@ -219,7 +266,8 @@ class HostLink:
         def taken() -> bool | None:
             if req.Test():
                 return True
-            dropped = self.comms.ctrl.iprobe(0, Tag.DROP + self._o)
+            dropped = self.comms.ctrl.iprobe(0, Tag.DROP + self._o) or \
+                any(m.tag == Tag.DROP + self._o for m in self.inbox.ctrl)
             if dropped or time.monotonic() > deadline:
                 req.Cancel()
                 req.Free()

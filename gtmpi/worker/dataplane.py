@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import socket
 from collections import defaultdict, deque
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ SENDS_IN_FLIGHT = 8  # unfinished sends a worker keeps before it waits for the o
 
 
 class DataPlane:
-    def __init__(self, rank: int, device: torch.device, workers_comm: Any) -> None:
+    def __init__(self, rank: int, device: torch.device, workers_comm: Any,
+                 take_waiting: Callable[[], None] = lambda: None) -> None:
         self.rank = rank
         self.device = device
         self.workers_comm = workers_comm  # an MPI communicator of the workers only
@@ -45,6 +47,8 @@ class DataPlane:
         # activation, which waits for the next stage to be done with the backward that sends
         # that gradient
         self._upward = None
+        self._waiter: ThreadPoolExecutor | None = None  # see wait
+        self._take_waiting = take_waiting  # what rank 0 sent, taken while gloo waits
 
     @property
     def started(self) -> bool:
@@ -97,6 +101,24 @@ class DataPlane:
         if sub != MPI.COMM_NULL:
             self.comms[gid] = (sub, tuple(sorted(ranks)))
 
+    def wait(self, work: Any) -> None:
+        """Until ``work`` (a collective or transfer this worker started) is done. gloo's wait
+        blocks the thread, and a worker blocked without taking part in MPI stops rank 0: the
+        batches rank 0 sent it and it has not received hold MPI's shared-memory cells, which
+        rank 0's sends to every other worker then wait for, so the worker whose next batch
+        has the receive this one waits for never gets it. So gloo is waited for on a thread
+        of its own while this one takes what rank 0 sends (HostLink.take_waiting); NCCL's
+        wait only orders the GPU's streams."""
+        if self.backend == "nccl":
+            work.wait()
+            return
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix="gloo-wait")
+        done = self._waiter.submit(work.wait)
+        take = self._take_waiting
+        wait_for(lambda: True if done.done() else take())
+        done.result()  # the collective's error, if it failed
+
     def _count(self, kind: str, t: torch.Tensor) -> None:
         entry = self.stats[kind]
         entry[0] += 1
@@ -108,7 +130,7 @@ class DataPlane:
         """P -> R: the sum of every member's piece, on every member (in x itself, or in a
         copy where x may still be seen as the piece it was)."""
         y = x if inplace else x.clone()
-        dist.all_reduce(y, group=self.groups[group])
+        self.wait(dist.all_reduce(y, group=self.groups[group], async_op=True))
         self._count("all_reduce", y)
         return y
 
@@ -131,7 +153,7 @@ class DataPlane:
         """The unfinished collectives the last kernel started, to wait on as one (None if it
         started none)."""
         works, self._works = self._works, []
-        return None if not works else works[0] if len(works) == 1 else _Works(works)
+        return _Works(self, works) if works else None
 
     def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
         """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded."""
@@ -139,7 +161,7 @@ class DataPlane:
         # into one buffer, members outermost: no copy out of a list of parts, and pieces of
         # one size along dim 0 are the whole already (a view); along another dim, one copy
         flat = piece.new_empty((len(sizes) * piece.shape[0], *piece.shape[1:]))
-        dist.all_gather_into_tensor(flat, piece, group=self.groups[group])
+        self.wait(dist.all_gather_into_tensor(flat, piece, group=self.groups[group], async_op=True))
         out = flat.view(len(sizes), *piece.shape)
         self._count("all_gather", piece)
         if len(set(sizes)) == 1:
@@ -152,20 +174,21 @@ class DataPlane:
         all-reduce); gloo has no reduce-scatter, so there it sums everything and cuts."""
         if self.backend != "nccl":  # counted as what it stands for, as a dry run counts it
             whole = x.clone()
-            dist.all_reduce(whole, group=self.groups[group])
+            self.wait(dist.all_reduce(whole, group=self.groups[group], async_op=True))
             self._count("reduce_scatter", x)
             return whole.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
         if len(set(sizes)) == 1:  # members' pieces outermost in one buffer (along dim 0: x)
             whole = x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).contiguous()
             out = whole.new_empty(whole.shape[1:])
-            dist.reduce_scatter_tensor(out, whole, group=self.groups[group])
+            self.wait(dist.reduce_scatter_tensor(out, whole, group=self.groups[group],
+                                                 async_op=True))
             self._count("reduce_scatter", x)
             return out
         pieces = list(torch.split(x.contiguous(), list(sizes), dim))
         longest = max(sizes)
         padded = [_pad(p, dim, longest) for p in pieces]
         out = torch.empty_like(padded[0])
-        dist.reduce_scatter(out, padded, group=self.groups[group])
+        self.wait(dist.reduce_scatter(out, padded, group=self.groups[group], async_op=True))
         self._count("reduce_scatter", x)
         return out.narrow(dim, 0, sizes[index]).contiguous()
 
@@ -177,7 +200,7 @@ class DataPlane:
         parts = [_pad(_pad(p.contiguous(), dst, max(dst_sizes)), src, max(src_sizes))
                  for p in torch.split(x, list(dst_sizes), dst)]
         outs = [torch.empty_like(parts[0]) for _ in src_sizes]
-        dist.all_to_all(outs, parts, group=self.groups[group])
+        self.wait(dist.all_to_all(outs, parts, group=self.groups[group], async_op=True))
         self._count("all_to_all", x)
         return torch.cat([o.narrow(src, 0, n).narrow(dst, 0, dst_sizes[index])
                           for o, n in zip(outs, src_sizes)], src)
@@ -191,7 +214,8 @@ class DataPlane:
         mine = np.array([fault.rank if fault is not None else 0], dtype=np.int32)
         worst = np.zeros(1, dtype=np.int32)
         request = comm.Iallreduce(mine, worst, op=MPI.MAX)
-        wait_for(lambda: True if request.Test() else None)
+        take = self._take_waiting
+        wait_for(lambda: True if request.Test() else take())
         self._count("agree", torch.from_numpy(mine))
         if not worst[0]:
             return None
@@ -210,10 +234,10 @@ class DataPlane:
         sends.append((dist.isend(x, dst - 1, group=group), x))
         self._count("send", x)
         # gloo's work says it is completed only once waited for, so older sends are waited
-        # for (their receivers were given the matching recv before this send was issued, so
-        # they get there without this worker); NCCL's wait only orders the streams
+        # for (a receiver gets there without this worker, given the batches rank 0 holds for
+        # it: see wait); NCCL's wait only orders the streams
         while len(sends) > SENDS_IN_FLIGHT or (sends and sends[0][0].is_completed()):
-            sends.popleft()[0].wait()
+            self.wait(sends.popleft()[0])
         return ()
 
     def held(self) -> dict[str, int]:
@@ -223,7 +247,7 @@ class DataPlane:
 
     def recv(self, shape: tuple, dtype: torch.dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(x, src - 1, group=self._upward if src < self.rank else None)
+        self.wait(dist.irecv(x, src - 1, group=self._upward if src < self.rank else None))
         self._count("recv", x)
         return x
 
@@ -231,7 +255,7 @@ class DataPlane:
         """Wait for every send still held, and drop its snapshot: at a sync, which every worker
         reaches after the receives matching this worker's sends, so none waits on this one."""
         while self._sends:
-            self._sends.popleft()[0].wait()
+            self.wait(self._sends.popleft()[0])
 
     def begin_capture(self) -> None:
         """Sends from here on are part of a CUDA graph being captured."""
@@ -243,12 +267,15 @@ class DataPlane:
         every stream it forked joined); their snapshots live in the graph's memory."""
         sends, self._captured_sends = self._captured_sends or [], None
         for work, _ in sends:
-            work.wait()
+            self.wait(work)
 
     def finish(self, everything: bool = True) -> None:
         """Free this plane's groups and, with ``everything``, the process group (a server keeps
         it for its other clients when one leaves)."""
         self.settle_sends()
+        if self._waiter is not None:
+            self._waiter.shutdown()
+            self._waiter = None
         for gid, (comm, _) in self.comms.items():
             if gid:
                 comm.Free()
@@ -266,14 +293,15 @@ class DataPlane:
 
 
 class _Works:
-    """Several collectives one kernel started (its pieces' all-reduces): waited for together."""
+    """The collectives one kernel started (its pieces' all-reduces): waited for together."""
 
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, plane: DataPlane, works: list[Any]) -> None:
+        self.plane = plane
         self.works = works
 
     def wait(self) -> None:
         for work in self.works:
-            work.wait()
+            self.plane.wait(work)
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:

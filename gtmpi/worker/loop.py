@@ -44,7 +44,7 @@ class Slots:
 
     def _add(self, slot: int, link: HostLink) -> Executor:
         ex = self.executors[slot] = Executor(self.rank, self.device, link)
-        ex.plane = DataPlane(self.rank, self.device, self.workers_comm)
+        ex.plane = DataPlane(self.rank, self.device, self.workers_comm, self.link.take_waiting)
         if slot:
             ex.slot, ex.quota = slot, self.executors[0].client_quota
             if self.device.type == "cuda":  # one client's bad index must not end the worker
@@ -90,6 +90,7 @@ class Slots:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         # bytes a killed client sent for uploads it never asked for: received into nothing
+        self.link.inbox.uploads.pop(Tag.UPLOAD + SLOT_STRIDE * slot, None)
         status, data = MPI.Status(), self.link.comms.data
         while (msg := data.improbe(0, Tag.UPLOAD + SLOT_STRIDE * slot, status)) is not None:
             msg.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
@@ -110,13 +111,11 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
     link.reply(Tag.HELLO, {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
                            "device": str(device), "local_index": local_index, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None})
-    status = MPI.Status()
     watchdog = _exit_if_gone(host0[1], leaving) if host0[0] == socket.gethostname() else None
     while True:
-        msg = wait_for(lambda: link.next_message(status), watchdog)
-        slot, tag = divmod(status.Get_tag(), SLOT_STRIDE)
+        msg = wait_for(link.next_message, watchdog)
+        slot, tag = divmod(msg.tag, SLOT_STRIDE)
         if tag == Tag.SHUTDOWN:
-            msg.recv()
             for other in [s for s in slots.executors if s]:
                 slots.drop(other)
             executor.close()
@@ -125,24 +124,18 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
             link.reply(Tag.BYE, executor.stats)
             return
         if tag == Tag.DROP:
-            msg.recv()
             slots.drop(slot)
             continue
         if tag == Tag.ADMIT:
-            msg.recv()
             slots.admit(slot)
             continue
         ex = slots.executors.get(slot)
         if ex is None or slot in slots.broken:  # a client whose Connect failed, or broken
-            msg.recv()
             continue
         seq = slots.seq[slot] = slots.seq[slot] + 1
-        if ex.trace is None:
-            batch = msg.recv()
-        else:
-            start = time.perf_counter_ns()
-            batch = msg.recv()
-            ex.received(start, seq, status.Get_count(MPI.BYTE), len(batch))
+        batch = msg.body
+        if ex.trace is not None:
+            ex.received(time.perf_counter_ns(), seq, msg.nbytes, len(batch))
         if not slot:
             ex.run(batch)
         elif not slots.run(slot, ex, batch):

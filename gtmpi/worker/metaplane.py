@@ -198,9 +198,6 @@ class MetaPlane:
         self.stats: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [count, bytes]
         self.started = False
         self.sizes: dict[int, int] = {0: workers}  # group -> members, for the cost model
-        # what fused kernels pass to torch.distributed themselves (the vocabulary-parallel
-        # cross-entropy's reductions skip meta tensors): no group exists
-        self.groups: dict[int, None] = defaultdict(lambda: None)
         self._sends: list[torch.Tensor] = []  # while holding: the snapshots of the sends
         self.holding = False  # in a program a GPU captures: every send's until its end
 
