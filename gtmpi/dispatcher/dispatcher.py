@@ -341,8 +341,7 @@ class Dispatcher:
                 if not batch:
                     return
             start = _clock()
-            wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else self._flush_others(rank),
-                     self.watchdog)
+            wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None, self.watchdog)
             if rec is not None:
                 rec.event(Kind.WAIT, Lane.DISPATCHER, start, _clock(), "backpressure", peer=rank)
         self._seq[rank] += 1
@@ -358,14 +357,6 @@ class Dispatcher:
                 self.trace_tick()
         if self.log is not None:
             self.log.sent(batch, rank, self._seq[rank])
-
-    def _flush_others(self, rank: int) -> None:
-        """While rank 0 waits for ``rank``'s acks: the batches it holds for other workers go as
-        their own acks allow. ``rank`` may be waiting in a send for the receive one of them
-        holds (a batch put back by a flush that is itself waiting, above this one)."""
-        for other, batch in list(self._batch.items()):
-            if other != rank and batch and self._poll(other) < MAX_INFLIGHT:
-                self.flush(other)
 
     def _route_frees(self) -> None:
         """The ids the client dropped, into the batches of the workers that hold them, behind
