@@ -8,9 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
+
+from gtmpi.transport import ending
 
 from conftest import UNDER_MPI, is_open_mpi, launcher_env, mpiexec, run_job
 
@@ -214,6 +217,56 @@ def test_killed_rank0_is_named_not_its_workers(tmp_path):
     assert proc.returncode != 0
     assert len(deaths) == 1 and "rank 0 (pid" in deaths[0], proc.stderr
     assert elapsed < 30
+
+
+def _until(predicate, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_death_watcher_that_found_the_other_ranks_alive_names_its_rank(tmp_path):
+    """On a loaded host a later death's watcher may wake first (here: its note is made to look
+    earlier). The watcher of the rank that died first found every other registered rank still
+    running, which proves the order; the time of the notes does not."""
+    job = (f"test-{tmp_path.name}", os.getpid())
+    ranks = {r: subprocess.Popen(
+        [sys.executable, "-c", "import time; from gtmpi.transport import ending; "
+         f"notice = ending.DeathNotice({r}, {job!r}); time.sleep(60)"],
+        stderr=subprocess.PIPE, text=True) for r in (1, 2)}
+    try:
+        _until(lambda: len(ending._registered(job)) == 2)
+        ranks[2].kill()
+        _until(lambda: 2 in ending._notes(job))
+        ranks[1].kill()
+        _until(lambda: 1 in ending._notes(job))
+        notes = ending._notes(job)
+        assert notes[2][0] == -1 and notes[1][0] == 0  # proven first; not
+        with open(f"{ending._path(job)}.1", "w") as f:
+            f.write(f"{notes[2][1] - 1} 0")
+        assert ending.first(job) == 2
+    finally:
+        for proc in ranks.values():
+            proc.kill()
+    assert "worker rank 2 " in ranks[2].communicate(timeout=10)[1]
+
+
+def test_rank_0_waits_for_the_notes_of_the_workers_it_found_dead(tmp_path):
+    """A worker killed a moment after another is found dead with it, before the first one's
+    watcher has written its note: that note is waited for."""
+    job = (f"test-{tmp_path.name}", os.getpid())
+    with open(f"{ending._path(job)}.1", "w") as f:
+        f.write("200 0")
+    late = threading.Timer(0.3, lambda: open(f"{ending._path(job)}.2", "w").write("100 0"))
+    late.start()
+    try:
+        assert ending.first(job) == 1
+        assert ending.first(job, (1, 2), wait_s=5.0) == 2
+    finally:
+        late.join()
+        for rank in (1, 2):
+            os.unlink(f"{ending._path(job)}.{rank}")
 
 
 @pytest.mark.parametrize("how, status", [("mpiexec", 1), ("spawned", 1), ("embedded", 130)])

@@ -42,6 +42,7 @@ _normpath = functools.lru_cache(maxsize=1024)(os.path.normpath)  # "a/../../a/m.
 # where files are that are not the program's: gtmpi, Python's own, the installed libraries
 NOT_USER = (_PKG_DIR, *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
 _SITES_PER_GENERATION = 1 << 16
+NOTES_WAIT_S = 1.0  # for the death watchers' notes, which name the worker that went first
 
 
 class Runtime:
@@ -291,7 +292,7 @@ class Runtime:
         here = socket.gethostname()
         dead = tuple(rank for rank, w in self.workers.items()
                      if w["host"] == here and w["pid"] != os.getpid() and not alive(w["pid"]))
-        went_first = ending.first((here, os.getpid())) if dead else None
+        went_first = ending.first((here, os.getpid()), dead, NOTES_WAIT_S) if dead else None
         return tuple(sorted(dead, key=lambda rank: rank != went_first))
 
     def _watchdog(self) -> None:

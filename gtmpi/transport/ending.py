@@ -13,7 +13,10 @@ process (this file, run as a script: it imports nothing of gtmpi) that blocks re
 whose only writer is its rank. A clean exit writes "bye" first; end-of-file without it means
 the rank is gone. The watcher notes when it saw that (a file per rank), waits a moment for
 the other watchers' notes, and speaks only if its rank went first: the launcher kills the
-others only after the first death, so the earliest note names the culprit.
+others only after the first death, so the earliest note names the culprit. Every watcher
+also registers its rank's pid (a file per rank): a watcher that finds every other rank of its
+host still alive when it sees its own gone has proof that its rank went first, which a note's
+time alone is not on a loaded host (a later death's watcher may run first).
 """
 from __future__ import annotations
 
@@ -97,11 +100,19 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
         os.setpriority(os.PRIO_PROCESS, 0, -15)
     except OSError:
         pass  # not allowed here: the order of the notes is then the scheduler's
+    registered = f"{_path(job)}-pid.{rank}"
+    try:
+        with open(registered, "w") as f:
+            f.write(str(pid))
+    except OSError:
+        pass
     if sys.stdin.buffer.read() == b"bye":
+        _forget(registered)
         return
     seen = time.monotonic_ns()  # one clock for every process of the host
     # the time a watcher wakes is the scheduler's to choose: on a loaded host a later death
     # may be seen first. Peers all alive now are proof that this rank went first.
+    peers = {*peers, *_registered(job)} - {pid}
     certain = bool(peers) and all(alive(p) for p in peers)
     mine = f"{_path(job)}.{rank}"
     try:
@@ -116,11 +127,29 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
         who = "rank 0" if rank == 0 else f"worker rank {rank}"
         claim(job, f"gtmpi: {who} (pid {pid} on {host}) died; the job is ending")
     time.sleep(FORGET_AFTER_S)
-    for path in (mine, _path(job)):
+    _forget(mine, registered, _path(job))
+
+
+def _forget(*paths: str) -> None:
+    for path in paths:
         try:
             os.unlink(path)
         except OSError:
             pass
+
+
+def _registered(job: Job) -> set[int]:
+    """The pids of the ranks of this host whose watchers registered them."""
+    folder, stem = os.path.split(f"{_path(job)}-pid.")
+    pids = set()
+    for name in os.listdir(folder):
+        if name.startswith(stem):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    pids.add(int(f.read()))
+            except (OSError, ValueError):
+                continue
+    return pids
 
 
 RANK0_NOTE_S = 3.0  # how long a worker's watcher waits for a dead rank 0's note
@@ -137,9 +166,19 @@ def _await_rank0(job: Job) -> None:
         time.sleep(0.02)
 
 
-def first(job: Job) -> int | None:
+def first(job: Job, dead: tuple[int, ...] = (), wait_s: float = 0.0) -> int | None:
     """The rank whose death was seen first, from the watchers' notes; one proven first by
-    its peers ahead of all."""
+    its peers ahead of all. Waits up to ``wait_s`` for the notes of the ranks in ``dead``
+    (rank 0 may find a worker gone before its watcher has written the note)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        notes = _notes(job)
+        if set(dead) <= set(notes) or time.monotonic() >= deadline:
+            return min(notes, key=lambda r: (notes[r], r)) if notes else None
+        time.sleep(0.02)
+
+
+def _notes(job: Job) -> dict[int, tuple[int, int]]:
     folder, stem = os.path.split(_path(job))
     notes = {}
     for name in os.listdir(folder):
@@ -150,7 +189,7 @@ def first(job: Job) -> int | None:
                 notes[int(name.rsplit(".", 1)[1])] = (-int(certain), int(seen))
             except (OSError, ValueError):
                 continue
-    return min(notes, key=lambda r: (notes[r], r)) if notes else None
+    return notes
 
 
 if __name__ == "__main__":
