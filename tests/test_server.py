@@ -143,15 +143,13 @@ def _gpt_losses(out: str) -> list[float]:
 
 @pytest.mark.timeout(400)
 def test_three_clients_at_once_get_what_they_get_alone(server, tmp_path):
-    def start():
-        return [server.client(tmp_path, "gpt", "import runpy, sys\nsys.argv = sys.argv[1:]\n"
-                              "runpy.run_path(sys.argv[0], run_name='__main__')\n", *GPT,
-                              GTMPI_CONFIG=os.path.join(ROOT, "configs", "data_parallel.yaml")),
-                server.client(tmp_path, "mlp", MLP),
-                server.client(tmp_path, "reads", READS, "7")]
-    alone = [finish(p) for p in start()[:1]] + [finish(p) for p in start()[1:2]] + \
-        [finish(p) for p in start()[2:]]
-    together = [finish(p) for p in start()]
+    starts = [lambda: server.client(tmp_path, "gpt", "import runpy, sys\nsys.argv = sys.argv[1:]\n"
+                                    "runpy.run_path(sys.argv[0], run_name='__main__')\n", *GPT,
+                                    GTMPI_CONFIG=os.path.join(ROOT, "configs", "data_parallel.yaml")),
+              lambda: server.client(tmp_path, "mlp", MLP),
+              lambda: server.client(tmp_path, "reads", READS, "7")]
+    alone = [finish(start()) for start in starts]
+    together = [finish(p) for p in [start() for start in starts]]
     assert _gpt_losses(together[0]) == _gpt_losses(alone[0])
     assert together[1:] == alone[1:]
     assert "reads 33600.0" in together[2]
