@@ -38,8 +38,8 @@ def allowed(rt: Any, device: Any = None) -> bool:
     """Whether a tensor made now with ``device`` may be made by the client: not on a named GPU,
     nor inside a replayable function (a replay cannot repeat an upload, and its calls draw
     alike, from the workers' generators)."""
-    if os.environ.get("GTMPI_HOST_TENSORS", "0") != "1":
-        return False  # off by default until the MPI suite's placement tests agree with it
+    if os.environ.get("GTMPI_HOST_TENSORS", "1") == "0":
+        return False
     if device is not None and torch.device(device).type != "cpu":
         return False
     d = rt.dispatcher
