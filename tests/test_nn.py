@@ -3,6 +3,8 @@ training run with SGD-momentum and AdamW, and checkpoints read by the other side
 from __future__ import annotations
 
 import math
+import os
+import pickle
 
 import pytest
 import torch
@@ -236,6 +238,52 @@ def test_checkpoints_round_trip_with_plain_torch(tmp_path):
     fresh, _ = mlp_pair(8)
     fresh.load_state_dict(blob["model"])
     assert_same(g_model(gtmpi.tensor(x)), fresh(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def _flip_a_bit_of(path, record: str) -> None:
+    """One bit of ``record``'s bytes in a torch zip checkpoint, flipped in place."""
+    import struct
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        offset = z.getinfo(next(n for n in z.namelist() if n.endswith(record))).header_offset
+    blob = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", blob[offset + 26:offset + 30])
+    blob[offset + 30 + name_len + extra_len + 5] ^= 0x10
+    path.write_bytes(bytes(blob))
+
+
+def test_a_flipped_bit_in_a_checkpoint_is_refused_by_name(tmp_path):
+    """torch.load reads the changed weight silently; gtmpi.load checks every record's CRC-32."""
+    path = tmp_path / "ck.pt"
+    gtmpi.save({"w": gtmpi.arange(1000.0), "step": 3}, path)
+    assert gtmpi.load(path)["step"] == 3
+    _flip_a_bit_of(path, "data/0")
+    assert not torch.equal(torch.load(path)["w"], torch.arange(1000.0))  # torch: no error
+    with pytest.raises(RuntimeError, match=r"ck.pt is damaged.*data/0"):
+        gtmpi.load(path)
+    path.write_bytes(path.read_bytes()[:-40])  # a partial copy: the archive's end is gone
+    with pytest.raises(RuntimeError, match="is damaged"):
+        gtmpi.load(path)
+
+
+def test_save_replaces_the_file_whole_with_torchs_mode_and_writes_to_file_objects(tmp_path):
+    import io
+    path = tmp_path / "ck.pt"
+    gtmpi.save({"step": 1}, path)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (os.stat(path).st_mode & 0o777) == 0o666 & ~mask
+    os.chmod(path, 0o600)
+    gtmpi.save({"step": 2, "w": gtmpi.ones(4)}, str(path))
+    assert (os.stat(path).st_mode & 0o777) == 0o600  # the replaced file's mode is kept
+    assert os.listdir(tmp_path) == ["ck.pt"]  # no temporary file left
+    assert torch.load(path)["step"] == 2
+    buf = io.BytesIO()
+    gtmpi.save({"w": gtmpi.ones(2)}, buf)
+    assert torch.equal(torch.load(io.BytesIO(buf.getvalue()))["w"], torch.ones(2))
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):  # what cannot be pickled fails the save, not the old file
+        gtmpi.save({"f": lambda: 0}, path)
+    assert torch.load(path)["step"] == 2 and os.listdir(tmp_path) == ["ck.pt"]
 
 
 def test_linear_and_cross_entropy_are_single_instructions_with_torch_grads():

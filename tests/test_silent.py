@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -110,6 +111,19 @@ def test_resume_says_what_it_resumes_from_and_refuses_a_bad_checkpoint(tmp_path)
     torch.save({"weights": 1}, bad)
     out = _train_py(tmp_path, *common, "--checkpoint", str(bad), "--resume")
     assert f"cannot resume from {bad}: it lacks model, optimizer, step, losses" in out.stderr
+
+    class Crafted:  # a pickle that calls a function as it loads: here, one that makes a file
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+    torch.save({"model": Crafted(), "optimizer": {}, "step": 0, "losses": []}, bad)
+    out = _train_py(tmp_path, *common, "--checkpoint", str(bad), "--resume")
+    assert f"cannot resume from {bad}: not a readable checkpoint" in out.stderr
+    assert "Weights only load failed" in out.stderr and not (tmp_path / "ran").exists()
+    from test_nn import _flip_a_bit_of
+    _flip_a_bit_of(ckpt, "data/0")
+    out = _train_py(tmp_path, *common, "--checkpoint", str(ckpt), "--resume")
+    assert f"cannot resume from {ckpt}: not a readable checkpoint" in out.stderr
+    assert "is damaged" in out.stderr and "data/0" in out.stderr
 
 
 def _until(proc, text: str, limit_s: float) -> str:
@@ -217,3 +231,44 @@ def test_a_spawned_worker_killed_while_rank_0_is_idle_ends_the_job_naming_it(tmp
     assert proc.returncode == 1
     deaths = [line for line in err.splitlines() if "died" in line]
     assert deaths and f"worker rank 2 (pid {pids[2]}" in deaths[0], err
+
+
+SAVE_LOOP = """
+    import sys, gtmpi
+    path = sys.argv[1]
+    w = gtmpi.zeros(1 << 21, device="cuda")
+    for k in range(1, 100000):
+        w += 1
+        gtmpi.save({"k": k, "w": w}, path)
+        print("saved", k, flush=True)
+"""
+
+
+@serial
+@pytest.mark.timeout(300)
+def test_a_job_killed_while_saving_leaves_a_whole_checkpoint(tmp_path):
+    """A job (2 workers) saving an 8 MB checkpoint over and over, SIGKILLed at random moments:
+    the file at the path is always a whole checkpoint, the last one saved or the next.
+    GTMPI_KILL_TRIALS sets the number of kills (5 by default)."""
+    import random
+    script, path = tmp_path / "prog.py", tmp_path / "ck.pt"
+    script.write_text(textwrap.dedent(SAVE_LOOP))
+    env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu"}
+    rng = random.Random(0)
+    for trial in range(int(os.environ.get("GTMPI_KILL_TRIALS", "5"))):
+        proc = subprocess.Popen([mpiexec(), "-n", "3", sys.executable, str(script), str(path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env=env, start_new_session=True)
+        try:
+            saved = int(_until(proc, "saved", 90).split()[1])
+            time.sleep(rng.uniform(0.0, 0.5))
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        saved = max([saved] + [int(line.split()[1]) for line in out.splitlines()
+                               if line.startswith("saved ")])
+        got = gtmpi.load(path)  # checks every record's CRC-32
+        assert got["k"] in (saved, saved + 1), (trial, saved, got["k"])
+        assert bool((got["w"] == float(got["k"])).all()), trial
+    gtmpi.save({"k": 0}, path)  # what the killed saves left behind is cleared by the next
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt", "prog.py"]

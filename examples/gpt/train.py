@@ -302,10 +302,11 @@ def _per_step(before: dict, after: dict, steps: int) -> dict:
 def _load(path: str) -> dict:
     """A checkpoint written by _save, or an exit naming the file and what is wrong with it."""
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = gtmpi.load(path)  # tensors and plain data only; every record's checksum checked
     except (EOFError, RuntimeError, pickle.UnpicklingError, OSError) as e:
-        sys.exit(f"train.py: cannot resume from {path}: not a readable checkpoint (truncated, "
-                 f"or not written by torch.save): {type(e).__name__}: {e}")
+        sys.exit(f"train.py: cannot resume from {path}: not a readable checkpoint (damaged, "
+                 f"not written by torch.save, or holding more than tensors and plain data): "
+                 f"{type(e).__name__}: {e}")
     missing = [k for k in ("model", "optimizer", "step", "losses")
                if not isinstance(saved, dict) or k not in saved]
     if missing:
@@ -319,8 +320,7 @@ def _save(path: str, model, opt, step: int, losses: list[float]) -> None:
              "optimizer": opt.state_dict(), "step": step, "losses": losses}
     state["optimizer"]["state"] = {i: {k: v if k == "step" else v.cpu_torch() for k, v in s.items()}
                                    for i, s in state["optimizer"]["state"].items()}
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a run killed while saving keeps the previous checkpoint
+    gtmpi.save(state, path)  # whole or not at all: a run killed while saving keeps the last one
     print(f"saved {path} at step {step}", flush=True)
 
 
