@@ -511,3 +511,79 @@ def test_a_server_or_client_started_without_mpiexec_says_how_to_start(tmp_path):
                             capture_output=True, text=True, env={**env, "GTMPI_CONNECT": port},
                             timeout=120)
     assert client.returncode == 1 and "start this program with `mpiexec -n 1" in client.stderr
+
+
+def _refused_by(address: tuple[str, int], data: bytes, limit_s: float = 15) -> bytes:
+    """Send ``data`` raw and return what comes back before the listener closes the
+    connection (bounded)."""
+    import socket
+    sock = socket.create_connection(address, timeout=limit_s)
+    try:
+        sock.sendall(data)
+        got, deadline = b"", time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+        raise AssertionError(f"still connected after {limit_s} s: {data[:40]!r}")
+    finally:
+        sock.close()
+
+
+def test_the_listener_drops_what_is_not_a_token_and_survives_a_failed_accept(tmp_path,
+                                                                            monkeypatch, capsys):
+    """The hub (a run's or a server's listener, in a thread of rank 0): bytes that are not
+    JSON, a JSON line that is not a hello, a wrong token, an oversized line, silence, and a
+    pusher's figures that are not figures each drop their connection only; an accept that
+    fails (no file descriptor left) is said once, and later peers are served."""
+    import errno
+    from gtmpi.monitor import hub as hubs
+    from gtmpi.transport.rendezvous import LINE_MAX, dial, read_port_file
+    monkeypatch.setattr(hubs, "HELLO_S", 0.5)
+    hub = hubs.Hub(str(tmp_path / "run.port"), "run", workers=0)
+    try:
+        info = read_port_file(str(tmp_path / "run.port"))
+        address = (info["host"], info["port"])
+        assert info["host"] == "127.0.0.1"  # the loopback unless told otherwise
+        for data in (b"\x00\xff\xfe not json\n", b"[1, 2]\n", b'{"token": 5, "role": "stop"}\n',
+                     b'{"token": "' + b"0" * 48 + b'", "role": "monitor"}\n',
+                     b"x" * (LINE_MAX + 10), b""):
+            _refused_by(address, data)
+        for figures in ({"rank": "one"}, [1, 2], {"time": 1.0}):
+            pusher = dial(info, {"role": "worker", "rank": 1})
+            pusher.send(figures)
+            assert pusher.recv(timeout_s=15) is None and pusher.closed
+        assert hub.refused == 6 + 3 and hub.workers == {}
+
+        class NoDescriptors:  # the listener, out of file descriptors for one accept
+            def __init__(self, sock):
+                self.sock, self.failed = sock, False
+
+            def accept(self):
+                if not self.failed:
+                    self.failed = True
+                    raise OSError(errno.EMFILE, "Too many open files")
+                return self.sock.accept()
+
+            def close(self):
+                self.sock.close()
+        hub._listener = NoDescriptors(hub._listener)
+        monitor = dial(info, {"role": "monitor"})
+        snap = monitor.recv(timeout_s=15)
+        monitor.close()
+        assert snap["kind"] == "run" and hub._listener.failed
+        assert capsys.readouterr().err.count("cannot accept a connection now") == 1
+    finally:
+        hub.close()
+
+
+def test_garbage_on_a_servers_port_harms_no_client(server, tmp_path):
+    """Bytes from any local process, with or without a token's place, leave the server taking
+    and serving clients (a non-JSON line once ended its listener thread for good)."""
+    info = json.loads(open(server.port_file).read())
+    for data in (b"\x00" * 20 + b"\n", b"GET / HTTP/1.0\r\n\r\n", b'{"role": "stop"}\n'):
+        answer = _refused_by((info["host"], info["port"]), data)
+        assert b"stopping" not in answer
+    out = finish(server.client(tmp_path, "reads", READS, "3"))
+    assert "reads 14400.0" in out

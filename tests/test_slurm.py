@@ -82,6 +82,7 @@ def test_serve_starts_a_server_on_every_gpu_with_a_private_port_file(tmp_path):
                                                 "GTMPI_QUOTA_GB": "20"}, args=(str(port),))
     srun = [line for line in out.splitlines() if line.startswith("SRUN")][0]
     assert srun.startswith(f"SRUN --mpi={plugin()} --ntasks=5 ")
-    assert srun.endswith(f"python -m gtmpi.server --port-file {port} --quota-gb 20")
+    assert srun.endswith(f"python -m gtmpi.server --port-file {port} --bind 0.0.0.0 "
+                         "--quota-gb 20")
     assert f"GTMPI_CONNECT={port}" in out
     assert (port.parent.stat().st_mode & 0o777) == 0o700

@@ -100,7 +100,12 @@ class Runtime:
         """Workers push their figures to a hub on this rank; ``gtmpi-trace top port_file``
         shows them while the program runs."""
         from ..monitor.hub import Hub
-        self.monitor = Hub(port_file, "run", workers=len(self.workers), ranks=sorted(self.workers))
+        here = socket.gethostname()
+        # workers on other hosts push over the network: every interface, unless told which
+        bind = os.environ.get("GTMPI_MONITOR_BIND") or (
+            "127.0.0.1" if all(w["host"] == here for w in self.workers.values()) else "0.0.0.0")
+        self.monitor = Hub(port_file, "run", bind=bind, workers=len(self.workers),
+                           ranks=sorted(self.workers))
         self.dispatcher.post("monitor", (self.monitor.address, self.monitor.token),
                              sorted(self.workers))
 

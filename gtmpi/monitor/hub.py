@@ -6,30 +6,39 @@ Peers present the port file's token, then say what they are:
   client   (a server's only) a program joining it: handed to the server's loop through
            ``arrivals``, which does the MPI part
   stop     (a server's only) asks the server to shut down
-A peer without the token is told so and dropped.
+A peer without the token is told so and dropped; so is one that sends what is not a JSON
+object line, or says nothing for HELLO_S. Nothing a peer sends, and no failure to accept (out
+of file descriptors), ends the hub's thread: it logs and goes on listening.
 """
 from __future__ import annotations
 
 import queue
 import selectors
 import socket
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
-from ..transport.rendezvous import Lines, listen, write_port_file
+from ..transport.rendezvous import LOOPBACK, Lines, listen, token_matches, write_port_file
 
 INTERVAL_S = 1.0  # how often workers push and monitors are sent the figures
+HELLO_S = 5.0  # a peer that has not presented the token by then is dropped
+ACCEPT_RETRY_S = 0.1  # after a failed accept (no file descriptor left): the backlog waits
 
 
 class Hub:
     def __init__(self, port_file: str, kind: str, extra: Callable[[], dict] | None = None,
-                 **about: Any) -> None:
+                 bind: str = LOOPBACK, **about: Any) -> None:
         """``kind``: "server" or "run"; ``extra``: more figures for monitors (a server's
-        clients), called from the hub's thread; ``about``: what the port file also says."""
+        clients), called from the hub's thread; ``bind``: the address to listen on (the
+        loopback: this host only); ``about``: what the port file also says."""
         self.kind = kind
         self.extra = extra
-        self._listener, self.address = listen()
+        self._listener, self.address = listen(bind)
+        self.refused = 0  # peers dropped for what they sent, or for saying nothing
+        self._failed_accept: str | None = None  # said once until an accept works again
         self.token = write_port_file(port_file, self.address, kind, **about)
         self.port_file = port_file
         self.workers: dict[int, dict] = {}  # rank -> its latest figures
@@ -55,48 +64,85 @@ class Hub:
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._listener, selectors.EVENT_READ, None)
-        peers: dict[socket.socket, tuple[Lines, str | None]] = {}
+        peers: dict[socket.socket, tuple[Lines, str | None, float]] = {}  # role, when it came
         next_push = time.monotonic()
         while not self._stop.is_set():
-            for key, _ in sel.select(timeout=0.1):
-                if key.data is None:
-                    conn, _ = self._listener.accept()
-                    peers[conn] = (Lines(conn), None)
-                    sel.register(conn, selectors.EVENT_READ, conn)
-                    continue
-                lines, role = peers[key.data]
-                for obj in lines.poll():
-                    role = self._heard(lines, role, obj)
-                    if role == "handed":
-                        break
-                if role == "handed" or lines.closed:
-                    sel.unregister(key.data)
-                    del peers[key.data]
-                    if role == "monitor":
-                        self.monitors -= 1
-                    if role != "handed":
-                        lines.close()
-                else:
-                    peers[key.data] = (lines, role)
-            if time.monotonic() >= next_push:
-                next_push = time.monotonic() + INTERVAL_S
-                monitors = [ln for ln, role in peers.values() if role == "monitor"]
-                if monitors:
-                    line = self.snapshot()
-                    for ln in monitors:
-                        ln.send(line)
-        for lines, _ in peers.values():
+            try:
+                next_push = self._turn(sel, peers, next_push)
+            except Exception:  # a bug of the hub's own must not end it for every later peer
+                print("gtmpi: the monitor hub met an error and goes on:\n" +
+                      traceback.format_exc(), file=sys.stderr, flush=True)
+                time.sleep(ACCEPT_RETRY_S)
+        for lines, _, _ in peers.values():
             lines.close()
         self._listener.close()
+
+    def _turn(self, sel: selectors.BaseSelector, peers: dict, next_push: float) -> float:
+        """One wait for what comes, and what is due; returns when the figures go out next."""
+        for key, _ in sel.select(timeout=0.1):
+            if key.data is None:
+                self._accept(sel, peers)
+                continue
+            lines, role, came = peers[key.data]
+            for obj in lines.poll():
+                try:
+                    role = self._heard(lines, role, obj)
+                except (KeyError, TypeError, ValueError, OverflowError):
+                    lines.closed = True  # a worker's figures that are not figures
+                    self.refused += 1
+                if role == "handed" or lines.closed:
+                    break
+            if lines.closed and role is None:
+                self.refused += 1
+            if role == "handed" or lines.closed:
+                self._drop(sel, peers, key.data, role)
+            else:
+                peers[key.data] = (lines, role, came)
+        now = time.monotonic()
+        for conn, (lines, role, came) in list(peers.items()):
+            if role is None and now - came > HELLO_S:
+                self.refused += 1
+                self._drop(sel, peers, conn, role)
+        if now >= next_push:
+            next_push = now + INTERVAL_S
+            monitors = [ln for ln, role, _ in peers.values() if role == "monitor"]
+            if monitors:
+                line = self.snapshot()
+                for ln in monitors:
+                    ln.send(line)
+        return next_push
+
+    def _accept(self, sel: selectors.BaseSelector, peers: dict) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError as e:  # out of file descriptors: the peer waits in the backlog
+            if self._failed_accept is None:
+                self._failed_accept = str(e)
+                print(f"gtmpi: the monitor hub cannot accept a connection now ({e}); it goes "
+                      "on listening", file=sys.stderr, flush=True)
+            time.sleep(ACCEPT_RETRY_S)
+            return
+        self._failed_accept = None
+        peers[conn] = (Lines(conn), None, time.monotonic())
+        sel.register(conn, selectors.EVENT_READ, conn)
+
+    def _drop(self, sel: selectors.BaseSelector, peers: dict, conn: socket.socket,
+              role: str | None) -> None:
+        lines = peers.pop(conn)[0]
+        sel.unregister(conn)
+        if role == "monitor":
+            self.monitors -= 1
+        if role != "handed":
+            lines.close()
 
     def _heard(self, lines: Lines, role: str | None, obj: dict) -> str | None:
         """A line from a peer: its hello (checked), or a worker's figures."""
         if role == "worker":
-            self.workers[int(obj["rank"])] = obj
+            self.workers[int(obj["rank"])] = dict(obj)
             return role
         if role is not None:
             return role
-        if not isinstance(obj, dict) or obj.get("token") != self.token:
+        if not token_matches(obj, self.token):
             lines.send({"refused": "wrong token: read it from the port file"})
             lines.closed = True
             return None

@@ -49,7 +49,7 @@ from mpi4py import MPI
 from ..monitor.hub import Hub
 from ..recording.events import now
 from ..transport.mpi import Sends
-from ..transport.rendezvous import Lines
+from ..transport.rendezvous import LOOPBACK, Lines
 from ..transport.tags import SLOT_STRIDE, Tag
 from .tracing import ServerTrace
 
@@ -91,7 +91,7 @@ class Client:
 
 class Server:
     def __init__(self, port_file: str, quota_gb: float | None = None,
-                 trace: str | None = None) -> None:
+                 trace: str | None = None, bind: str = LOOPBACK) -> None:
         from ..client import runtime as session
         rt = session.current()
         if rt is None or not rt.workers or any(w.get("embedded") for w in rt.workers.values()):
@@ -110,8 +110,8 @@ class Server:
         self._turn = 0
         self._out = Sends()  # to the workers
         self.ending: str | None = None
-        self.hub = Hub(port_file, "server", extra=self._figures, workers=len(self.ranks),
-                       ranks=self.ranks)
+        self.hub = Hub(port_file, "server", extra=self._figures, bind=bind,
+                       workers=len(self.ranks), ranks=self.ranks)
         self.quota = int(quota_gb * 1e9) if quota_gb else None
         self.trace = ServerTrace(trace, rt.workers) if trace else None
         d.post("serving", (self.quota,), self.ranks)
@@ -443,10 +443,14 @@ def _count(buf: bytearray) -> int | None:
     return n if type(n) is int else None
 
 
-def serve(port_file: str, quota_gb: float | None = None, trace: str | None = None) -> None:
-    """Run a server until it is stopped (rank 0 of an mpiexec job)."""
-    Server(port_file, quota_gb, trace).run()
+def serve(port_file: str, quota_gb: float | None = None, trace: str | None = None,
+          bind: str = LOOPBACK) -> None:
+    """Run a server until it is stopped (rank 0 of an mpiexec job); the port file goes with it,
+    however it ends."""
     try:
-        os.unlink(port_file)
-    except OSError:
-        pass
+        Server(port_file, quota_gb, trace, bind).run()
+    finally:
+        try:
+            os.unlink(port_file)
+        except OSError:
+            pass

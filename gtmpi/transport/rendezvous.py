@@ -53,13 +53,24 @@ def read_port_file(path: str) -> dict[str, Any]:
                               "its owner may connect") from None
 
 
-def listen(host: str | None = None) -> tuple[socket.socket, tuple[str, int]]:
-    """A listening TCP socket on every interface, and the address others reach it at."""
+LOOPBACK = "127.0.0.1"
+
+
+def listen(bind: str = LOOPBACK) -> tuple[socket.socket, tuple[str, int]]:
+    """A listening TCP socket on the address ``bind`` (the loopback by default: only this host
+    can reach it; ``0.0.0.0`` is every interface), and the address others reach it at."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("0.0.0.0", 0))
+    sock.bind((bind, 0))
     sock.listen(64)
-    return sock, (host or socket.gethostname(), sock.getsockname()[1])
+    host = socket.gethostname() if bind in ("", "0.0.0.0") else bind
+    return sock, (host, sock.getsockname()[1])
+
+
+def token_matches(hello: Any, token: str) -> bool:
+    """Whether a peer's first line holds the port file's token (compared in constant time)."""
+    given = hello.get("token") if isinstance(hello, dict) else None
+    return isinstance(given, str) and secrets.compare_digest(given.encode(), token.encode())
 
 
 def dial(info: dict[str, Any], hello: dict[str, Any], timeout_s: float = 10.0) -> "Lines":
@@ -111,7 +122,15 @@ class Lines:
                 self.closed = True
                 return None
         line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        return self._decode(line)
+
+    def _decode(self, line: bytes) -> Any:
+        """A line's object; None, and the peer counted as gone, if it is not JSON."""
+        try:
+            return json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8: a broken or hostile peer
+            self.closed = True
+            return None
 
     def poll(self) -> list[Any]:
         """Every complete object that has arrived, without waiting; sets ``closed`` at end of
@@ -135,7 +154,11 @@ class Lines:
                 self.sock.setblocking(True)
         while b"\n" in self._buf:
             line, self._buf = self._buf.split(b"\n", 1)
-            out.append(json.loads(line))
+            obj = self._decode(line)
+            if self.closed and obj is None:
+                self._buf = b""
+                break
+            out.append(obj)
         if len(self._buf) > LINE_MAX:
             self.closed = True
         return out
