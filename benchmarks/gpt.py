@@ -199,7 +199,8 @@ def main() -> None:
     opt = gtmpi.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     batch_signal = "dp_data" if parallel else "act" if args.tensor_parallel else None
     on_workers = [(gtmpi.signal.tensor(x, batch_signal), gtmpi.signal.tensor(y, batch_signal))
-                  if batch_signal else (gtmpi.tensor(x), gtmpi.tensor(y)) for x, y in data]
+                  if batch_signal else (gtmpi.tensor(x, device="cuda"), gtmpi.tensor(y, device="cuda"))
+                  for x, y in data]
     before = gtmpi.debug.worker_stats(reset_peak=True)[home]
     step = forward_backward(model)
     if not args.no_replay:

@@ -43,9 +43,9 @@ def main() -> None:
     torch.manual_seed(0)
     a_t = torch.randn(args.size, args.size, device=device)
     b_t = torch.randn(args.size, args.size, device=device)
-    a_g, b_g = gtmpi.tensor(a_t.cpu()), gtmpi.tensor(b_t.cpu())
+    a_g, b_g = gtmpi.tensor(a_t.cpu(), device="cuda"), gtmpi.tensor(b_t.cpu(), device="cuda")
     loops = {
-        "ops_per_s": (lambda: tiny_ops(args.ops, lambda: gtmpi.zeros(64, 64), first_item), max),
+        "ops_per_s": (lambda: tiny_ops(args.ops, lambda: gtmpi.zeros(64, 64, device="cuda"), first_item), max),
         "matmul_s": (lambda: matmul_loop(n_mm, a_g, b_g, first_item), min),
     }
     res: dict[str, dict[str, float]] = {"torch": {}, "off": {}, "on": {}}

@@ -445,6 +445,58 @@ def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(server, tmp_
     assert "dropped the client" in server.text()
 
 
+HOSTILE = """
+    import os, sys
+    from mpi4py import MPI
+    import gtmpi as t
+    from gtmpi.client.runtime import runtime
+    from gtmpi.transport.tags import Tag
+    x = t.ones(3, device="cuda")
+    print("before", x.numpy().tolist(), flush=True)
+    d = runtime().dispatcher
+    link = d.links[1]
+
+    class Runs:  # unpickled, it would run a command as the worker's process
+        def __reduce__(self):
+            return (os.system, (f"touch {sys.argv[2]}",))
+    case = sys.argv[1]
+    if case == "code":
+        link.send([("add", 7, (Runs(),), 0, None)], 99)
+    elif case == "garbage":
+        link.comms.ctrl.Send([bytearray(b"not a pickle at all"), MPI.BYTE], link.peer,
+                             Tag.BATCH + link._o)
+    elif case == "server word":  # a client may not lift its own quota
+        link.send([("serving", None, (None,), 0, None)], 99)
+    elif case == "round":  # the server's own count of a round's uploads, as code
+        link.comms.ctrl.send(Runs(), 0, Tag.ROUND)
+    d.rounds.end()
+    try:
+        (x + 1).numpy()
+    except RuntimeError as e:
+        print("told:", e)
+"""
+
+
+@pytest.mark.parametrize("case, said", [
+    ("code", "names posix.system, which gtmpi never sends"),
+    ("garbage", "not a message of gtmpi's"), ("server word", "named 'serving'"),
+    ("round", "a round whose payload is not its count of uploads")])
+def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(server, tmp_path, case,
+                                                                    said):
+    """A message whose pickle calls a function as it loads, bytes that are no pickle, a control
+    word only the server sends, a round count that is code: nothing of it runs, on a worker
+    or on the server; the client is told why it was dropped; a client working beside it
+    finishes right, and a new one joins after."""
+    ran = tmp_path / "ran"
+    bystander = server.client(tmp_path, "reads", READS, "2")
+    out = finish(server.client(tmp_path, "hostile", HOSTILE, case, str(ran)))
+    assert "before [1.0, 1.0, 1.0]" in out and "told:" in out and said in out, out
+    assert "dropped the client" in out
+    assert not ran.exists()
+    assert "reads 9600.0" in finish(bystander)
+    assert "reads 4800.0" in finish(server.client(tmp_path, "late", READS, "1"))
+
+
 UPLOADS = """
     import sys
     import numpy as np

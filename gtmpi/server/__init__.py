@@ -49,6 +49,7 @@ from mpi4py import MPI
 from ..monitor.hub import Hub
 from ..recording.events import now
 from ..transport.mpi import Sends
+from ..transport import wire
 from ..transport.rendezvous import LOOPBACK, Lines
 from ..transport.tags import SLOT_STRIDE, Tag
 from .tracing import ServerTrace
@@ -259,7 +260,9 @@ class Server:
             # what goes on to a worker names one; the rest is for the server alone
             for_worker = tag in (Tag.BATCH, Tag.UPLOAD, Tag.CLOCK_PING)
             if buf is None or (rank not in self.ranks if for_worker else rank != 0):
-                self._drop(c, killed=True)
+                self._expel(c, "a message that did not arrive whole within "
+                            f"{RECV_DEADLINE_S:.0f} s" if buf is None else
+                            f"a message for rank {rank}, which is no worker of this server")
                 return True
             c.counts["bytes_in"] += len(buf)
             if tag == Tag.BATCH:
@@ -274,7 +277,7 @@ class Server:
             elif tag == Tag.ROUND:
                 uploads = _count(buf)
                 if uploads is None:
-                    self._drop(c, killed=True)
+                    self._expel(c, "a round whose payload is not its count of uploads")
                     return True
                 if c.current:
                     c.rounds.append((c.current, now(), uploads))
@@ -396,9 +399,12 @@ class Server:
         c = self.clients.get(slot)
         if c is None or c.state not in ("live", "leaving"):
             return
-        message = (f"worker rank {rank} could not run a batch of this client ({why}); the "
-                   "server has dropped the client")
-        print(f"gtmpi.server: client {slot} ({c.name}, pid {c.pid}): {message}",
+        self._expel(c, f"worker rank {rank} could not run a batch of this client ({why})")
+
+    def _expel(self, c: Client, why: str) -> None:
+        """Drop a client for what it sent, telling it why (its next read raises that)."""
+        message = f"{why}; the server has dropped the client"
+        print(f"gtmpi.server: client {c.slot} ({c.name}, pid {c.pid}): {message}",
               file=sys.stderr, flush=True)
         self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps((True, message)))
         self._drop(c, killed=True)
@@ -437,8 +443,8 @@ class Server:
 def _count(buf: bytearray) -> int | None:
     """A ROUND's payload, the client's uploads sent all told; None if it is not one."""
     try:
-        n = MPI.pickle.loads(buf)
-    except Exception:
+        n = wire.loads(buf)
+    except wire.Refused:
         return None
     return n if type(n) is int else None
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
 
+from ..transport import wire
 from ..transport.mpi import Comms, HostLink
 from ..transport.ending import alive
 from ..transport.poll import wait_for
@@ -62,11 +63,15 @@ class Slots:
         self.clients[slot] = client
         self._add(slot, self.link.for_slot(slot, client))
 
-    def run(self, slot: int, ex: Executor, batch: list) -> bool:
+    def run(self, slot: int, ex: Executor, batch: Any) -> bool:
         """A client's batch. One this worker cannot run at all (not instructions as gtmpi's
         dispatcher makes them: a bug, or a hostile client) must not end the server: the
-        client's later batches are skipped here, and the server is told, which drops it."""
+        client's later batches are skipped here, and the server is told, which drops it.
+        Nothing of a batch that is not instructions runs (transport/wire.py)."""
         try:
+            if isinstance(batch, wire.Refused):
+                raise batch
+            wire.check(batch, ex.client_words)
             ex.run(batch)
             return True
         except Exception as e:  # an op's own failure never gets here: it poisons its result
@@ -137,6 +142,8 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
         if ex.trace is not None:
             ex.received(time.perf_counter_ns(), seq, msg.nbytes, len(batch))
         if not slot:
+            if isinstance(batch, wire.Refused):  # from this job's own rank 0: a bug of gtmpi's
+                raise RuntimeError(f"gtmpi: worker {rank} was sent {batch}")
             ex.run(batch)
         elif not slots.run(slot, ex, batch):
             continue
