@@ -422,3 +422,21 @@ def test_examples_run(n):
                               start_new_session=True)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "test accuracy" in proc.stdout
+
+
+def test_end_files_live_in_a_private_folder_and_a_new_job_clears_an_old_ones(tmp_path):
+    """A claim left by a job whose processes were all killed (SLURM's SIGTERM to every rank)
+    once silenced the "died" line of a later job whose rank 0 got the same pid; and the claims
+    lay in the shared temporary folder, where any user could make one."""
+    job = (f"test-{tmp_path.name}", os.getpid())
+    folder = os.path.dirname(ending._path(job))
+    assert (os.stat(folder).st_mode & 0o777) == 0o700 and os.stat(folder).st_uid == os.getuid()
+    assert ending.claim(job, "")
+    for name in (".1", "-pid.1"):
+        with open(ending._path(job) + name, "w") as f:
+            f.write("1 0")
+    assert ending.claimed(job) and not ending.claim(job, "")
+    ending.clear(job)
+    assert not ending.claimed(job) and ending.first(job) is None and not ending._registered(job)
+    assert ending.claim(job, "")
+    ending.clear(job)

@@ -469,6 +469,9 @@ HOSTILE = """
         link.send([("serving", None, (None,), 0, None)], 99)
     elif case == "round":  # the server's own count of a round's uploads, as code
         link.comms.ctrl.send(Runs(), 0, Tag.ROUND)
+    elif case == "upload never sent":  # the worker would wait for its bytes for good
+        import torch
+        link.send([("upload", 7, ((4,), torch.float32), 0, None)], 99)
     d.rounds.end()
     try:
         (x + 1).numpy()
@@ -480,13 +483,15 @@ HOSTILE = """
 @pytest.mark.parametrize("case, said", [
     ("code", "names posix.system, which gtmpi never sends"),
     ("garbage", "not a message of gtmpi's"), ("server word", "named 'serving'"),
-    ("round", "a round whose payload is not its count of uploads")])
+    ("round", "a round whose payload is not its count of uploads"),
+    ("upload never sent", "the bytes of an upload did not come within 10 s")])
 def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(server, tmp_path, case,
                                                                     said):
     """A message whose pickle calls a function as it loads, bytes that are no pickle, a control
-    word only the server sends, a round count that is code: nothing of it runs, on a worker
-    or on the server; the client is told why it was dropped; a client working beside it
-    finishes right, and a new one joins after."""
+    word only the server sends, a round count that is code, an upload whose bytes never come:
+    nothing of it runs, on a worker or on the server, and nothing waits for good; the client is
+    told why it was dropped; a client working beside it finishes right, and a new one joins
+    after."""
     ran = tmp_path / "ran"
     bystander = server.client(tmp_path, "reads", READS, "2")
     out = finish(server.client(tmp_path, "hostile", HOSTILE, case, str(ran)))

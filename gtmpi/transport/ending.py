@@ -3,9 +3,10 @@
 When one rank dies or fails, the MPI launcher kills every other rank, and each of those
 deaths looks alike from outside. So the first process of a host to *claim* the job's end
 says why it ends, and the deaths that follow stay silent. A claim is a file created
-exclusively in the temporary folder and named for the job (rank 0's host and pid), so it
-holds among the processes of one host; it is removed a few seconds later, once every death
-it explains has been seen.
+exclusively in this user's private folder (mode 0700: no other user can make one) and named
+for the job (rank 0's host and pid), so it holds among the processes of one host; it is
+removed a few seconds later, once every death it explains has been seen, and what a job whose
+processes were all killed at once left behind is cleared by the next job of that name.
 
 Rank 0 claims before it ends the job itself (an uncaught exception, Ctrl-C, a dead worker it
 noticed). A process killed by a signal cannot speak, so every rank starts a tiny watcher
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -31,8 +33,36 @@ Job = tuple[str, int]  # rank 0's host and pid
 FORGET_AFTER_S = 5.0
 
 
+def _folder() -> str:
+    """This user's private folder for the files of ending jobs (mode 0700): in the temporary
+    folder, or in the home folder if another user holds that name there. Nobody else can make
+    or read a claim that would silence a job's line."""
+    for folder in (os.path.join(tempfile.gettempdir(), f"gtmpi-{os.getuid()}"),
+                   os.path.join(os.path.expanduser("~"), ".gtmpi", f"run-{os.getuid()}")):
+        try:
+            os.makedirs(folder, 0o700, exist_ok=True)
+            st = os.lstat(folder)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return folder
+    raise OSError("gtmpi: no private folder for the job's end files")
+
+
 def _path(job: Job) -> str:
-    return os.path.join(tempfile.gettempdir(), f"gtmpi-end-{job[0]}-{job[1]}")
+    return os.path.join(_folder(), f"end-{job[0]}-{job[1]}")
+
+
+def clear(job: Job) -> None:
+    """Remove what an earlier job whose rank 0 had this pid left (its processes all killed at
+    once, as SLURM does): rank 0 calls it before any rank of its job knows the job's name."""
+    try:
+        folder, stem = os.path.split(_path(job))
+        names = os.listdir(folder)
+    except OSError:
+        return
+    _forget(*(os.path.join(folder, name) for name in names
+              if name == stem or name.startswith((stem + ".", stem + "-pid."))))
 
 
 def claim(job: Job, message: str) -> bool:
@@ -43,7 +73,7 @@ def claim(job: Job, message: str) -> bool:
     except FileExistsError:
         return False
     except OSError:
-        pass  # no temporary folder to write to: speak anyway
+        pass  # no private folder to write to: speak anyway
     else:
         os.write(fd, message.encode())
         os.close(fd)
@@ -54,7 +84,10 @@ def claim(job: Job, message: str) -> bool:
 
 
 def claimed(job: Job) -> bool:
-    return os.path.exists(_path(job))
+    try:
+        return os.path.exists(_path(job))
+    except OSError:
+        return False
 
 
 class DeathNotice:
@@ -100,12 +133,12 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
         os.setpriority(os.PRIO_PROCESS, 0, -15)
     except OSError:
         pass  # not allowed here: the order of the notes is then the scheduler's
-    registered = f"{_path(job)}-pid.{rank}"
     try:
+        registered = f"{_path(job)}-pid.{rank}"
         with open(registered, "w") as f:
             f.write(str(pid))
     except OSError:
-        pass
+        return  # nowhere private to note a death: the launcher's own lines say it
     if sys.stdin.buffer.read() == b"bye":
         _forget(registered)
         return
@@ -172,7 +205,10 @@ def first(job: Job, dead: tuple[int, ...] = (), wait_s: float = 0.0) -> int | No
     (rank 0 may find a worker gone before its watcher has written the note)."""
     deadline = time.monotonic() + wait_s
     while True:
-        notes = _notes(job)
+        try:
+            notes = _notes(job)
+        except OSError:
+            return None
         if set(dead) <= set(notes) or time.monotonic() >= deadline:
             return min(notes, key=lambda r: (notes[r], r)) if notes else None
         time.sleep(0.02)

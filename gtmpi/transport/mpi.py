@@ -175,6 +175,7 @@ class WorkerLink:
         return wait_for(bye)
 
 
+CLIENT_UPLOAD_S = 10.0  # for a server's client's upload bytes to reach the worker
 CLIENT_TAKES_S = 10.0  # a read a server's client does not take within this: it is broken
 
 
@@ -265,7 +266,23 @@ class HostLink:
             buf[:] = taken.popleft()
             return
         req = self.comms.data.Irecv([buf, MPI.BYTE], 0, Tag.UPLOAD + self._o)
-        wait_for(lambda: True if req.Test() else None)
+        if not self.slot:
+            wait_for(lambda: True if req.Test() else None)
+            return
+        # a server's client that counted an upload it never sent would hold this worker, and
+        # every client's work on it, for good
+        deadline = time.monotonic() + CLIENT_UPLOAD_S
+
+        def arrived() -> bool | None:
+            if req.Test():
+                return True
+            if time.monotonic() > deadline:
+                req.Cancel()
+                req.Free()
+                raise ClientGone(f"the bytes of an upload did not come within "
+                                 f"{CLIENT_UPLOAD_S:.0f} s")
+            return None
+        wait_for(arrived)
 
     def send_read(self, data: np.ndarray) -> None:
         self._send_read(data, Tag.READ_OK)
