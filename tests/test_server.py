@@ -502,6 +502,75 @@ def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(server, tmp_p
     assert "reads 4800.0" in finish(server.client(tmp_path, "late", READS, "1"))
 
 
+FUZZ = """
+    import pickle, random, sys, time
+    from mpi4py import MPI
+    import gtmpi as t
+    from gtmpi.client.runtime import runtime
+    from gtmpi.transport.tags import SLOT_STRIDE, Tag
+    rng = random.Random(int(sys.argv[1]))
+    x = t.ones(3, device="cuda")
+    x.numpy()
+    d = runtime().dispatcher
+    comm = d.links[1].comms.ctrl
+    valid = pickle.dumps([("add", 9, (1, 1.0), 1, None), ("read", None, (9,), 1, None)])
+
+    def payload() -> bytes:
+        kind = rng.randrange(4)
+        if kind == 0:
+            return rng.randbytes(rng.randrange(2000))
+        if kind == 1:  # a batch of gtmpi's with some bytes changed
+            b = bytearray(valid)
+            for _ in range(rng.randrange(1, 6)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            return bytes(b)
+        if kind == 2:  # well-formed pickles of what no dispatcher sends
+            return pickle.dumps(rng.choice([None, -1, 2 ** 70, "BATCH", [()], [("add",) * 5],
+                                            [("zeros", -5, ((10 ** 12,),), 1 << 40, {1: 2})],
+                                            {"rank": 1}, [[[[]]]] * 100]))
+        return pickle.dumps([(rng.choice(["upload", "read", "free", "serving", "program",
+                                          "agree", "nope", "add"]), rng.randrange(-5, 50),
+                              tuple(rng.randrange(-3, 50) for _ in range(rng.randrange(4))),
+                              rng.randrange(8), None)])
+    tags = [int(tag) for tag in Tag] + [0, 99, SLOT_STRIDE - 1]
+    n = int(sys.argv[2])
+    for i in range(n):
+        tag = rng.choice(tags)
+        # four in five first: known tags, where such a message may go (the workers, for what
+        # goes on to them) and rounds that count right, so that they are taken in and reach
+        # the workers, not refused at the server's door; then anything
+        door = i < n * 4 // 5
+        if i == n * 4 // 5 and rng.random() < 0.5:
+            time.sleep(1.0)  # the workers' word on what they were sent, before the rest
+        if door:
+            tag = rng.choice([Tag.BATCH, Tag.UPLOAD, Tag.CLOCK_PING, Tag.ROUND])
+        rank = rng.choice([1, 2] if tag in (Tag.BATCH, Tag.UPLOAD, Tag.CLOCK_PING) else [0]) \
+            if door else rng.choice([0, 1, 2, 7])
+        body = pickle.dumps(0) if tag == Tag.ROUND and door else payload()
+        comm.Send([bytearray(body), MPI.BYTE], 0, tag + SLOT_STRIDE * rank)
+    try:
+        (x + 1).numpy()
+        print("fuzz: not dropped")
+    except RuntimeError as e:
+        print("fuzz: told:", e)
+"""
+
+
+def test_a_fuzzing_client_neither_ends_nor_stalls_the_server(server, tmp_path):
+    """1,000 random and mutated messages, from four clients in turn: four in five on the tags
+    that reach the workers, then on any tag (each client is dropped at the first message that
+    is not gtmpi's, by a worker or the server, and told; what it sent after is drained into
+    nothing, never unpickled: that once ended the server). A bystander working all along
+    finishes right, a new client joins after, and the server logs no traceback."""
+    bystander = server.client(tmp_path, "reads", READS, "2")
+    for seed in range(4):
+        out = finish(server.client(tmp_path, f"fuzz{seed}", FUZZ, str(seed), "250"))
+        assert "fuzz: told:" in out and "dropped the client" in out, out
+    assert "reads 9600.0" in finish(bystander)
+    assert "reads 4800.0" in finish(server.client(tmp_path, "late", READS, "1"))
+    assert "Traceback" not in server.text(), server.text()[-3000:]
+
+
 UPLOADS = """
     import sys
     import numpy as np

@@ -134,7 +134,12 @@ class Server:
             while True:
                 moved = self._arrivals()
                 for c in list(self.clients.values()):
-                    moved |= self._from_client(c)
+                    try:
+                        moved |= self._from_client(c)
+                    except Exception as e:  # a bug met by a client's bytes: that client goes
+                        self._expel(c, f"the server could not take its message ({type(e).__name__}: "
+                                    f"{e})"[:300])
+                        moved = True
                 moved |= self._from_workers()
                 moved |= self._schedule()
                 self._liveness()
@@ -262,7 +267,7 @@ class Server:
             if buf is None or (rank not in self.ranks if for_worker else rank != 0):
                 self._expel(c, "a message that did not arrive whole within "
                             f"{RECV_DEADLINE_S:.0f} s" if buf is None else
-                            f"a message for rank {rank}, which is no worker of this server")
+                            f"a message (tag {tag}) for rank {rank}, where no such message goes")
                 return True
             c.counts["bytes_in"] += len(buf)
             if tag == Tag.BATCH:
@@ -369,9 +374,10 @@ class Server:
                 c.lines.poll()
                 if c.lines.closed:
                     self._drop(c, killed=True)
+        status = MPI.Status()
         for c in list(self.lingering):
-            while (msg := c.inter.improbe(0, MPI.ANY_TAG)) is not None:
-                msg.recv()  # the rest of what it sent, into nothing
+            while (msg := c.inter.improbe(0, MPI.ANY_TAG, status)) is not None:
+                self._take(msg, status.Get_count(MPI.BYTE))  # the rest it sent, into nothing
             if not c.lines.closed:
                 c.lines.poll()
             if c.lines.closed:
