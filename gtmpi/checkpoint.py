@@ -22,7 +22,7 @@ import torch
 
 from .client.creation import tensor
 from .client.tensor import Tensor
-from .transport.ending import alive
+from .transport.ending import alive, forget
 
 _CHUNK = 1 << 24
 _HOST = socket.gethostname().replace(".", "_")
@@ -58,10 +58,7 @@ def save(obj: Any, f: str | os.PathLike | IO[bytes], **torch_save_args: Any) -> 
         os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        forget(tmp)
         raise
     _fsync_folder(folder)
 
@@ -78,10 +75,7 @@ def _forget_killed_saves(folder: str, name: str) -> None:
         if other.startswith(stem) and other.endswith(".tmp"):
             pid = other[len(stem):].split(".", 1)[0]
             if pid.isdigit() and not alive(int(pid)):
-                try:
-                    os.unlink(os.path.join(folder, other))
-                except OSError:
-                    pass
+                forget(os.path.join(folder, other))
 
 
 def _mode_for(path: str) -> int:

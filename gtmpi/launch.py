@@ -103,7 +103,6 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     workers_comm = base.Split(0 if rank == 0 else 1)  # the data plane's rendezvous
     if rank == 0:
         workers_comm.Free()
-    if rank == 0:
         ending.clear((socket.gethostname(), os.getpid()))
     host0 = base.bcast((socket.gethostname(), os.getpid()) if rank == 0 else None, root=0)
     detach = [*comms[1:], base, spawn_comm] if spawn_comm is not None else []

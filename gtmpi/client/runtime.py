@@ -35,6 +35,7 @@ from ..ops import settings
 from ..ops.table import Seed, derive_seed
 from ..transport import ending
 from ..transport.ending import alive
+from ..transport.rendezvous import LOOPBACK
 from ..transport.tags import Tag
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +104,7 @@ class Runtime:
         here = socket.gethostname()
         # workers on other hosts push over the network: every interface, unless told which
         bind = os.environ.get("GTMPI_MONITOR_BIND") or (
-            "127.0.0.1" if all(w["host"] == here for w in self.workers.values()) else "0.0.0.0")
+            LOOPBACK if all(w["host"] == here for w in self.workers.values()) else "0.0.0.0")
         self.monitor = Hub(port_file, "run", bind=bind, workers=len(self.workers),
                            ranks=sorted(self.workers))
         self.dispatcher.post("monitor", (self.monitor.address, self.monitor.token),

@@ -38,7 +38,7 @@ class Hub:
         self.extra = extra
         self._listener, self.address = listen(bind)
         self.refused = 0  # peers dropped for what they sent, or for saying nothing
-        self._failed_accept: str | None = None  # said once until an accept works again
+        self._accept_failing = False  # said once until an accept works again
         self.token = write_port_file(port_file, self.address, kind, **about)
         self.port_file = port_file
         self.workers: dict[int, dict] = {}  # rank -> its latest figures
@@ -116,13 +116,13 @@ class Hub:
         try:
             conn, _ = self._listener.accept()
         except OSError as e:  # out of file descriptors: the peer waits in the backlog
-            if self._failed_accept is None:
-                self._failed_accept = str(e)
+            if not self._accept_failing:
+                self._accept_failing = True
                 print(f"gtmpi: the monitor hub cannot accept a connection now ({e}); it goes "
                       "on listening", file=sys.stderr, flush=True)
             time.sleep(ACCEPT_RETRY_S)
             return
-        self._failed_accept = None
+        self._accept_failing = False
         peers[conn] = (Lines(conn), None, time.monotonic())
         sel.register(conn, selectors.EVENT_READ, conn)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..transport.rendezvous import LOOPBACK
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gtmpi.server", description=__doc__.splitlines()[0])
@@ -12,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to write how to reach the server (readable by its owner only)")
     p.add_argument("--quota-gb", type=float, default=None,
                    help="most GB one client's tensors may hold on each worker (default: none)")
-    p.add_argument("--bind", default="127.0.0.1",
+    p.add_argument("--bind", default=LOOPBACK,
                    help="the address the server listens on for clients and monitors (default: "
                         "the loopback, this host only; for clients or workers on other nodes, "
                         "this node's address on their network, or 0.0.0.0 for every interface)")

@@ -61,7 +61,7 @@ def clear(job: Job) -> None:
         names = os.listdir(folder)
     except OSError:
         return
-    _forget(*(os.path.join(folder, name) for name in names
+    forget(*(os.path.join(folder, name) for name in names
               if name == stem or name.startswith((stem + ".", stem + "-pid."))))
 
 
@@ -140,7 +140,7 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
     except OSError:
         return  # nowhere private to note a death: the launcher's own lines say it
     if sys.stdin.buffer.read() == b"bye":
-        _forget(registered)
+        forget(registered)
         return
     seen = time.monotonic_ns()  # one clock for every process of the host
     # the time a watcher wakes is the scheduler's to choose: on a loaded host a later death
@@ -160,10 +160,11 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
         who = "rank 0" if rank == 0 else f"worker rank {rank}"
         claim(job, f"gtmpi: {who} (pid {pid} on {host}) died; the job is ending")
     time.sleep(FORGET_AFTER_S)
-    _forget(mine, registered, _path(job))
+    forget(mine, registered, _path(job))
 
 
-def _forget(*paths: str) -> None:
+def forget(*paths: str) -> None:
+    """Remove these files, those already gone or not ours to remove left as they are."""
     for path in paths:
         try:
             os.unlink(path)
