@@ -145,7 +145,9 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
     seen = time.monotonic_ns()  # one clock for every process of the host
     # the time a watcher wakes is the scheduler's to choose: on a loaded host a later death
     # may be seen first. Peers all alive now are proof that this rank went first.
-    peers = {*peers, *_registered(job)} - {pid}
+    # rank 0's pid is known without its registration, which may come too late: a worker that
+    # went with rank 0 (killed at once after starting) must not count itself first
+    peers = {*peers, *_registered(job), *((job[1],) if host == job[0] else ())} - {pid}
     certain = bool(peers) and all(alive(p) for p in peers)
     mine = f"{_path(job)}.{rank}"
     try:
