@@ -16,6 +16,8 @@ gtmpi saves exactly what torch saves and computes gradients with torch's kernels
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 import operator
 from dataclasses import dataclass
@@ -483,11 +485,29 @@ def _cross_entropy(x, target, ignore_index, reduction, label_smoothing, nll_floa
     """torch's cross-entropy. ``nll_float32``: what torch runs under CUDA autocast, which has no
     rule for it: log_softmax in the logits' dtype, then nll_loss in float32."""
     if nll_float32:
-        return F.nll_loss(torch.log_softmax(x, 1).float(), target, ignore_index=ignore_index,
-                          reduction=reduction)
+        return _picked_nll(torch.log_softmax(x, 1), target, ignore_index, reduction,
+                           torch.float32)[0]
     return F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
 
+
+def _picked_nll(log_probs, target, ignore_index, reduction, dtype, record=False):
+    """nll_loss in ``dtype`` over the targets' log-probabilities alone: torch's nll_loss kernel
+    sums the same values in the same order (by row, whatever the classes), without a copy of
+    every log-probability in ``dtype``. Returns (loss, the picked values it was recorded from or
+    None, the targets' column)."""
+    column = 1 if ignore_index == 0 else 0  # the picked value's class, never the ignored one
+    valid = target != ignore_index
+    index = torch.where(valid, target, 0).unsqueeze(1)
+    picked = log_probs.gather(1, index).to(dtype)
+    if column:
+        picked = torch.cat([torch.zeros_like(picked), picked], 1)
+    if record:
+        picked = picked.requires_grad_()
+    with torch.enable_grad() if record else contextlib.nullcontext():
+        loss = F.nll_loss(picked, torch.where(valid, column, ignore_index),
+                          ignore_index=ignore_index, reduction=reduction)
+    return loss, (picked if record else None), (index, column)
 
 def _embedding(indices, weight, padding_idx, offset=None, group=None, plane=None):
     """torch's embedding; with ``offset``, Megatron's vocabulary-parallel one: ``weight`` is the
@@ -563,9 +583,11 @@ _cross_entropy_from_logits = _recorded(_cross_entropy)
 def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing, grads=(),
                             offset=None, group=None, plane=None, nll_float32=False):
     """torch's cross-entropy is log_softmax then nll_loss; torch's record of it keeps the
-    log-probabilities, not the logits. Recorded from the log-probabilities on, ours keeps the
-    same (a record from the logits would hold them too: a whole extra logits tensor). With
-    ``offset``, the classes are split over the members of ``group`` (_VocabCrossEntropy)."""
+    log-probabilities (and under autocast a float32 copy of them for nll_loss). Ours keeps the
+    log-probabilities and the targets' values alone; its backward writes nll_loss's gradient
+    straight in the logits' dtype (torch's values: one per row, rounded as torch's cast
+    rounds them) before log_softmax's backward kernel. With ``offset``, the classes are split
+    over the members of ``group`` (_VocabCrossEntropy)."""
     if offset is not None:
         return _recorded(lambda x, t: _VocabCrossEntropy.apply(x, t, offset, ignore_index,
                                                                reduction, plane, group))(
@@ -574,12 +596,15 @@ def _cross_entropy_recorded(x, target, ignore_index, reduction, label_smoothing,
         return _cross_entropy_from_logits(x, target, ignore_index, reduction, label_smoothing,
                                           nll_float32, grads=grads)
     log_probs = torch.log_softmax(x, 1)
+    loss, picked, (index, column) = _picked_nll(
+        log_probs, target, ignore_index, reduction, torch.float32 if nll_float32 else x.dtype,
+        record=True)
     dtype = x.dtype  # the closure below must not hold x itself
-    with torch.enable_grad():
-        leaf = (log_probs.float() if nll_float32 else log_probs).detach().requires_grad_()
-        loss = F.nll_loss(leaf, target, ignore_index=ignore_index, reduction=reduction)
-    return loss.detach(), Graph(loss, [leaf], lambda g: torch._log_softmax_backward_data(
-        g.to(dtype), log_probs, 1, dtype))
+
+    def finish(g: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros_like(log_probs).scatter_(1, index, g[:, column:column + 1].to(dtype))
+        return torch._log_softmax_backward_data(full, log_probs, 1, dtype)
+    return loss.detach(), Graph(loss, [picked], finish)
 
 
 # torch's fused kernels, each with its gradient row NAME_grad (Graph.backward)
