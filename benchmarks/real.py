@@ -13,8 +13,8 @@ dropout 0, one micro-step per iteration) for --iters iterations:
   torch        python train.py (the original), one GPU
   embedded     python train.py (gtmpi, the embedded worker), one GPU
   mpiexec      mpiexec -n 2 python train.py (gtmpi), one GPU
-  embedded-replay, mpiexec-replay
-               the same with GTMPI_AUTO_REPLAY=1 (repeated runs replayed, CUDA graphs)
+  embedded-eager, mpiexec-eager
+               the same with GTMPI_AUTO_REPLAY=0 (repeated runs not replayed: no CUDA graphs)
   ddp          torchrun --nproc-per-node N train.py (the original's own DDP), N GPUs, batch
                --batch per GPU (gradient_accumulation_steps N: one micro-step each)
   dp-config    GTMPI_CONFIG=configs/ddp.yaml mpiexec -n N+1 python train.py (gtmpi, the
@@ -46,10 +46,17 @@ SWITCH = [(re.compile(r"^import torch$", re.M), "import gtmpi as torch"),
            "from gtmpi.nn import functional as F")]
 # runs train.py as its own __main__, then reports the peak memory of the first GPU it used
 WRAPPER = """
-import sys, runpy
+import os, sys, runpy
 import {module} as torch
+memory = {module!r} == "torch" and torch.cuda.is_available() and \\
+    os.environ.get("GTMPI_MEMORY_HISTORY")
+if memory:  # gtmpi's workers record their own (worker/profiler.py)
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000)
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path("train.py", run_name="__main__")
+if memory:
+    os.makedirs(memory, exist_ok=True)
+    torch.cuda.memory._dump_snapshot(os.path.join(memory, "torch.pickle"))
 if torch.cuda.is_available() and {report}:
     print("PEAK_BYTES", torch.cuda.max_memory_allocated(), flush=True)
 if hasattr(torch, "debug") and torch.debug.repeats():
@@ -88,10 +95,13 @@ def prepare(src: str, where: str) -> dict[str, str]:
 
 
 def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
-        timeout: int, trace: str | None = None) -> dict:
+        timeout: int, trace: str | None = None, memory: str | None = None) -> dict:
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     if trace and name.startswith("gtmpi"):
         env = {**env, "GTMPI_TRACE": os.path.join(trace, re.sub(r"\W+", "_", name) + ".h5")}
+    if memory:
+        memory = os.path.join(memory, re.sub(r"\W+", "_", name))
+        env = {**env, "GTMPI_MEMORY_HISTORY": memory}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     iters = [(int(i), float(loss), float(ms)) for i, loss, ms in LINE.findall(out)]
@@ -108,6 +118,9 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
               "peak_gb": round(max(peaks) / 1e9, 3) if peaks else None,
               "ms_each": [round(ms, 1) for _, _, ms in iters]}
     print(json.dumps(result), flush=True)
+    if memory and os.path.isdir(memory):
+        from gtmpi.trace.memory import main as memory_report
+        memory_report([memory, "--top", "20", "--frames", "3"])
     return result
 
 
@@ -117,12 +130,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for the DP runs (default: all)")
-    ap.add_argument("--runs", default="torch,embedded,mpiexec,embedded-replay,mpiexec-replay,ddp,"
+    ap.add_argument("--runs", default="torch,embedded,mpiexec,embedded-eager,mpiexec-eager,ddp,"
                     "dp-config")
     ap.add_argument("--size", default="gpt2", choices=["gpt2", "tiny"],
                     help="tiny: 2 layers of 64 on 64 tokens, to try it on CPUs")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--trace", metavar="DIR", help="gtmpi's runs traced into DIR/<run>.h5")
+    ap.add_argument("--memory", metavar="DIR", help="every run's GPU allocations recorded into "
+                    "DIR/<run>/ (GTMPI_MEMORY_HISTORY) and what was live at its peak printed")
     args = ap.parse_args()
     import torch
     gpus = args.gpus or torch.cuda.device_count()
@@ -150,16 +165,18 @@ def main() -> None:
         tokens = args.batch * block
         if "torch" in runs:
             results.append(run("torch", [py, "run.py", *common, *one], dirs["torch"], env,
-                               tokens, args.timeout, args.trace))
-        for replay in ("", "-replay"):
-            genv = {**env, "GTMPI_AUTO_REPLAY": "1"} if replay else env
-            if "embedded" + replay in runs:
-                results.append(run("gtmpi embedded" + replay, [py, "run.py", *common, *one],
-                                   dirs["gtmpi"], genv, tokens, args.timeout, args.trace))
-            if "mpiexec" + replay in runs:
-                results.append(run("gtmpi mpiexec -n 2" + replay,
+                               tokens, args.timeout, args.trace, args.memory))
+        for eager in ("", "-eager"):
+            genv = {**env, "GTMPI_AUTO_REPLAY": "0"} if eager else env
+            if "embedded" + eager in runs:
+                results.append(run("gtmpi embedded" + eager, [py, "run.py", *common, *one],
+                                   dirs["gtmpi"], genv, tokens, args.timeout, args.trace,
+                                   args.memory))
+            if "mpiexec" + eager in runs:
+                results.append(run("gtmpi mpiexec -n 2" + eager,
                                    [*mpiexec, "-n", "2", py, "run.py", *common, *one],
-                                   dirs["gtmpi"], genv, tokens, args.timeout, args.trace))
+                                   dirs["gtmpi"], genv, tokens, args.timeout, args.trace,
+                                   args.memory))
         if gpus > 1 and "ddp" in runs:
             results.append(run(f"torch DDP x{gpus}", [py, "-m", "torch.distributed.run",
                                                       "--standalone", f"--nproc-per-node={gpus}",
@@ -173,7 +190,7 @@ def main() -> None:
                                [*mpiexec, "-n", str(gpus + 1), py, "run.py", *common,
                                 f"--batch_size={args.batch * gpus}",
                                 "--gradient_accumulation_steps=1"], dirs["gtmpi"], dp_env,
-                               tokens * gpus, args.timeout, args.trace))
+                               tokens * gpus, args.timeout, args.trace, args.memory))
     base = next((r for r in results if r["run"] == "torch" and r["rc"] == 0), None)
     one_gpu = {r["run"]: r for r in results if r["rc"] == 0}
     print(f"\nnanoGPT train.py, {args.size}, batch {args.batch} per GPU, {args.iters} iterations")

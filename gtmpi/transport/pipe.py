@@ -221,5 +221,6 @@ class ParentLink:
             elif kind == "upload":
                 self.uploads.append(conn.recv_bytes())
             elif kind == "shutdown":
+                executor.close()  # its profiles written, its graphs gone before the process
                 conn.send(("bye", executor.stats))
                 return

@@ -54,3 +54,25 @@ class KernelProfiler:
         os.makedirs(self.directory, exist_ok=True)
         self.profile.export_chrome_trace(os.path.join(self.directory, f"worker{self.rank}.json"))
         self.profile = None
+
+
+class MemoryHistory:
+    """GTMPI_MEMORY_HISTORY=DIR: a GPU worker records every allocation and free of its device
+    (torch's memory history, with Python stacks) from its start, and writes
+    DIR/worker<rank>.pickle when it ends; ``python -m gtmpi.trace.memory DIR`` says what was
+    live at the peak (inside CUDA graph captures too, where max_memory_allocated counts the
+    graphs' pools)."""
+
+    def __init__(self, rank: int, directory: str) -> None:
+        self.rank, self.directory = rank, directory
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+
+    @classmethod
+    def from_env(cls, rank: int, device: torch.device) -> "MemoryHistory | None":
+        directory = os.environ.get("GTMPI_MEMORY_HISTORY")
+        return cls(rank, directory) if directory and device.type == "cuda" else None
+
+    def close(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(os.path.join(self.directory, f"worker{self.rank}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
