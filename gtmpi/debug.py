@@ -106,8 +106,8 @@ def explain(file: TextIO | None = None) -> dict[tuple[str, str, bool], tuple[int
 
 
 def auto_replay(on: bool = True) -> None:
-    """Turn replaying repeated runs on or off from here on (GTMPI_AUTO_REPLAY=1 turns it on from
-    the start): one worker's instructions are held in runs, and runs that repeat earlier ones
+    """Turn replaying repeated runs on or off from here on (on from the start unless
+    GTMPI_AUTO_REPLAY=0): one worker's instructions are held in runs, and runs that repeat earlier ones
     are replayed, as CUDA graphs on a GPU (dispatcher/repeats.py). Off, the workers forget
     what they kept."""
     from .client.runtime import runtime
@@ -115,7 +115,7 @@ def auto_replay(on: bool = True) -> None:
 
 
 def repeats() -> str | None:
-    """With GTMPI_AUTO_REPLAY=1: how many instructions went to the worker replayed as repeated
+    """Unless GTMPI_AUTO_REPLAY=0: how many instructions went to the worker replayed as repeated
     runs, and why the others ran as written (dispatcher/repeats.py); None when it is off."""
     from .client.runtime import runtime
     found = runtime().dispatcher.repeats

@@ -13,6 +13,7 @@ import torch
 
 import gtmpi
 from conftest import HOME_DEVICE
+from gtmpi.client.runtime import runtime
 from gtmpi.worker import graphs
 from test_replay import (WORKERS, _train, data_parallel, pipeline_run, spread,
                          tensor_parallel_run)
@@ -30,6 +31,9 @@ def _graphed_against_plain(monkeypatch, layout=None, steps: int = 7):
     place, put = layout() if layout is not None else (None, lambda x, y: (gtmpi.tensor(x),
                                                                            gtmpi.tensor(y)))
     gtmpi.debug.strict_placement()
+    # the replayable step's graphs alone: what runs around it is not replayed on its own
+    auto = runtime().dispatcher.repeats is not None
+    gtmpi.debug.auto_replay(False)
     try:
         monkeypatch.setenv("GTMPI_CUDA_GRAPHS", "0")
         plain = _train(True, place, put, steps=steps)
@@ -39,6 +43,7 @@ def _graphed_against_plain(monkeypatch, layout=None, steps: int = 7):
         launched = {r: n - before[r] for r, n in _launches().items()}
     finally:
         gtmpi.debug.strict_placement(False)
+        gtmpi.debug.auto_replay(auto)
     assert graphed[0] == plain[0]  # bit for bit
     for key, grad in plain[1].items():
         assert torch.equal(graphed[1][key], grad), key

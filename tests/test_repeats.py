@@ -136,11 +136,15 @@ def test_new_weights_make_the_runs_that_read_the_old_ones_go(tmp_path):
     assert got["same"] and got["programs"] > 0
 
 
-def test_off_by_default_nothing_is_held():
+def test_on_by_default_and_off_by_the_variable(tmp_path):
     import gtmpi
     from gtmpi.client.runtime import runtime
-    assert os.environ.get("GTMPI_AUTO_REPLAY", "0") == "0"
-    assert runtime().dispatcher.repeats is None and gtmpi.debug.repeats() is None
+    if os.environ.get("GTMPI_AUTO_REPLAY", "1") != "0":
+        assert runtime().dispatcher.repeats is not None and gtmpi.debug.repeats() is not None
+    proc, _ = run_job(tmp_path, "import gtmpi\nassert gtmpi.debug.repeats() is None\n"
+                      "print('OFF', flush=True)\n", 120, n=None,
+                      env={"GTMPI_AUTO_REPLAY": "0"})
+    assert proc.returncode == 0 and "OFF" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_the_trace_says_which_runs_were_replayed_and_why_others_were_not(tmp_path):

@@ -109,9 +109,9 @@ class Dispatcher:
         self.batch_max = BATCH_MAX
         from .placer import Placer
         self.placer = Placer(self)
-        # GTMPI_AUTO_REPLAY=1: one worker's repeated runs of instructions are replayed
-        # (dispatcher/repeats.py)
-        self.repeats = Repeats(self) if os.environ.get("GTMPI_AUTO_REPLAY", "0") == "1" \
+        # one worker's repeated runs of instructions are replayed (dispatcher/repeats.py) unless
+        # GTMPI_AUTO_REPLAY=0
+        self.repeats = Repeats(self) if os.environ.get("GTMPI_AUTO_REPLAY", "1") != "0" \
             else None
 
     def submit(self, ins: tuple, urgent: bool = True, issued: int = 0, sigs: list | None = None,

@@ -499,7 +499,11 @@ def _picked_nll(log_probs, target, ignore_index, reduction, dtype, record=False)
     column = 1 if ignore_index == 0 else 0  # the picked value's class, never the ignored one
     valid = target != ignore_index
     index = torch.where(valid, target, 0).unsqueeze(1)
-    picked = log_probs.gather(1, index).to(dtype)
+    try:
+        picked = log_probs.gather(1, index).to(dtype)
+    except RuntimeError:  # a target out of range: torch's own error for it
+        F.nll_loss(log_probs, target, ignore_index=ignore_index, reduction=reduction)
+        raise
     if column:
         picked = torch.cat([torch.zeros_like(picked), picked], 1)
     if record:

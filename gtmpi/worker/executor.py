@@ -35,7 +35,7 @@ from ..recording import events
 from ..recording.recorder import Recorder
 from ..transport.tags import GRAPH_LATER, Tag
 from . import bounds, graphs
-from .profiler import KernelProfiler
+from .profiler import KernelProfiler, MemoryHistory
 from ..ops import settings
 
 _ABSENT = object()
@@ -110,10 +110,11 @@ class Executor:
         # where their random ops keep their seeds, and their CUDA graphs (worker/graphs.py)
         self.programs: dict[int, list[tuple]] = {}
         self.seeded: dict[int, list] = {}
-        self.graphs = graphs.Kept(os.environ.get("GTMPI_GRAPH_SAVED_ASIDE") == "1")
+        self.graphs = graphs.Kept(os.environ.get("GTMPI_GRAPH_SAVED_ASIDE", "1") != "0")
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture
         self.profiler = KernelProfiler.from_env(rank, device)  # GTMPI_PROFILE (worker/profiler.py)
+        self.memory_history = MemoryHistory.from_env(rank, device)  # GTMPI_MEMORY_HISTORY
         # GPU: what a replayed call made -> (an event recorded after the call, the tensor). A
         # read of one (a loss read a step or two later) waits for that event on a stream of
         # its own rather than for all the GPU was given since: this host is then free to
@@ -646,6 +647,9 @@ class Executor:
         self._capture = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.memory_history is not None:
+            self.memory_history.close()
+            self.memory_history = None
 
     def _rename(self, out, pairs: tuple) -> None:
         self._move(pairs, keep=False)

@@ -253,7 +253,7 @@ class Kept:
     def __init__(self, saved_aside: bool = False) -> None:
         self.by_key: dict[int, Captured] = {}
         # an autograd record's saved tensors in another's scratch set aside like outputs, not
-        # a reason to run op by op (GTMPI_GRAPH_SAVED_ASIDE=1: not yet checked on a GPU)
+        # a reason to run op by op (GTMPI_GRAPH_SAVED_ASIDE=0: run op by op, the way before)
         self.saved_aside = saved_aside
         self._made: dict[int, Captured] = {}  # id of an output tensor -> the graph it is of
 
