@@ -296,3 +296,18 @@ def test_a_held_autograd_record_in_a_graphs_scratch(aside):
         storage.copy_(copy)
     assert torch.equal(mean, before)
     assert kept.clear_way(first, {8: torch.zeros(1)}) == []  # not held: nothing to move
+
+
+def test_a_replays_bound_input_is_not_kept_by_its_gpu_event():
+    """A GPU worker notes when a replay's results are final (Executor.ready); binding one as
+    the next program's input must not leave a note under the recorded id: it kept every
+    iteration's activations alive for good (about 1 GB of nanoGPT's on one H200)."""
+    from gtmpi.transport.local import LocalLink
+    from gtmpi.worker.executor import Executor
+    ex = Executor(1, torch.device("cpu"), LocalLink())
+    ex.run([("zeros", 1, ((4,), torch.float32), 0, {})])
+    ex.ready[1] = (None, ex.env[1])  # as a GPU worker notes a replay's result
+    ex.run([("program", None, (7, [("neg", 20, (10,), 1, None)]), 0, None),
+            ("replay", None, (7, ((1, 10),), ((20, 2),), "plain", None), 0, None)])
+    assert torch.equal(ex.env[2], -torch.zeros(4)) and 10 not in ex.env
+    assert set(ex.ready) == {1}

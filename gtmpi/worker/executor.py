@@ -441,13 +441,15 @@ class Executor:
         self._move(renames, keep=False)
 
     def _saved(self, ids) -> list:
-        """What ``ids`` are now (value, fault, collective making it), for _restore."""
-        tables = (self.env, self.poison, self.waits)
+        """What ``ids`` are now (value, fault, collective making it, GPU event it is final at),
+        for _restore. The event too: a bound input's entry under its recorded id would keep
+        the input alive after the run (an iteration's activations, for good)."""
+        tables = (self.env, self.poison, self.waits, self.ready)
         return [(i, [t.get(i, _ABSENT) for t in tables]) for i in ids]
 
     def _restore(self, saved: list) -> None:
         for recorded, values in saved:
-            for table, value in zip((self.env, self.poison, self.waits), values):
+            for table, value in zip((self.env, self.poison, self.waits, self.ready), values):
                 if value is _ABSENT:
                     table.pop(recorded, None)
                 else:
