@@ -557,3 +557,42 @@ def test_profiler_schedule_is_torchs():
                "repeat": 2, "skip_first": 3}):
         ours, theirs = gtmpi.profiler.schedule(**kw), torch.profiler.schedule(**kw)
         assert [ours(i).name for i in range(20)] == [theirs(i).name for i in range(20)]
+
+
+def test_the_memory_reading_names_what_was_live_at_the_peak(tmp_path, capsys):
+    """GTMPI_MEMORY_HISTORY's reading (gtmpi.trace.memory) replays allocations and frees: the
+    peak, what was live then by allocation site (a graph capture's marked), and the peak of a
+    later part of the run."""
+    import pickle
+    from gtmpi.trace import memory
+
+    def alloc(addr, size, *frames):
+        return {"action": "alloc", "addr": addr, "size": size,
+                "frames": [{"filename": f"/x/{f.split(':')[0]}", "line": int(f.split(':')[1]),
+                            "name": f.split(':')[2]} for f in frames]}
+
+    def free(addr):
+        return {"action": "free_requested", "addr": addr, "size": 0, "frames": []}
+
+    events = [alloc(1, 100, "table.py:10:_linear", "executor.py:5:run"),
+              alloc(2, 300, "table.py:20:_attention", "executor.py:6:_captured",
+                    "graphs.py:89:capture"),
+              alloc(3, 50, "table.py:10:_linear", "executor.py:5:run"),
+              free(3), free(1),                    # the peak (450) was before these frees
+              alloc(4, 120, "table.py:30:zeros"),  # the peak of the last part: 420
+              free(4)]
+    at, live, course = memory.peak(events)
+    assert course == [100, 400, 450, 400, 300, 420, 300]
+    assert at == 2 and set(live) == {1, 2, 3}
+    at, live, _ = memory.peak(events, start=0.6)
+    assert at == 5 and set(live) == {2, 4}
+    path = tmp_path / "worker1.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [events[:5]]}))
+    memory.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "peak 0.000 GB" in out and "3 blocks" in out
+    assert "[graph] table.py:20 _attention" in out and "table.py:10 _linear" in out
+    linear = next(line for line in out.splitlines() if "_linear" in line)
+    assert linear.split()[1] == "2"  # two blocks allocated there
+    memory.main([str(path), "--from", "0.8"])  # the last event's state alone
+    assert "1 blocks" in capsys.readouterr().out
