@@ -81,6 +81,12 @@ class Client:
         self.state = "live"  # live, leaving (asked), dropping (slot being freed), gone
         self.killed = False
         self.drops = 0  # workers yet to confirm the slot dropped
+        # the message arriving now: (its receive, its buffer, its tag, the deadline)
+        self.arriving: tuple[MPI.Request, bytearray, int, float] | None = None
+        # receives that never finished (the client died while sending): kept, with their
+        # buffers, for good, and so is its intercommunicator, which is never freed (MPI would
+        # give its context to a later client, whose messages could then finish them)
+        self.stuck: list[tuple[MPI.Request, bytearray]] = []
         self.joined = time.time()
         self.counts = {"rounds": 0, "batches": 0, "bytes_in": 0, "bytes_out": 0}
 
@@ -105,6 +111,7 @@ class Server:
         self.comms = d.links[self.ranks[0]].comms
         self.clients: dict[int, Client] = {}
         self.lingering: list[Client] = []  # dropped, their communicators not yet freed
+        self.stuck: list[Client] = []  # gone while sending: kept for good (Client.stuck)
         self.gone: list[dict] = []  # the last 100 clients that left or were dropped (monitor)
         self._next_slot = 1
         self._max_slot = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) // SLOT_STRIDE - 1
@@ -161,7 +168,8 @@ class Server:
             self.hub.close()
             for c in self.lingering:  # the server ends: what they still send goes nowhere
                 c.sends.settle(0.5)
-                c.inter.Free()
+                if not c.stuck and c.arriving is None:
+                    c.inter.Free()
                 c.lines.close()
             if self.trace is not None:
                 print(f"gtmpi.server: trace written to {self.trace.write()}", file=sys.stderr,
@@ -257,11 +265,10 @@ class Server:
         if c.state not in ("live", "leaving"):
             return False
         moved = False
-        status = MPI.Status()
-        while (msg := c.inter.improbe(0, MPI.ANY_TAG, status)) is not None:
+        while (taken := self._take(c)) is not None:
             moved = True
-            rank, tag = divmod(status.Get_tag(), SLOT_STRIDE)
-            buf = self._take(msg, status.Get_count(MPI.BYTE))
+            buf, full_tag = taken
+            rank, tag = divmod(full_tag, SLOT_STRIDE)
             # what goes on to a worker names one; the rest is for the server alone
             for_worker = tag in (Tag.BATCH, Tag.UPLOAD, Tag.CLOCK_PING)
             if buf is None or (rank not in self.ranks if for_worker else rank != 0):
@@ -295,16 +302,29 @@ class Server:
             self._drop(c, killed=False)
         return moved
 
-    def _take(self, msg: MPI.Message, nbytes: int) -> bytearray | None:
-        """A matched message's bytes, or None if it does not finish arriving in time."""
-        buf = bytearray(nbytes)
-        req = msg.Irecv([buf, MPI.BYTE])
-        deadline = time.monotonic() + RECV_DEADLINE_S
-        while not req.Test():
-            if time.monotonic() > deadline:
+    @staticmethod
+    def _take(c: Client) -> tuple[bytearray | None, int] | None:
+        """The client's next message whole, as (its bytes, its tag); (None, tag) if it did not
+        finish arriving within RECV_DEADLINE_S of its start (its sender died mid-transfer);
+        None while nothing more has arrived. A message still arriving waits for a later turn
+        of the loop: the other clients are served meanwhile."""
+        if c.arriving is None:
+            status = MPI.Status()
+            msg = c.inter.improbe(0, MPI.ANY_TAG, status)
+            if msg is None:
                 return None
-            time.sleep(1e-5)
-        return buf
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            c.arriving = (msg.Irecv([buf, MPI.BYTE]), buf, status.Get_tag(),
+                          time.monotonic() + RECV_DEADLINE_S)
+        req, buf, tag, deadline = c.arriving
+        if req.Test():
+            c.arriving = None
+            return buf, tag
+        if time.monotonic() < deadline:
+            return None
+        c.stuck.append((req, buf))
+        c.arriving = None
+        return None, tag
 
     def _schedule(self) -> bool:
         """One whole round per client in turn, from clients not too far ahead whose uploads
@@ -374,17 +394,20 @@ class Server:
                 c.lines.poll()
                 if c.lines.closed:
                     self._drop(c, killed=True)
-        status = MPI.Status()
         for c in list(self.lingering):
-            while (msg := c.inter.improbe(0, MPI.ANY_TAG, status)) is not None:
-                self._take(msg, status.Get_count(MPI.BYTE))  # the rest it sent, into nothing
+            # the rest it sent, into nothing; a message that never finishes stays stuck
+            while (taken := self._take(c)) is not None and taken[0] is not None:
+                pass
             if not c.lines.closed:
                 c.lines.poll()
-            if c.lines.closed:
+            if c.lines.closed and (c.arriving is None or c.stuck):
                 c.sends.settle(2.0)
-                c.inter.Free()
+                if not c.stuck:
+                    c.inter.Free()
                 c.lines.close()
                 self.lingering.remove(c)
+                if c.stuck:
+                    self.stuck.append(c)
 
     def _drop(self, c: Client, killed: bool) -> None:
         """Free a client's slot on every worker, behind the rounds it was sent (a killed
