@@ -513,6 +513,8 @@ HOSTILE = """
     elif case == "upload never sent":  # the worker would wait for its bytes for good
         import torch
         link.send([("upload", 7, ((4,), torch.float32), 0, None)], 99)
+    elif case == "oversized":  # 80 MB as one batch: the server would hold it all
+        link.comms.ctrl.Isend([bytearray(80 << 20), MPI.BYTE], link.peer, Tag.BATCH + link._o)
     d.rounds.end()
     try:
         (x + 1).numpy()
@@ -525,11 +527,13 @@ HOSTILE = """
     ("code", "names posix.system, which gtmpi never sends"),
     ("garbage", "not a message of gtmpi's"), ("server word", "named 'serving'"),
     ("round", "a round whose payload is not its count of uploads"),
-    ("upload never sent", "the bytes of an upload did not come within 10 s")])
+    ("upload never sent", "the bytes of an upload did not come within 10 s"),
+    ("oversized", "a message of 83,886,080 bytes, over its limit of 67,108,864")])
 def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(server, tmp_path, case,
                                                                     said):
     """A message whose pickle calls a function as it loads, bytes that are no pickle, a control
-    word only the server sends, a round count that is code, an upload whose bytes never come:
+    word only the server sends, a round count that is code, an upload whose bytes never come,
+    a batch too large to take in:
     nothing of it runs, on a worker or on the server, and nothing waits for good; the client is
     told why it was dropped; a client working beside it finishes right, and a new one joins
     after."""

@@ -60,6 +60,9 @@ from .tracing import ServerTrace
 INFLIGHT_ALONE = 4
 INFLIGHT_SHARED = 1
 RECV_DEADLINE_S = 10.0  # a message that started to arrive and does not finish: its sender died
+# the largest message a client may send but an upload (a batch of instructions is far smaller);
+# an upload may be as large as the client's quota, if the server has one
+MESSAGE_MAX = 64 << 20
 LIVENESS_EVERY_S = 0.05  # how often the clients' TCP connections are checked for their end
 GRACE_S = 2.0  # how long clients get, once told the server ends, before the workers stop
 
@@ -86,7 +89,7 @@ class Client:
         # receives that never finished (the client died while sending): kept, with their
         # buffers, for good, and so is its intercommunicator, which is never freed (MPI would
         # give its context to a later client, whose messages could then finish them)
-        self.stuck: list[tuple[MPI.Request, bytearray]] = []
+        self.stuck: list[tuple[MPI.Request | MPI.Message, bytearray | None]] = []
         self.joined = time.time()
         self.counts = {"rounds": 0, "batches": 0, "bytes_in": 0, "bytes_out": 0}
 
@@ -267,14 +270,13 @@ class Server:
         moved = False
         while (taken := self._take(c)) is not None:
             moved = True
-            buf, full_tag = taken
+            buf, full_tag, why = taken
             rank, tag = divmod(full_tag, SLOT_STRIDE)
             # what goes on to a worker names one; the rest is for the server alone
             for_worker = tag in (Tag.BATCH, Tag.UPLOAD, Tag.CLOCK_PING)
             if buf is None or (rank not in self.ranks if for_worker else rank != 0):
-                self._expel(c, "a message that did not arrive whole within "
-                            f"{RECV_DEADLINE_S:.0f} s" if buf is None else
-                            f"a message (tag {tag}) for rank {rank}, where no such message goes")
+                self._expel(c, why or f"a message (tag {tag}) for rank {rank}, where no such "
+                            "message goes")
                 return True
             c.counts["bytes_in"] += len(buf)
             if tag == Tag.BATCH:
@@ -302,29 +304,34 @@ class Server:
             self._drop(c, killed=False)
         return moved
 
-    @staticmethod
-    def _take(c: Client) -> tuple[bytearray | None, int] | None:
-        """The client's next message whole, as (its bytes, its tag); (None, tag) if it did not
-        finish arriving within RECV_DEADLINE_S of its start (its sender died mid-transfer);
-        None while nothing more has arrived. A message still arriving waits for a later turn
-        of the loop: the other clients are served meanwhile."""
+    def _take(self, c: Client) -> tuple[bytearray | None, int, str | None] | None:
+        """The client's next message whole, as (its bytes, its tag, None); (None, its tag, why)
+        for one refused: larger than the client may send (never received: no buffer for it is
+        made), or not arrived whole within RECV_DEADLINE_S of its start (its sender died
+        mid-transfer); None while nothing more has arrived. A message still arriving waits for
+        a later turn of the loop: the other clients are served meanwhile."""
         if c.arriving is None:
             status = MPI.Status()
             msg = c.inter.improbe(0, MPI.ANY_TAG, status)
             if msg is None:
                 return None
-            buf = bytearray(status.Get_count(MPI.BYTE))
-            c.arriving = (msg.Irecv([buf, MPI.BYTE]), buf, status.Get_tag(),
+            size, tag = status.Get_count(MPI.BYTE), status.Get_tag()
+            limit = (self.quota or size) if tag % SLOT_STRIDE == Tag.UPLOAD else MESSAGE_MAX
+            if size > limit:
+                c.stuck.append((msg, None))
+                return None, tag, f"a message of {size:,} bytes, over its limit of {limit:,}"
+            buf = bytearray(size)
+            c.arriving = (msg.Irecv([buf, MPI.BYTE]), buf, tag,
                           time.monotonic() + RECV_DEADLINE_S)
         req, buf, tag, deadline = c.arriving
         if req.Test():
             c.arriving = None
-            return buf, tag
+            return buf, tag, None
         if time.monotonic() < deadline:
             return None
         c.stuck.append((req, buf))
         c.arriving = None
-        return None, tag
+        return None, tag, f"a message that did not arrive whole within {RECV_DEADLINE_S:.0f} s"
 
     def _schedule(self) -> bool:
         """One whole round per client in turn, from clients not too far ahead whose uploads
