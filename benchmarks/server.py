@@ -14,6 +14,12 @@ Starts ``mpiexec -n W+1 python -m gtmpi.server`` itself, then runs clients (each
     ``gtmpi-trace top`` attached for the whole run against without, in alternating pairs
     (issue 22 asks under 2%)
 Prints a table, then one JSON line.
+
+    python benchmarks/server.py --clients N
+
+instead measures memory per client served (issue 33 asks 1,000 clients to grow no server
+process by more than 5 MB): N clients one after another (each uploads, computes, reads and
+leaves), every server rank's resident memory after the first 20 and after all N.
 """
 from __future__ import annotations
 
@@ -100,6 +106,19 @@ class Bench:
                                 env={**self.env, "GTMPI_CONNECT": self.port, **env},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+    def ranks_rss(self) -> dict[int, int]:
+        """pid -> resident bytes of every process of the server (found by its port file)."""
+        found = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+                if b"gtmpi.server" in cmd and self.port.encode() in cmd and b"python" in cmd[0]:
+                    status = open(f"/proc/{pid}/status").read()
+                    found[int(pid)] = int(status.split("VmRSS:")[1].split()[0]) * 1024
+            except (OSError, IndexError):
+                pass
+        return found
+
     def busy(self, n: int) -> tuple[list[subprocess.Popen], str]:
         stop = os.path.join(self.dir, f"stop{time.monotonic_ns()}")
         procs = [self.client(BUSY, stop, name=f"busy{i}") for i in range(n)]
@@ -138,6 +157,8 @@ def main() -> None:
     p.add_argument("--monitor-size", default="tiny", help="train.py --size for (c)")
     p.add_argument("--monitor-steps", type=int, default=1200)
     p.add_argument("--pairs", type=int, default=3, help="runs with and without a monitor, (c)")
+    p.add_argument("--clients", type=int, default=0,
+                   help="measure memory per client served over this many clients instead")
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": ROOT, "GTMPI_DEVICE": args.device,
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -146,6 +167,22 @@ def main() -> None:
     train = [os.path.join(ROOT, "examples", "gpt", "train.py"), "--size", "tiny",
              "--steps", str(args.steps)]
     bench = Bench(args.workers, env)
+    if args.clients:
+        try:
+            got = clients_memory(bench, args.clients)
+        finally:
+            bench.close()
+        print(f"gtmpi server, {args.workers} worker(s), {args.clients} clients one after another "
+              f"({got['seconds']} s), {platform.node()}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        print(f"{'server process':>16} {'RSS after 20 (MB)':>18} {'after all (MB)':>15} "
+              f"{'growth (MB)':>12} {'per client (KB)':>16}")
+        for pid in sorted(got["growth_bytes"]):
+            print(f"{pid:>16} {got['rss_before'][pid] / 1e6:>18.1f} "
+                  f"{got['rss_after'][pid] / 1e6:>15.1f} {got['growth_bytes'][pid] / 1e6:>12.2f} "
+                  f"{got['per_client_bytes'][pid] / 1e3:>16.1f}")
+        print(json.dumps({"benchmark": "server-clients", "workers": args.workers, **got}))
+        return
     try:
         alone = bench.last_json(bench.client(LATENCY, name="latency"))
         procs, stop = bench.busy(3)
@@ -199,6 +236,33 @@ def main() -> None:
                       "tokens_own_job": tok_own["tokens_per_s"],
                       "monitor_size": args.monitor_size, "monitor_plain": plain,
                       "monitor_watched": watched, "monitor_ratio": round(monitor_ratio, 4)}))
+
+
+SHORT = """
+    import numpy as np
+    import gtmpi as t
+    x = t.tensor(np.arange(1024, dtype=np.float32), device="cuda")
+    y = (x * 2 + 1).sum()
+    print(float(y))
+"""
+
+
+def clients_memory(bench: Bench, clients: int, warm: int = 20) -> dict:
+    """Resident memory of every server rank after ``warm`` clients and after ``clients``."""
+    start = time.monotonic()
+    before = {}
+    for i in range(clients):
+        proc = bench.client(SHORT, name="short")
+        out, err = proc.communicate(timeout=120)
+        said = [ln for ln in out.splitlines() if "UCX" not in ln]  # UCX's notes at exit
+        assert proc.returncode == 0 and said and float(said[-1]) == 1024 ** 2, out + err[-2000:]
+        if i + 1 == warm:
+            before = bench.ranks_rss()
+    after = bench.ranks_rss()
+    growth = {pid: after[pid] - before[pid] for pid in after if pid in before}
+    return {"clients": clients, "warm": warm, "seconds": round(time.monotonic() - start, 1),
+            "rss_before": before, "rss_after": after, "growth_bytes": growth,
+            "per_client_bytes": {pid: round(g / (clients - warm)) for pid, g in growth.items()}}
 
 
 def own_job(workers: int, train: list[str], env: dict[str, str]) -> dict:
