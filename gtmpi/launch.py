@@ -48,6 +48,26 @@ def start_role() -> None:
         _check_one_of_many(MPI)
 
 
+def _unlink_segments(base: "MPI.Intracomm") -> None:
+    """MPICH's shared-memory segments (/dev/shm/mpich_shm_*) outlive a job killed before
+    MPI_Finalize: a day of faults here left 977 of them, 2.4 GB of memory. Once every rank has
+    attached its own (MPI_Init did), none is opened by name again, so they are unlinked now,
+    and the memory goes with the job's last process however the job ends. Every rank takes part
+    in the barrier, mapped segments or not (one alone on its node has none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            mapped = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
+    except OSError:  # not Linux
+        mapped = set()
+    if base.Get_size() > 1:
+        base.Barrier()
+    for path in mapped:
+        try:
+            os.unlink(path)
+        except OSError:  # another rank of the node unlinked it first
+            pass
+
+
 # The number of processes each launcher started, as it tells them.
 _LAUNCHED = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -94,6 +114,7 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     from mpi4py import MPI
     from .transport.mpi import Comms, WorkerLink
 
+    _unlink_segments(base)
     comms = Comms.dup(base)
     rank, size = base.Get_rank(), base.Get_size()
     shm = base.Split_type(MPI.COMM_TYPE_SHARED)
