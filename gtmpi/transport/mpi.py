@@ -60,16 +60,23 @@ class Sends:
         have died (a server's client)."""
         deadline = time.monotonic() + within_s
         for req, _ in self._pending:
-            def done() -> bool | None:
-                if req.Test():
-                    return True
-                if time.monotonic() > deadline:
-                    req.Cancel()
-                    req.Free()
-                    return False
-                return None
-            wait_for(done)
+            _done_or_cancelled(req, deadline)
         self._pending.clear()
+
+
+def _done_or_cancelled(req: MPI.Request, deadline: float,
+                       stop: Callable[[], bool] = lambda: False) -> bool:
+    """Wait for ``req``; past ``deadline``, or once ``stop()`` says so, cancel and free it (its
+    peer may be a server's client that died). Whether it completed."""
+    def settled() -> bool | None:
+        if req.Test():
+            return True
+        if stop() or time.monotonic() > deadline:
+            req.Cancel()
+            req.Free()
+            return False
+        return None
+    return wait_for(settled)
 
 
 def _finished(req: MPI.Request) -> tuple[bool, Any] | None:
@@ -271,18 +278,9 @@ class HostLink:
             return
         # a server's client that counted an upload it never sent would hold this worker, and
         # every client's work on it, for good
-        deadline = time.monotonic() + CLIENT_UPLOAD_S
-
-        def arrived() -> bool | None:
-            if req.Test():
-                return True
-            if time.monotonic() > deadline:
-                req.Cancel()
-                req.Free()
-                raise ClientGone(f"the bytes of an upload did not come within "
-                                 f"{CLIENT_UPLOAD_S:.0f} s")
-            return None
-        wait_for(arrived)
+        if not _done_or_cancelled(req, time.monotonic() + CLIENT_UPLOAD_S):
+            raise ClientGone(f"the bytes of an upload did not come within "
+                             f"{CLIENT_UPLOAD_S:.0f} s")
 
     def send_read(self, data: np.ndarray) -> None:
         self._send_read(data, Tag.READ_OK)
@@ -298,20 +296,13 @@ class HostLink:
         # a server's client may be gone (kill -9) and never take it: the wait ends when the
         # server's DROP of it is queued behind, or after CLIENT_TAKES_S
         req = self._reads.Isend([data, MPI.BYTE], 0, tag)
-        deadline = time.monotonic() + CLIENT_TAKES_S
 
-        def taken() -> bool | None:
-            if req.Test():
-                return True
-            dropped = self.comms.ctrl.iprobe(0, Tag.DROP + self._o) or \
+        def dropped() -> bool:  # a probe leaves the DROP where it is: asked again, it says so
+            return self.comms.ctrl.iprobe(0, Tag.DROP + self._o) or \
                 any(m.tag == Tag.DROP + self._o for m in self.inbox.ctrl)
-            if dropped or time.monotonic() > deadline:
-                req.Cancel()
-                req.Free()
-                raise ClientGone("the client was dropped" if dropped else
-                                 f"the client did not take a read within {CLIENT_TAKES_S:.0f} s")
-            return None
-        wait_for(taken)
+        if not _done_or_cancelled(req, time.monotonic() + CLIENT_TAKES_S, dropped):
+            raise ClientGone("the client was dropped" if dropped() else
+                             f"the client did not take a read within {CLIENT_TAKES_S:.0f} s")
 
     def reply(self, tag: int, obj: Any) -> None:
         self.comms.reply.send(obj, 0, tag + self._o)

@@ -440,16 +440,22 @@ class Executor:
         self._restore(saved)
         self._move(renames, keep=False)
 
+    def _by_id(self) -> tuple[dict, ...]:
+        """Every table that says what an id is here: its value, its fault, the collective still
+        making it, the GPU event it is final at. Moving, saving and restoring an id touch them
+        all (a run that restored the value but not the event kept a bound input alive through
+        its event: an iteration's activations, for good)."""
+        return self.env, self.poison, self.waits, self.ready
+
     def _saved(self, ids) -> list:
-        """What ``ids`` are now (value, fault, collective making it, GPU event it is final at),
-        for _restore. The event too: a bound input's entry under its recorded id would keep
-        the input alive after the run (an iteration's activations, for good)."""
-        tables = (self.env, self.poison, self.waits, self.ready)
+        """What ``ids`` are now, for _restore."""
+        tables = self._by_id()
         return [(i, [t.get(i, _ABSENT) for t in tables]) for i in ids]
 
     def _restore(self, saved: list) -> None:
+        tables = self._by_id()
         for recorded, values in saved:
-            for table, value in zip((self.env, self.poison, self.waits, self.ready), values):
+            for table, value in zip(tables, values):
                 if value is _ABSENT:
                     table.pop(recorded, None)
                 else:
@@ -657,12 +663,11 @@ class Executor:
         self._move(pairs, keep=False)
 
     def _move(self, pairs: tuple, keep: bool) -> None:
-        """Each (a, b) of ``pairs``: b becomes what a is (its value, its fault, the collective
-        still making it); a keeps it too if ``keep``. Ids not held here are skipped: one list
-        serves every worker."""
-        env, poison, waits = self.env, self.poison, self.waits
+        """Each (a, b) of ``pairs``: b becomes what a is (Executor._by_id); a keeps it too if
+        ``keep``. Ids not held here are skipped: one list serves every worker."""
+        tables = self._by_id()
         for a, b in pairs:
-            for table in (env, poison, waits, self.ready):
+            for table in tables:
                 if a in table:
                     table[b] = table[a] if keep else table.pop(a)
 
