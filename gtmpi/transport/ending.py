@@ -12,16 +12,23 @@ Rank 0 claims before it ends the job itself (an uncaught exception, Ctrl-C, a de
 noticed). A process killed by a signal cannot speak, so every rank starts a tiny watcher
 process (this file, run as a script: it imports nothing of gtmpi) that blocks reading a pipe
 whose only writer is its rank. A clean exit writes "bye" first; end-of-file without it means
-the rank is gone. The watcher notes when it saw that (a file per rank), waits a moment for
-the other watchers' notes, and speaks only if its rank went first: the launcher kills the
-others only after the first death, so the earliest note names the culprit. Every watcher
-also registers its rank's pid (a file per rank): a watcher that finds every other rank of its
-host still alive when it sees its own gone has proof that its rank went first, which a note's
-time alone is not on a loaded host (a later death's watcher may run first).
+the rank is gone. The launcher kills the others only after the first death, so the first exit
+names the culprit. When a watcher wakes is the scheduler's choice (on a loaded host the
+launcher's kills may all land before the first death's watcher runs), so the order is read
+from the kernel instead: a rank registers (a file per rank) and makes an epoll over its pipe
+and a pidfd of every other rank of its host registered before it, which its watcher then
+waits in, adding the ranks that register later. epoll hands ready events over in the order
+they happened, and a rank's pipe closes as it exits, before its parent (the launcher) hears
+of it; so a rank killed by the launcher is seen exiting after the one that went first. Of two
+ranks, at least the one that registered second watches the other from its start. Each
+watcher notes its rank's standing (a file per rank): after a rank it watched; first, when
+every other rank it did not watch still runs; or unknown, when the time it woke decides. It
+waits a moment for the other watchers' notes, and speaks only if its rank leads.
 """
 from __future__ import annotations
 
 import os
+import select
 import socket
 import stat
 import subprocess
@@ -95,18 +102,51 @@ class DeathNotice:
     goodbye."""
 
     def __init__(self, rank: int, job: Job, peers: tuple[int, ...] = ()):
-        """``peers`` (rank 0's: the workers of its host): all of them still alive when the
-        watcher sees its rank gone proves that its rank went first (a worker cannot know that
-        of the other workers, so its notes are ordered by time alone)."""
-        self._proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(rank), str(os.getpid()),
-             socket.gethostname(), job[0], str(job[1]), ",".join(map(str, peers))],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
-            start_new_session=True)
+        """``peers``: other ranks of this host known now (rank 0's: the workers of its host);
+        the watcher adds those that register later. The epoll is made here, not in the
+        watcher: a rank may die (and the launcher kill the others) before its watcher has
+        started, and the epoll's queue must already be recording the order of those exits."""
+        host = socket.gethostname()
+        try:
+            with open(f"{_path(job)}-pid.{rank}", "w") as f:
+                f.write(str(os.getpid()))
+            registered = _registered(job)
+        except OSError:
+            registered = set()  # nowhere private to note a death: the watcher stays silent
+        read, self._write = os.pipe()
+        ready = select.epoll()
+        ready.register(read, select.EPOLLIN)
+        pidfds = _watch_exits(ready, {*peers, *registered, *((job[1],) if host == job[0] else ())}
+                              - {os.getpid()})
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(rank), str(os.getpid()), host,
+                 job[0], str(job[1]), str(ready.fileno()), str(read),
+                 ",".join(f"{fd}:{pid}" for fd, pid in pidfds.items())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
+                pass_fds=(ready.fileno(), read, *pidfds), start_new_session=True)
+        finally:  # the watcher holds them now
+            ready.close()
+            for fd in (read, *pidfds):
+                os.close(fd)
 
     def clean_exit(self) -> None:
-        self._proc.stdin.write(b"bye")
-        self._proc.stdin.close()
+        os.write(self._write, b"bye")
+        os.close(self._write)
+
+
+def _watch_exits(ready: select.epoll, pids: set[int]) -> dict[int, int]:
+    """Add the exit of each of ``pids`` to ``ready``'s events (a pidfd is ready once its
+    process has exited); returns the pidfds and their pids (none where the system has no pidfds)."""
+    pidfds = {}
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            continue  # gone already, or no pidfds here
+        ready.register(fd, select.EPOLLIN)
+        pidfds[fd] = pid
+    return pidfds
 
 
 def alive(pid: int) -> bool:
@@ -126,33 +166,33 @@ def alive(pid: int) -> bool:
 
 
 SETTLE_S = 0.3  # how long a watcher waits for the notes of deaths that follow its rank's
+RESCAN_S = 0.5  # how often a watcher looks for ranks of its host that registered since
+FIRST, UNKNOWN, AFTER = 0, 1, 2  # a dead rank's standing among the ranks its watcher watched
 
 
-def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> None:
-    try:  # first in line when its rank dies, ahead of the launcher killing the others
+def _watch(rank: int, pid: int, host: str, job: Job, ready: select.epoll, pipe: int,
+           watched: dict[int, int]) -> None:
+    try:  # the time a watcher wakes orders deaths only where pidfds are missing
         os.setpriority(os.PRIO_PROCESS, 0, -15)
     except OSError:
-        pass  # not allowed here: the order of the notes is then the scheduler's
+        pass
     try:
         registered = f"{_path(job)}-pid.{rank}"
-        with open(registered, "w") as f:
-            f.write(str(pid))
+        os.stat(registered)
     except OSError:
         return  # nowhere private to note a death: the launcher's own lines say it
-    if sys.stdin.buffer.read() == b"bye":
+
+    def others() -> set[int]:
+        return {*watched.values(), *_registered(job)} - {pid}
+
+    standing = _await_exit(ready, pipe, watched, others)
+    if standing is None:
         forget(registered)
         return
-    seen = time.monotonic_ns()  # one clock for every process of the host
-    # the time a watcher wakes is the scheduler's to choose: on a loaded host a later death
-    # may be seen first. Peers all alive now are proof that this rank went first.
-    # rank 0's pid is known without its registration, which may come too late: a worker that
-    # went with rank 0 (killed at once after starting) must not count itself first
-    peers = {*peers, *_registered(job), *((job[1],) if host == job[0] else ())} - {pid}
-    certain = bool(peers) and all(alive(p) for p in peers)
     mine = f"{_path(job)}.{rank}"
     try:
         with open(mine, "w") as f:
-            f.write(f"{seen} {int(certain)}")
+            f.write(f"{time.monotonic_ns()} {standing}")  # one clock for the host's processes
     except OSError:
         pass
     time.sleep(SETTLE_S)
@@ -165,6 +205,31 @@ def _watch(rank: int, pid: int, host: str, job: Job, peers: tuple[int, ...]) -> 
     forget(mine, registered, _path(job))
 
 
+def _await_exit(ready: select.epoll, pipe: int, watched: dict[int, int], others) -> int | None:
+    """Block until this watcher's rank (the writer of ``pipe``) exits: None if it said
+    goodbye, else its standing among the exits of the ranks in ``watched`` (pidfd: pid) and
+    of those that ``others()`` names (asked again now and then: ranks register as they start)."""
+    said, after = b"", False
+    while True:
+        watched.update(_watch_exits(ready, others() - set(watched.values())))
+        for fd, _ in ready.poll(RESCAN_S):  # in the order the events happened
+            if fd != pipe:
+                after = True  # that rank exited before this one
+                ready.unregister(fd)
+                continue
+            chunk = os.read(pipe, 64)
+            said += chunk
+            if chunk:
+                continue
+            if said == b"bye":
+                return None
+            if after:
+                return AFTER
+            # one not watched (registered late, or no pidfds here) may have gone first unless
+            # it still runs
+            return FIRST if all(alive(p) for p in others() - set(watched.values())) else UNKNOWN
+
+
 def forget(*paths: str) -> None:
     """Remove these files, those already gone or not ours to remove left as they are."""
     for path in paths:
@@ -175,7 +240,7 @@ def forget(*paths: str) -> None:
 
 
 def _registered(job: Job) -> set[int]:
-    """The pids of the ranks of this host whose watchers registered them."""
+    """The pids of the ranks of this host that registered."""
     folder, stem = os.path.split(f"{_path(job)}-pid.")
     pids = set()
     for name in os.listdir(folder):
@@ -203,8 +268,8 @@ def _await_rank0(job: Job) -> None:
 
 
 def first(job: Job, dead: tuple[int, ...] = (), wait_s: float = 0.0) -> int | None:
-    """The rank whose death was seen first, from the watchers' notes; one proven first by
-    its peers ahead of all. Waits up to ``wait_s`` for the notes of the ranks in ``dead``
+    """The rank whose death was first, from the watchers' notes: by their standing, then by
+    the time each watcher woke. Waits up to ``wait_s`` for the notes of the ranks in ``dead``
     (rank 0 may find a worker gone before its watcher has written the note)."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -224,8 +289,8 @@ def _notes(job: Job) -> dict[int, tuple[int, int]]:
         if name.startswith(stem + "."):
             try:
                 with open(os.path.join(folder, name)) as f:
-                    seen, certain = (f.read().split() + ["0"])[:2]
-                notes[int(name.rsplit(".", 1)[1])] = (-int(certain), int(seen))
+                    seen, standing = (f.read().split() + [str(UNKNOWN)])[:2]
+                notes[int(name.rsplit(".", 1)[1])] = (int(standing), int(seen))
             except (OSError, ValueError):
                 continue
     return notes
@@ -233,4 +298,5 @@ def _notes(job: Job) -> dict[int, tuple[int, int]]:
 
 if __name__ == "__main__":
     _watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], (sys.argv[4], int(sys.argv[5])),
-           tuple(int(p) for p in sys.argv[6].split(",") if p))
+           select.epoll.fromfd(int(sys.argv[6])), int(sys.argv[7]),
+           {int(fd): int(pid) for fd, pid in (p.split(":") for p in sys.argv[8].split(",") if p)})
