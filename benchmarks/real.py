@@ -19,6 +19,9 @@ dropout 0, one micro-step per iteration) for --iters iterations:
                --batch per GPU (gradient_accumulation_steps N: one micro-step each)
   dp-config    GTMPI_CONFIG=configs/ddp.yaml mpiexec -n N+1 python train.py (gtmpi, the
                program unchanged), the same per-GPU batch
+  dp-config-replayed
+               the same with GTMPI_AUTO_REPLAY_PLACED=1 (every worker's placed runs replayed,
+               as CUDA graphs with the gradients' all-reduces inside)
 
 Figures per run: ms per iteration (median of iterations 10 on, as train.py prints them),
 tokens/s, the peak GPU memory (torch.cuda.max_memory_allocated, read by a wrapper after the
@@ -131,7 +134,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for the DP runs (default: all)")
     ap.add_argument("--runs", default="torch,embedded,mpiexec,embedded-eager,mpiexec-eager,ddp,"
-                    "dp-config")
+                    "dp-config,dp-config-replayed")
     ap.add_argument("--size", default="gpt2", choices=["gpt2", "tiny"],
                     help="tiny: 2 layers of 64 on 64 tokens, to try it on CPUs")
     ap.add_argument("--timeout", type=int, default=900)
@@ -184,9 +187,12 @@ def main() -> None:
                                                       f"--batch_size={args.batch}",
                                                       f"--gradient_accumulation_steps={gpus}"],
                                dirs["torch"], env, tokens * gpus, args.timeout))
-        if gpus > 1 and "dp-config" in runs:
-            dp_env = {**env, "GTMPI_CONFIG": os.path.join(ROOT, "configs", "ddp.yaml")}
-            results.append(run(f"gtmpi DP x{gpus} (config)",
+        for replayed in ("", "-replayed"):
+            if gpus < 2 or "dp-config" + replayed not in runs:
+                continue
+            dp_env = {**env, "GTMPI_CONFIG": os.path.join(ROOT, "configs", "ddp.yaml"),
+                      **({"GTMPI_AUTO_REPLAY_PLACED": "1"} if replayed else {})}
+            results.append(run(f"gtmpi DP x{gpus} (config{', replayed' if replayed else ''})",
                                [*mpiexec, "-n", str(gpus + 1), py, "run.py", *common,
                                 f"--batch_size={args.batch * gpus}",
                                 "--gradient_accumulation_steps=1"], dirs["gtmpi"], dp_env,

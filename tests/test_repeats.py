@@ -61,19 +61,39 @@ def train(iters=8, accumulate=2, set_to_none=True, dropout=0.0, batch_at=None, s
     return losses, [p.detach().cpu_torch() for p in model.parameters()]
 
 
+def collectives():
+    # collectives the workers ran so far, by kind: [count, bytes] summed over workers
+    total = {{}}
+    for stats in gtmpi.debug.worker_stats().values():
+        for kind, (count, nbytes) in stats["collectives"].items():
+            total.setdefault(kind, [0, 0])
+            total[kind][0] += count
+            total[kind][1] += nbytes
+    return total
+
+
+def since(before, after):
+    return {{k: [a - b for a, b in zip(v, before.get(k, [0, 0]))] for k, v in after.items()
+            if v != before.get(k, [0, 0])}}
+
+
 case = json.loads(sys.argv[1])
 gtmpi.debug.auto_replay(False)  # on by default: the loop as written first
+ran = collectives()
 written = train(**case)
 before = sum(s["graph_launches"] for s in gtmpi.debug.worker_stats().values())
+ran_written = since(ran, ran := collectives())
 gtmpi.debug.auto_replay(True)
 replayed = train(**case)
 same = written[0] == replayed[0] and all(torch.equal(a, b) for a, b in zip(written[1], replayed[1]))
 launches = sum(s["graph_launches"] for s in gtmpi.debug.worker_stats().values()) - before
+ran_replayed = since(ran, collectives())
 report = gtmpi.debug.repeats()
 import io
 out = io.StringIO()
 gtmpi.debug.explain(out)
 print("RESULT", json.dumps({{"same": same, "report": report, "launches": launches,
+                            "collectives": [ran_written, ran_replayed],
                             "explained": report in out.getvalue(),
                             "programs": runtime().dispatcher.repeats.installed}}))
 """
@@ -85,9 +105,9 @@ GRAPHS = {} if os.environ.get("GTMPI_TEST_JOB_DEVICE", "cpu") != "cpu" else \
     {"GTMPI_CUDA_GRAPHS": "emulate"}
 
 
-def _run(tmp_path, n: int | None = None, **case) -> dict:
+def _run(tmp_path, n: int | None = None, env: dict | None = None, **case) -> dict:
     proc, _ = run_job(tmp_path, LOOP.format(tests=TESTS), 240, n=n, args=[json.dumps(case)],
-                      env=GRAPHS)
+                      env={**GRAPHS, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -113,6 +133,27 @@ def test_a_repeated_loop_gives_the_losses_and_weights_it_gives_as_written(tmp_pa
 def test_under_mpiexec_the_worker_replays_the_same(tmp_path):
     got = _run(tmp_path, n=2, iters=6)
     assert got["same"] and got["launches"] > 4
+
+
+DP = {"GTMPI_CONFIG": os.path.join(os.path.dirname(TESTS), "configs", "ddp.yaml"),
+      "GTMPI_AUTO_REPLAY_PLACED": "1"}
+
+
+@pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")
+@pytest.mark.parametrize("case", [{}, {"set_to_none": False}, {"dropout": 0.1},
+                                  {"batch_at": {"3": 6}}], ids=str)
+def test_data_parallel_by_a_config_replays_its_placed_runs(tmp_path, case):
+    """Every worker's placed instructions held in runs (GTMPI_AUTO_REPLAY_PLACED=1): the loop
+    of two data-parallel workers gives its losses and weights as written, bit for bit, runs
+    the same collectives (the buckets of gradients summed during backward), and most of what
+    the workers get goes as replays."""
+    got = _run(tmp_path, n=3, env=DP, iters=6, **case)
+    assert got["same"]
+    written, replayed = got["collectives"]
+    assert written["all_reduce"][0] > 0 and written == replayed
+    report = got["report"]
+    assert _count(report, "replayed") > _count(report, "total") / 2, report
+    assert got["launches"] > 8
 
 
 def test_what_differs_between_iterations_runs_as_written_and_is_counted(tmp_path):

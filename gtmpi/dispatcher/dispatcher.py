@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Protocol
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -113,6 +114,10 @@ class Dispatcher:
         # GTMPI_AUTO_REPLAY=0
         self.repeats = Repeats(self) if os.environ.get("GTMPI_AUTO_REPLAY", "1") != "0" \
             else None
+        # and, with GTMPI_AUTO_REPLAY_PLACED=1, the placed runs of every worker (not yet
+        # measured on GPUs: off by default)
+        self.placed_runs = os.environ.get("GTMPI_AUTO_REPLAY_PLACED") == "1"
+        self._diverted = False  # the placer's instructions go into the held run
 
     def submit(self, ins: tuple, urgent: bool = True, issued: int = 0, sigs: list | None = None,
                outs: list | None = None, host: torch.Tensor | None = None,
@@ -133,7 +138,13 @@ class Dispatcher:
         if self.placer.active:  # logged once placed: only then is its worker known
             if self.repeats is not None and self.repeats.pending:
                 self.repeats.close()
-            rank = self.placer.submit(ins, sigs, outs, urgent, host, key)
+            if self._holding() and self.repeats.client(ins, urgent, key, sigs):
+                with self._diverting():
+                    rank = self.placer.submit(ins, sigs, outs, urgent, host, key)
+                self.repeats.placed_one()
+                self._idle(self.home)
+            else:
+                rank = self.placer.submit(ins, sigs, outs, urgent, host, key)
             if self.log is not None:
                 self.log.received(ins, rank)
         else:
@@ -156,11 +167,23 @@ class Dispatcher:
     def gradient_ready(self, tid: int, sig: tuple) -> None:
         """Backward has made all of a leaf's gradient ``tid``: partial sums may be summed."""
         if self.placer.active:
-            self.placer.reduce_soon(tid, sig)
+            with self._diverting():
+                self.placer.reduce_soon(tid, sig)
 
     def backward_done(self) -> None:
         if self.placer.active:
-            self.placer.reduce_now()
+            with self._diverting():
+                self.placer.reduce_now()
+
+    @contextmanager
+    def _diverting(self) -> Iterator[None]:
+        """What the placer sends inside goes into the held run, where runs are held."""
+        on = self._holding()
+        self._diverted = on
+        try:
+            yield
+        finally:
+            self._diverted = False
 
     def enqueue(self, rank: int, ins: tuple, urgent: bool = True) -> None:
         """Into ``rank``'s next batch, which is sent early while the worker is idle."""
@@ -182,6 +205,11 @@ class Dispatcher:
         self._put(rank, ins, urgent)
 
     def _put(self, rank: int, ins: tuple, urgent: bool) -> None:
+        if self._diverted:
+            self.repeats.hold(rank, ins)
+            if self.watched and ins[0] == "free":
+                self._freeing(ins[2])
+            return
         batch = self._batch[rank]
         batch.append(ins)
         if self.recording is not None:
@@ -196,9 +224,10 @@ class Dispatcher:
 
     def _holding(self) -> bool:
         """Whether the client's instructions go into repeated runs (dispatcher/repeats.py):
-        one worker, outside a replayable call's recording and a server's rounds."""
+        outside a replayable call's recording and a server's rounds, unplaced, or placed with
+        GTMPI_AUTO_REPLAY_PLACED=1."""
         return self.repeats is not None and self.recording is None and self.rounds is None \
-            and not self.placer.active
+            and (not self.placer.active or self.placed_runs)
 
     def auto_replay(self, on: bool) -> None:
         """Repeated runs replayed from now on (a fresh memory of them), or no longer: what is
@@ -364,11 +393,15 @@ class Dispatcher:
         frees, self.frees = self.frees, []
         if self.watched:
             self._freeing(frees)
-        if self._holding():
+        holding = self._holding()
+        if holding and not self.placer.active:
             self.repeats.add(("free", None, tuple(frees), 0, None), False)
             return
         by_rank = self.placer.free(frees) if self.placer.active else {self.home: frees}
         for r, ids in by_rank.items():
+            if holding:
+                self.repeats.hold(r, ("free", None, tuple(ids), 0, None))
+                continue
             if r in self._deferred and not self._deferred_ids[r].isdisjoint(ids):
                 self._undefer(r)  # rare (a transfer dropped unused): all of them
             self._batch[r].append(("free", None, tuple(ids), 0, None))
@@ -494,10 +527,11 @@ class Dispatcher:
                           count=count, flags=Flag.INSERTED,
                           detail=f"{'asked' if asked else 'inserted'} {site}")
 
-    def run_program(self, program: Program, binds: tuple, renames: tuple,
-                    seeds: tuple[int, int] | None) -> None:
-        """The replay word for ``program`` to each of its workers (replay() says what it does),
-        and, where it is captured now, the agreement on its graph."""
+    def run_program(self, program: Program, binds: tuple | dict[int, tuple],
+                    renames: tuple | dict[int, tuple], seeds: tuple[int, int] | None) -> None:
+        """The replay word for ``program`` to each of its workers (replay() says what it does;
+        ``binds`` and ``renames`` may differ per worker), and, where it is captured now, the
+        agreement on its graph."""
         mode = "plain"
         if program.graph is True:
             mode = "graph"
@@ -509,8 +543,10 @@ class Dispatcher:
             if mode == "plain":
                 self._graph_note(program, "GTMPI_CUDA_GRAPHS=0")
         program.replays += 1
-        word = ("replay", None, (program.key, binds, renames, mode, seeds), 0, None)
         for rank in program.ranks:  # every member of its collectives gets it at once
+            word = ("replay", None, (program.key, binds.get(rank, ()) if type(binds) is dict
+                                     else binds, renames.get(rank, ()) if type(renames) is dict
+                                     else renames, mode, seeds), 0, None)
             self._batch[rank].append(word)
             if self.log is not None:
                 self.log.received(word, rank)

@@ -27,6 +27,18 @@ A random op's seed is no part of a run's shape: the session's seeds are consecut
 (ops/table.py: derive_seed), so a replay gives the run's k random ops the k seeds that follow
 the one before its first, which is what they draw as written.
 
+Placed runs (GTMPI_AUTO_REPLAY_PLACED=1; off until measured on GPUs): once tensors lie on
+several workers (data parallel by a config), the placer still places each instruction as it
+comes, so its books (where tensors lie, kept copies, the collectives it inserted) stay what they
+would be, and what it sends each worker is held instead. Such a run is every worker's placed
+instructions; its shape, their instructions with ids as slots (inserted collectives included),
+with the client's signature keys and where the tensors it reads from before lay: local shapes
+follow from those. It becomes a program on each of its workers, replayed on all of them at once
+(the collectives inside meet as they would op by op). A tensor from before that an op makes anew
+under its id (a bucket of gradients summed) is a version of the program's own from there on,
+handed out under the run's id; runs with transfers between workers, or that bind a copy the
+placer made before them, run as written.
+
 Replays keep what the instructions say: a run's tensors get the same values, under the same
 ids, that running it as written would give; what the run frees of older tensors is freed before
 it where it never reads them, else after it. Its graphs keep their outputs' memory (nanoGPT's
@@ -38,7 +50,8 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
-from ..ops.table import Seed
+from ..ops.shapes import freeze, signature_key
+from ..ops.table import OPS, Kind as OpKind, Seed
 from ..recording.events import Kind, Lane
 from .programs import Program
 
@@ -48,76 +61,108 @@ EARLIER_MAX = 32  # earlier runs of a shape kept to compare with (a model's bloc
 VARIANTS_MAX = 32  # programs per shape
 SHAPES_MAX = 2048  # shapes remembered, least recently seen forgotten first
 PROGRAMS_MAX = 512  # programs installed at once (each CUDA graph keeps its memory)
+TRANSFERS = frozenset({"send", "recv"})
+INPLACE = frozenset(name for name, op in OPS.items() if op.kind is OpKind.INPLACE)
+OWN_REASONS = frozenset({"a tensor from before placed anew", "no signature key"})
+# a copy the placer made before the run (a converted operand) bound per replay: its local
+# shape is known to no key
+BINDS_COPIES = "reads a copy the dispatcher made since an earlier run of its shape"
 
 
 class _Run:
-    """One run's shape and ids: ``key`` (its instructions as one flat tuple: each one's
-    signature key, its operands with ids as slots, its results' slots; a free's slots after
-    "free"), ``ids`` by slot, and which slots it makes, reads and frees."""
+    """One run's shape and ids: ``key`` (its instructions as one flat tuple, each worker's in
+    turn: each one's signature key, its operands with ids as slots, its results' slots; a
+    free's slots after "free"), ``ids`` by slot, which slots it makes, and which each worker
+    reads, makes and frees. Placed runs (``keys`` None) key each instruction by its own
+    constants, and add ``extra`` (the client's instructions' signature keys and where the
+    tensors they read from before lay): local shapes follow from those."""
 
-    __slots__ = ("key", "ids", "made", "read", "freed", "seeds")
+    __slots__ = ("key", "ids", "made", "reads", "makes", "frees", "seeds", "floor", "top")
 
-    def __init__(self, instructions: list[tuple], keys: list[tuple | None]) -> None:
+    def __init__(self, streams: dict[int, list[tuple]], keys: list[tuple | None] | None,
+                 seeds: list[Seed] | None = None, extra: tuple = (), floor: int = 0) -> None:
         slots: dict[int, int] = {}
         ids: list[int] = []
         made: list[bool] = []
-        read: set[int] = set()
-        freed: set[int] = set()
-        seeds: list[Seed] = []  # in the order drawn
+        own = seeds is None
+        seeds = [] if own else seeds  # in the order drawn
         flat: list = []
         put = flat.append
+        self.reads: dict[int, set[int]] = {}  # rank -> slots an op reads (made ones included)
+        self.makes: dict[int, set[int]] = {}
+        self.frees: dict[int, set[int]] = {}
 
-        def slot(tid: int, out: bool) -> int:
-            s = slots.get(tid)
-            if s is None:
-                s = slots[tid] = len(ids)
-                ids.append(tid)
-                made.append(out)
-            return s
+        for rank, stream in streams.items():
+            put(rank)
+            read, makes, freed = self.reads[rank], self.makes[rank], self.frees[rank] = \
+                set(), set(), set()
 
-        for (name, out, args, tmask, kw), key in zip(instructions, keys):
-            if name == "free":
-                put("free")
-                for tid in args:
-                    s = slot(tid, False)
-                    freed.add(s)
-                    put(s)
-                continue
-            if key is None:
-                raise TypeError("no signature key")
-            put(key)
-            j = 1
-            for a in args:
-                if tmask & j:
-                    s = slot(a, False)
-                    read.add(s)
-                    put(s)
-                elif type(a) is Seed:
-                    seeds.append(a)
-                    put("seed")
+            def slot(tid: int, out: bool) -> int:
+                s = slots.get(tid)
+                if s is None:
+                    s = slots[tid] = len(ids)
+                    ids.append(tid)
+                    made.append(out)
+                if out:
+                    if not made[s] and s not in read:  # not an in-place write: made anew here
+                        raise TypeError("a tensor from before placed anew")
+                    makes.add(s)
+                elif made[s] and s not in makes and s not in read and s not in freed:
+                    raise TypeError("a tensor from before placed anew")  # made on another
+                return s
+
+            for j, (name, out, args, tmask, kw) in enumerate(stream):
+                if name == "free":
+                    put("free")
+                    for tid in args:
+                        s = slot(tid, False)
+                        freed.add(s)
+                        put(s)
+                    continue
+                if keys is None:
+                    put((name, tmask, kw and tuple((k, freeze(v)) for k, v in kw.items())))
+                elif keys[j] is None:
+                    raise TypeError("no signature key")
                 else:
-                    put(a)
-                j <<= 1
-            if kw:  # the signature key holds a keyword seed as "seed" already
-                seeds += [v for v in kw.values() if type(v) is Seed]
-            for o in ((out,) if type(out) is int else out or ()):
-                put(slot(o, True))
+                    put(keys[j])
+                if name == "agree":  # its ids ride in a constant
+                    put(tuple(slot(tid, False) for tid in args[0]))
+                    read.update(flat[-1])
+                    put(args[1])
+                    continue
+                i = 1
+                for a in args:
+                    if tmask & i:
+                        s = slot(a, False)
+                        read.add(s)
+                        put(s)
+                    elif type(a) is Seed:
+                        if own:
+                            seeds.append(a)
+                        put("seed")
+                    else:
+                        put(a if keys is not None else freeze(a))
+                    i <<= 1
+                if kw and own:  # the signature key holds a keyword seed as "seed" already
+                    seeds += [v for v in kw.values() if type(v) is Seed]
+                for o in ((out,) if type(out) is int else out or ()):
+                    put(slot(o, True))
+        flat.extend(extra)
         self.key = tuple(flat)
         hash(self.key)  # a TypeError: a constant that cannot be compared
         self.ids = ids
         self.made = made
-        self.read = read  # slots an op reads (made ones included)
-        self.freed = freed
         self.seeds = seeds
+        self.floor = floor  # every dispatcher's id above it existed when this run was sent
+        self.top = max(ids)  # and every client id up to it
 
-    @property
-    def top(self) -> int:
-        """Every id up to it existed when this run was sent."""
-        return max(self.ids)
+    def existed(self, tid: int) -> bool:
+        """Whether ``tid`` existed when this run was sent."""
+        return tid <= self.top if tid >= 0 else tid > self.floor
 
     def inputs(self) -> list[int]:
         """Slots of tensors from before the run that its ops read."""
-        return [s for s in sorted(self.read) if not self.made[s]]
+        return sorted({s for read in self.reads.values() for s in read if not self.made[s]})
 
     def drawn_in_a_row(self) -> bool:
         """Whether its random ops took the session's seeds one after another."""
@@ -131,12 +176,13 @@ class _Variant:
     __slots__ = ("fixed", "program", "slots", "bound", "kept")
 
     def __init__(self, fixed: dict[int, int], program: Program, slots: list[int],
-                 bound: list[int], kept: list[int]) -> None:
+                 bound: dict[int, list[int]], kept: dict[int, tuple[tuple[int, int], ...]]) -> None:
         self.fixed = fixed
         self.program = program
         self.slots = slots  # the program's id for each slot
-        self.bound = bound  # slots bound per replay (read, not fixed)
-        self.kept = kept  # slots made and not freed inside: handed out under the run's ids
+        self.bound = bound  # per worker: slots bound per replay (read, not fixed)
+        self.kept = kept  # per worker: (program's id, slot) of what it makes and keeps, handed
+        # out under the run's ids
 
     def fits(self, ids: list[int]) -> bool:
         for s, tid in self.fixed.items():
@@ -146,21 +192,31 @@ class _Variant:
 
 
 class _Shape:
-    __slots__ = ("earlier", "variants")
+    __slots__ = ("earlier", "variants", "refused")
 
     def __init__(self) -> None:
         self.earlier: list[_Run] = []
         self.variants: list[_Variant] = []
+        self.refused = False  # makes a tensor it reads as it is anew: never a program
 
 
 class Repeats:
-    """The home worker's instructions, held in runs and replayed where they repeat."""
+    """Instructions held in runs and replayed where they repeat: the home worker's as the
+    client wrote them, or, once tensors are placed over several workers (with
+    GTMPI_AUTO_REPLAY_PLACED=1), every worker's as the placer placed them."""
 
     def __init__(self, dispatcher: Any) -> None:
         self.d = dispatcher
-        self.pending: list[tuple] = []
+        self.pending: list[tuple] = []  # the home worker's instructions, as the client wrote them
         self._keys: list[tuple | None] = []  # the client's signature key of each, or None
-        self._ops = 0  # instructions in pending besides frees
+        # placed: (rank, instruction) in the order the placer sent them, None after each of the
+        # client's; the client's signature key of each of its instructions, with where the
+        # tensors from before that it reads first lay; and the seeds it drew
+        self.placed: list[tuple[int, tuple] | None] = []
+        self._client: list[tuple] = []
+        self._seen: set[int] = set()
+        self._seeds: list[Seed] = []
+        self._ops = 0  # the client's instructions held, frees aside
         self._urgent = False
         self.shapes: OrderedDict[tuple, _Shape] = OrderedDict()
         self.installed = 0
@@ -182,38 +238,130 @@ class Repeats:
             if self._ops >= RUN_LEN:
                 self.close()
 
+    def client(self, ins: tuple, urgent: bool, key: tuple | None, sigs: list) -> bool:
+        """Before the placer places one of the client's instructions (``key``: its signature
+        key, ``sigs``: its operands'), which it sends to ``hold``: False where it cannot be held
+        (an upload, an optimizer's step): the run so far goes out, and it goes as written."""
+        name, out, args, tmask, kw = ins
+        if name in UNREPEATABLE:
+            self.close()
+            self.counts["as written: an upload or an optimizer's step"] += 1
+            return False
+        if key is None:
+            key = signature_key(name, tuple(sigs), tmask, kw)
+        seen, table = self._seen, self.d.placer.table
+        lay = []
+        i = 1
+        for a in args:
+            if tmask & i and a not in seen:
+                seen.add(a)
+                lay.append(table.get(a))
+            elif type(a) is Seed:
+                self._seeds.append(a)
+            i <<= 1
+        if kw:
+            self._seeds += [v for v in kw.values() if type(v) is Seed]
+        seen.update((out,) if type(out) is int else out or ())
+        self._client.append((key, tuple(lay)))
+        self._ops += 1
+        self._urgent |= urgent
+        return True
+
+    def hold(self, rank: int, ins: tuple) -> None:
+        """A placed instruction for ``rank``, held in the run."""
+        self.placed.append((rank, ins))
+
+    def placed_one(self) -> None:
+        """The client's instruction is placed: the run goes out once it is long enough."""
+        self.placed.append(None)
+        if self._ops >= RUN_LEN:
+            self.close()
+
     def close(self) -> None:
         """The run held so far goes out: replayed if it repeats, else as written."""
-        instructions, keys, urgent, ops = self.pending, self._keys, self._urgent, self._ops
-        self.pending, self._keys, self._ops, self._urgent = [], [], 0, False
         if self.stale:
             self._drop_stale()
+        if self.placed or self._client:
+            return self._close_placed()
+        instructions, keys, urgent, ops = self.pending, self._keys, self._urgent, self._ops
+        self.pending, self._keys, self._ops, self._urgent = [], [], 0, False
         if not ops:  # frees alone
             if instructions:
                 self.d._put(self.d.home, instructions[-1] if len(instructions) == 1 else
                             ("free", None, sum((i[2] for i in instructions), ()), 0, None),
                             False)
             return
+        count = len(instructions)
+
+        def as_written(why: str) -> None:
+            self._counted(why, count)
+            put, home = self.d._put, self.d.home
+            for ins in instructions[:-1]:
+                put(home, ins, False)
+            put(home, instructions[-1], urgent)
+
         try:
-            run = _Run(instructions, keys)
+            run = _Run({self.d.home: instructions}, keys)
         except TypeError:
-            return self._as_written(instructions, urgent, "a constant that cannot be compared")
+            return as_written("a constant that cannot be compared")
         if min(run.ids) < 0:  # the dispatcher's own tensors: a placed program, not repeated
-            return self._as_written(instructions, urgent, "the dispatcher's own tensors")
+            return as_written("the dispatcher's own tensors")
+        self._decide(run, {self.d.home: instructions}, as_written, count)
+
+    def _close_placed(self) -> None:
+        held, client, seeds = self.placed, self._client, self._seeds
+        self.placed, self._client, self._seeds, self._seen = [], [], [], set()
+        ops, self._ops, self._urgent = self._ops, 0, False
+        streams: dict[int, list[tuple]] = {}
+        for item in held:
+            if item is not None:
+                streams.setdefault(item[0], []).append(item[1])
+        count = sum(map(len, streams.values()))
+
+        def as_written(why: str | None) -> None:
+            if why is not None:
+                self._counted(why, count)
+            d, touched = self.d, set()
+            for item in held:  # flushed where the placer flushed: after each placed instruction
+                if item is None:
+                    for rank in touched:
+                        d.flush(rank)
+                    touched.clear()
+                    continue
+                d._put(*item, False)
+                touched.add(item[0])
+            for rank in touched:
+                d.flush(rank)
+
+        if not ops:  # frees alone
+            return as_written(None)
+        if any(ins[0] in TRANSFERS for stream in streams.values() for ins in stream):
+            return as_written("a transfer between workers")
+        try:
+            run = _Run(streams, None, seeds, tuple(client), self.d.placer.new_temp())
+        except TypeError as e:
+            why = str(e)
+            return as_written(why if why in OWN_REASONS else "a constant that cannot be compared")
+        self._decide(run, streams, as_written, count)
+
+    def _decide(self, run: _Run, streams: dict[int, list[tuple]], as_written, count: int) -> None:
         if not run.drawn_in_a_row():
-            return self._as_written(instructions, urgent,
-                                    "random ops with seeds not the session's next in a row")
+            return as_written("random ops with seeds not the session's next in a row")
         shape = self.shapes.get(run.key)
         if shape is None:
             if len(self.shapes) >= SHAPES_MAX:
                 self._forget(self.shapes.popitem(last=False)[1])
             self.shapes[run.key] = shape = _Shape()
             shape.earlier.append(run)
-            return self._as_written(instructions, urgent, "not seen before")
+            return as_written("not seen before")
         self.shapes.move_to_end(run.key)
+        if shape.refused:
+            return as_written(REMAKES)
         for variant in shape.variants:
             if variant.fits(run.ids) and not variant.program.stale:
-                return self._replay(variant, run, len(instructions))
+                if _binds_copies(run, variant.bound):
+                    return as_written(BINDS_COPIES)
+                return self._replay(variant, run, count)
         earlier = _fitting(shape.earlier, run)
         if earlier is None or len(shape.variants) >= VARIANTS_MAX or \
                 self.installed >= PROGRAMS_MAX:
@@ -221,25 +369,28 @@ class Repeats:
             del shape.earlier[:-EARLIER_MAX]
             why = "no earlier run of its shape reads the same tensors" if earlier is None \
                 else "too many programs"
-            return self._as_written(instructions, urgent, why)
-        variant = self._install(instructions, run, earlier)
+            return as_written(why)
+        variant = self._install(streams, run, earlier)
+        if variant is None:
+            shape.refused = True
+            return as_written(REMAKES)
+        if _binds_copies(run, variant.bound):  # kept: a later run may bind none
+            shape.variants.append(variant)
+            return as_written(BINDS_COPIES)
         shape.variants.append(variant)
-        self._replay(variant, run, len(instructions))
+        self._replay(variant, run, count)
 
-    def _as_written(self, instructions: list[tuple], urgent: bool, why: str) -> None:
-        self.counts[f"as written: {why}"] += len(instructions)
-        self._note("as written", -1, len(instructions), why)
-        put, home = self.d._put, self.d.home
-        for ins in instructions[:-1]:
-            put(home, ins, False)
-        put(home, instructions[-1], urgent)
+    def _counted(self, why: str, count: int) -> None:
+        self.counts[f"as written: {why}"] += count
+        self._note("as written", -1, count, why)
 
-    def _install(self, instructions: list[tuple], run: _Run, earlier: _Run) -> _Variant:
+    def _install(self, streams: dict[int, list[tuple]], run: _Run,
+                 earlier: _Run) -> _Variant | None:
         """A program for ``run``: tensors that ``earlier`` read too are read as they are, the
-        rest of what it reads is bound per replay; what it makes gets ids of its own."""
+        rest of what it reads is bound per replay; what it makes gets ids of its own. None
+        where it makes one of the former anew."""
         d = self.d
-        top = earlier.top
-        fixed = {s: run.ids[s] for s in run.inputs() if run.ids[s] <= top}
+        fixed = {s: run.ids[s] for s in run.inputs() if earlier.existed(run.ids[s])}
         slots = [run.ids[s] if s in fixed else d.placer.new_temp() for s in range(len(run.ids))]
         at = {tid: s for s, tid in enumerate(run.ids)}.__getitem__
         # each seed as its place among the run's random ops (1, 2, ...), which a replay's
@@ -249,39 +400,71 @@ class Repeats:
         def relative(v: Any) -> Any:
             return Seed(v, v.offset - before) if type(v) is Seed else v
 
-        program = []
-        for name, out, args, tmask, kw in instructions:
-            if name == "free":  # the run's own tensors; those from before go after it
-                mine = tuple(slots[s] for s in map(at, args) if run.made[s])
-                if mine:
-                    program.append(("free", None, mine, 0, None))
-                continue
-            args = tuple(slots[at(a)] if tmask >> j & 1 else relative(a)
-                         for j, a in enumerate(args))
-            if kw and run.seeds:
-                kw = {k: relative(v) for k, v in kw.items()}
-            if type(out) is int:
-                out = slots[at(out)]
-            elif out:
-                out = tuple(slots[at(o)] for o in out)
-            program.append((name, out, args, tmask, kw))
-        bound = [s for s in run.inputs() if s not in fixed]
-        kept = [s for s in range(len(run.ids)) if run.made[s] and s not in run.freed]
+        programs, renamed = {}, {}
+        for rank, stream in streams.items():
+            programs[rank] = program = []
+            # a tensor from before that an op makes anew under its id (a bucket of gradients
+            # summed, a tensor placed anew): a version of the program's own from there on,
+            # handed out under the run's id after it
+            now = renamed[rank] = {}
+
+            def ref(tid: int) -> int:
+                s = at(tid)
+                return now.get(s, slots[s])
+
+            for name, out, args, tmask, kw in stream:
+                if name == "free":  # the run's own tensors and versions; those from before go
+                    # after it
+                    mine = tuple(ref(a) for a in args if run.made[at(a)] or at(a) in now)
+                    if mine:
+                        program.append(("free", None, mine, 0, None))
+                    continue
+                if name == "agree":
+                    args = (tuple(ref(a) for a in args[0]), *args[1:])
+                else:
+                    args = tuple(ref(a) if tmask >> j & 1 else relative(a)
+                                 for j, a in enumerate(args))
+                if kw and run.seeds:
+                    kw = {k: relative(v) for k, v in kw.items()}
+                outs = (out,) if type(out) is int else out or ()
+                if name not in INPLACE:
+                    for o in outs:
+                        s = at(o)
+                        if not run.made[s]:
+                            if s in fixed:  # a graph reads it where it was captured
+                                return None
+                            now[s] = d.placer.new_temp()
+                outs = tuple(map(ref, outs))
+                program.append((name, outs[0] if type(out) is int else outs or out, args, tmask,
+                                kw))
+        inputs = set(run.inputs()) - set(fixed)
+        bound = {rank: sorted(inputs & read) for rank, read in run.reads.items()}
+        kept = {rank: sorted(s for s in made if (run.made[s] or s in renamed[rank]) and
+                             s not in run.frees[rank])
+                for rank, made in run.makes.items()}
+        hand = {rank: tuple((renamed[rank].get(s, slots[s]), s) for s in slots_)
+                for rank, slots_ in kept.items()}
         d._programs += 1
-        made = Program(d._programs, f"repeated run {d._programs} ({len(program)} instructions,"
-                       f" {program[0][0]} ... {program[-1][0]})", (d.home,),
+        first, last = next(iter(programs.values())), programs[max(programs)]
+        made = Program(d._programs, f"repeated run {d._programs} ({count_of(programs)} "
+                       f"instructions, {first[0][0]} ... {last[-1][0]})", tuple(sorted(programs)),
                        frozenset(fixed.values()), (), (),
-                       tuple((slots[s], None, False) for s in kept), len(run.seeds), auto=True)
-        d._put(d.home, ("program", None, (made.key, program), 0, None), False)
+                       tuple((tid, None, False) for tid in
+                             sorted({p for pairs in hand.values() for p, _ in pairs})),
+                       len(run.seeds), auto=True)
+        for rank, program in programs.items():
+            d._put(rank, ("program", None, (made.key, program), 0, None), False)
         for tid in fixed.values():
             d.watched.setdefault(tid, []).append(made)
         self.installed += 1
-        return _Variant(fixed, made, slots, bound, kept)
+        return _Variant(fixed, made, slots, bound, hand)
 
     def _replay(self, variant: _Variant, run: _Run, count: int) -> None:
         ids, slots = run.ids, variant.slots
-        binds = tuple((ids[s], slots[s]) for s in variant.bound)
-        renames = tuple((slots[s], ids[s]) for s in variant.kept)
+        binds = {rank: tuple((ids[s], slots[s]) for s in bound)
+                 for rank, bound in variant.bound.items()}
+        renames = {rank: tuple((tid, ids[s]) for tid, s in kept)
+                   for rank, kept in variant.kept.items()}
         self.counts["replayed"] += count
         self._note("replayed", variant.program.key, count, variant.program.name)
         # derive_seed(0, n) is n: the worker's seed for the run's i-th random op is then the
@@ -291,14 +474,17 @@ class Repeats:
         # changes, and last step's autograd records, freed at the start of this one, would
         # otherwise still be held at its launch and make its graph run op by op); those it
         # reads go after it
-        gone = [s for s in sorted(run.freed) if not run.made[s]]
-        first = tuple(ids[s] for s in gone if s not in run.read)
-        if first:
-            self.d._put(self.d.home, ("free", None, first, 0, None), False)
+        put, after = self.d._put, {}
+        for rank, freed in run.frees.items():
+            gone = [s for s in sorted(freed) if not run.made[s]]
+            first = tuple(ids[s] for s in gone if s not in run.reads[rank])
+            if first:
+                put(rank, ("free", None, first, 0, None), False)
+            after[rank] = tuple(ids[s] for s in gone if s in run.reads[rank])
         self.d.run_program(variant.program, binds, renames, seeds)
-        after = tuple(ids[s] for s in gone if s in run.read)
-        if after:
-            self.d._put(self.d.home, ("free", None, after, 0, None), False)
+        for rank, ids_after in after.items():
+            if ids_after:
+                put(rank, ("free", None, ids_after, 0, None), False)
 
     def _forget(self, shape: _Shape) -> None:
         for variant in shape.variants:
@@ -324,7 +510,8 @@ class Repeats:
         stale, self.stale = self.stale, []
         for program in stale:
             self.installed -= 1
-            self.d._put(self.d.home, ("program", None, (program.key, None), 0, None), False)
+            for rank in program.ranks:
+                self.d._put(rank, ("program", None, (program.key, None), 0, None), False)
         for shape in self.shapes.values():
             if shape.variants:
                 shape.variants = [v for v in shape.variants if not v.program.stale]
@@ -339,14 +526,25 @@ class Repeats:
                 + "; ".join(parts))
 
 
+REMAKES = "makes a tensor it reads from before anew (a graph reads those where it captured them)"
+
+
+def _binds_copies(run: _Run, bound: dict[int, list[int]]) -> bool:
+    return any(run.ids[s] < 0 for slots in bound.values() for s in slots)
+
+
+def count_of(programs: dict[int, list[tuple]]) -> int:
+    return sum(map(len, programs.values()))
+
+
 def _fitting(earlier: list[_Run], run: _Run) -> _Run | None:
     """The latest earlier run that read, wherever ``run`` reads a tensor that existed when it
     ran, that same tensor."""
     inputs = run.inputs()
     ids = run.ids
     for before in reversed(earlier):
-        old, top = before.ids, before.top
-        if all(ids[s] > top or ids[s] == old[s] for s in inputs):
+        old = before.ids
+        if all(ids[s] == old[s] or not before.existed(ids[s]) for s in inputs):
             return before
     return None
 

@@ -25,7 +25,7 @@ _CACHE_LIMIT = 65536
 _cache: dict[tuple, tuple[tuple[Sig, ...], bool]] = {}
 
 
-def _freeze(v: Any) -> Any:
+def freeze(v: Any) -> Any:
     """A hashable stand-in for a constant (slices and lists are not hashable). Scalars carry
     their type: 4 == 4.0 == True as dict keys, but not as torch arguments."""
     t = type(v)
@@ -38,7 +38,7 @@ def _freeze(v: Any) -> Any:
     if isinstance(v, slice):
         return ("slice", v.start, v.stop, v.step)
     if isinstance(v, (list, tuple)):
-        return (type(v).__name__, *map(_freeze, v))
+        return (type(v).__name__, *map(freeze, v))
     return v
 
 
@@ -52,9 +52,9 @@ def signature_key(name: str, args: tuple, tmask: int, kw: dict | None) -> tuple:
         elif by_type and type(a) in SCALARS:
             parts.append(type(a))
         else:
-            parts.append(_freeze(a))
+            parts.append(freeze(a))
     if kw:
-        parts.append(tuple((k, _freeze(v)) for k, v in kw.items()))
+        parts.append(tuple((k, freeze(v)) for k, v in kw.items()))
     return (name, *parts)
 
 
