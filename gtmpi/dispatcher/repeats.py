@@ -335,6 +335,11 @@ class Repeats:
 
         if not ops:  # frees alone
             return as_written(None)
+        # data parallelism sends every worker the same: one stream then stands for all
+        ranks = sorted(streams)
+        first = streams[ranks[0]]
+        if len(ranks) > 1 and all(streams[r] == first for r in ranks[1:]):
+            streams, client = {ranks[0]: first}, [*client, ("every worker alike", tuple(ranks))]
         if any(ins[0] in TRANSFERS for stream in streams.values() for ins in stream):
             return as_written("a transfer between workers")
         try:
@@ -342,6 +347,10 @@ class Repeats:
         except TypeError as e:
             why = str(e)
             return as_written(why if why in OWN_REASONS else "a constant that cannot be compared")
+        for rank in ranks[1:]:
+            run.reads.setdefault(rank, run.reads[ranks[0]])
+            run.makes.setdefault(rank, run.makes[ranks[0]])
+            run.frees.setdefault(rank, run.frees[ranks[0]])
         self._decide(run, streams, as_written, count)
 
     def _decide(self, run: _Run, streams: dict[int, list[tuple]], as_written, count: int) -> None:
@@ -437,6 +446,10 @@ class Repeats:
                 outs = tuple(map(ref, outs))
                 program.append((name, outs[0] if type(out) is int else outs or out, args, tmask,
                                 kw))
+        alike = next(iter(streams))
+        for rank in run.reads:  # workers sent the same as the first
+            programs.setdefault(rank, programs[alike])
+            renamed.setdefault(rank, renamed[alike])
         inputs = set(run.inputs()) - set(fixed)
         bound = {rank: sorted(inputs & read) for rank, read in run.reads.items()}
         kept = {rank: sorted(s for s in made if (run.made[s] or s in renamed[rank]) and
