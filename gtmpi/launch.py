@@ -37,9 +37,15 @@ END_GRACE_S = 3.0  # how long workers get to leave after an uncaught exception o
 
 def start_role() -> None:
     """Called when gtmpi is imported: under an MPI launcher, ranks > 0 serve until shutdown."""
-    if session.current() is not None or not any(k in os.environ for k in LAUNCHER_ENV):
+    if session.current() is not None:
         return
-    from mpi4py import MPI
+    from mpi4py import MPI  # initialized already, by gtmpi's own imports
+    if MPI.COMM_WORLD.Get_size() == 1:
+        # plain python, the embedded worker's process, a server's client: nobody else opens its
+        # segment (a killed one left it behind; a job of several unlinks in join)
+        _unlink_segments(MPI.COMM_WORLD)
+    if not any(k in os.environ for k in LAUNCHER_ENV):
+        return
     if MPI.Comm.Get_parent() != MPI.COMM_NULL:
         return  # a spawned worker: gtmpi.worker's __main__ joins explicitly
     if MPI.COMM_WORLD.Get_size() > 1:
