@@ -805,6 +805,28 @@ def test_strict_placement_raises_where_pieces_would_be_gathered_and_explain_list
 
 
 @spread
+def test_masked_fill_gradient_keeps_a_split_batch_split():
+    """A causal mask's masked_fill: its gradient was torch's vjp on whole tensors (an all-gather
+    of the scores per layer and step under data parallelism); now a where of the pieces."""
+    host = torch.randn(8, 2, 4, 4)
+    mask = torch.ones(4, 4).tril() == 0
+    x = gtmpi.signal.tensor(host, "data").requires_grad_()
+    gtmpi.debug.strict_placement()
+    try:
+        before = collectives()
+        y = x.masked_fill(gtmpi.tensor(mask), float("-inf")).softmax(-1)
+        (y * y).sum().backward()
+        assert "all_gather" not in ran_since(before)
+        assert where(x.grad) == f"S(0)@{WORKERS[:2]}"
+    finally:
+        gtmpi.debug.strict_placement(False)
+    t = host.clone().requires_grad_()
+    ty = t.masked_fill(mask, float("-inf")).softmax(-1)
+    (ty * ty).sum().backward()
+    assert_same(x.grad, t.grad, rtol=1e-5, atol=1e-6)
+
+
+@spread
 def test_data_parallel_gpt_in_strict_mode_reduces_gradients_and_gathers_nothing():
     """The GPT of examples/gpt (real model code: views into heads, transposes, fused ops) under
     the data-parallel config trains like torch with nothing gathered, in strict mode: per step

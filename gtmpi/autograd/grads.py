@@ -200,6 +200,14 @@ def _where(node, g):
     return _each(node, None, where(c, g, 0.0) if _t(x) else None, where(c, 0.0, g) if _t(y) else None)
 
 
+@rule("masked_fill")
+def _masked_fill(node, g):
+    # elementwise, so a batch split stays split (torch's vjp here gathered it: issue 34)
+    x, mask, value = node.operands
+    return _each(node, where(mask, 0.0, g) if _t(x) else None, None,
+                 where(mask, g, 0.0) if _t(value) else None)
+
+
 @rule("clamp")
 def _clamp(node, g):
     x, lo, hi = node.operands
@@ -466,7 +474,7 @@ def _einsum(node, g):
 # ops whose gradient torch's autograd computes on the worker, from the op's own kernel run
 # again (ops/table.py's "vjp"): rare in training loops, exact, and one instruction each
 @rule("floor", "ceil", "round", "trunc", "erf", "erfinv", "log1p", "expm1", "reciprocal",
-      "leaky_relu", "masked_fill", "cumsum", "prod", "logsumexp", "vector_norm", "normalize",
+      "leaky_relu", "cumsum", "prod", "logsumexp", "vector_norm", "normalize",
       "topk", "sort", "gather", "scatter", "scatter_add", "index_select", "tril", "triu", "repeat", "flip", "roll", "pad",
       "conv1d", "conv2d", "batch_norm")
 def _by_torch(node, g):
