@@ -805,6 +805,24 @@ def test_strict_placement_raises_where_pieces_would_be_gathered_and_explain_list
 
 
 @spread
+def test_strict_placement_lets_a_constant_be_made_again_where_it_is_used():
+    """nanoGPT's positions (arange on no device, outside any signal) meet a split batch: each
+    worker makes its own copy from the constant's recipe, moving nothing, which strict placement
+    let pass no more than a real move."""
+    table = torch.randn(4, 3)
+    w = gtmpi.signal.tensor(table, "weights")
+    pos = gtmpi.arange(4, device="cuda")  # made on a worker, as nanoGPT makes it
+    gtmpi.debug.strict_placement()
+    try:
+        before = collectives()
+        y = F.embedding(pos, w)
+        assert not {"send", "recv", "all_gather"} & set(ran_since(before))
+    finally:
+        gtmpi.debug.strict_placement(False)
+    assert_same(y, table)
+
+
+@spread
 def test_masked_fill_gradient_keeps_a_split_batch_split():
     """A causal mask's masked_fill: its gradient was torch's vjp on whole tensors (an all-gather
     of the scores per layer and step under data parallelism); now a where of the pieces."""

@@ -431,7 +431,9 @@ class Placer:
             return tid
         copy = self.copies.get(tid, _NONE).get(want)
         if copy is None:
-            fallback = self.strict and not (self._asked or self._intended) and \
+            # a constant made again where it is wanted (its recipe) moves no data
+            remade = have.mesh != want.mesh and not self._asked and tid in self.recipes
+            fallback = self.strict and not (self._asked or self._intended or remade) and \
                 _fallback(have, want)
             if fallback:
                 raise PlacementError(
