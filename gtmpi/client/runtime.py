@@ -208,8 +208,7 @@ class Runtime:
     def agree(self, ids: list[int]) -> None:
         """Every worker holding one of ``ids`` learns now whether any replica or piece of it
         failed, in one agreement per group of workers (see Placer.agree_on)."""
-        if self.dispatcher.placer.active:
-            self.dispatcher.placer.agree_on(ids)
+        self.dispatcher.agree(ids)
 
     def device_of(self, tensor_id: int) -> torch.device:
         """The device of the first worker that holds a tensor."""

@@ -40,6 +40,7 @@ from ..errors import Fault, ReplayError
 from ..recording.events import Flag, Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import GRAPH_LATER, Tag
+from .foresight import DONE, FREE, READY
 from .programs import Program, Recording
 from .repeats import Repeats
 
@@ -138,10 +139,8 @@ class Dispatcher:
         if self.placer.active:  # logged once placed: only then is its worker known
             if self.repeats is not None and self.repeats.pending:
                 self.repeats.close()
-            if self._holding() and self.repeats.client(ins, urgent, key, sigs):
-                with self._diverting():
-                    rank = self.placer.submit(ins, sigs, outs, urgent, host, key)
-                self.repeats.placed_one()
+            if self._holding():
+                rank = self.repeats.op(ins, urgent, key, sigs, outs, host)
                 self._idle(self.home)
             else:
                 rank = self.placer.submit(ins, sigs, outs, urgent, host, key)
@@ -167,13 +166,26 @@ class Dispatcher:
     def gradient_ready(self, tid: int, sig: tuple) -> None:
         """Backward has made all of a leaf's gradient ``tid``: partial sums may be summed."""
         if self.placer.active:
-            with self._diverting():
+            if self._holding():
+                self.repeats.item(READY, (tid, sig))
+            else:
                 self.placer.reduce_soon(tid, sig)
 
     def backward_done(self) -> None:
         if self.placer.active:
-            with self._diverting():
+            if self._holding():
+                self.repeats.item(DONE, ())
+            else:
                 self.placer.reduce_now()
+
+    def agree(self, ids: list[int]) -> None:
+        """Every worker holding one of ``ids`` learns whether any replica or piece of it
+        failed (Placer.agree_on), behind the instructions that made them: the run held so far
+        goes first (a graph leaves agreements out: they talk to other workers' hosts)."""
+        if self.placer.active:
+            if self._holding():
+                self.repeats.interrupt("agree")
+            self.placer.agree_on(ids)
 
     @contextmanager
     def _diverting(self) -> Iterator[None]:
@@ -397,11 +409,11 @@ class Dispatcher:
         if holding and not self.placer.active:
             self.repeats.add(("free", None, tuple(frees), 0, None), False)
             return
+        if holding:
+            self.repeats.item(FREE, tuple(frees))
+            return
         by_rank = self.placer.free(frees) if self.placer.active else {self.home: frees}
         for r, ids in by_rank.items():
-            if holding:
-                self.repeats.hold(r, ("free", None, tuple(ids), 0, None))
-                continue
             if r in self._deferred and not self._deferred_ids[r].isdisjoint(ids):
                 self._undefer(r)  # rare (a transfer dropped unused): all of them
             self._batch[r].append(("free", None, tuple(ids), 0, None))

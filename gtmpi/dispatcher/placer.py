@@ -82,6 +82,8 @@ class Placer:
         # settled once it is made, so one agreement per mesh serves every later in-place op
         # and read (an optimizer step after clipping agrees on nothing new)
         self._agreed: dict[int, set[tuple[int, ...]]] = {}
+        # while a run is taped (dispatcher/foresight.py): the ids whose placement changed
+        self.journal: list[int] | None = None
 
     # what the dispatcher asks -------------------------------------------------------------
 
@@ -123,6 +125,7 @@ class Placer:
 
     def place(self, tid: int, sig: tuple, target: Placement, where: str) -> None:
         """Give a tensor a signal's placement."""
+        self.d.close_run()  # what it sends goes behind what made the tensor
         self.active = True
         self.replace(tid, sig, fit(target, sig, where))
         self._flush_touched()
@@ -637,6 +640,8 @@ class Placer:
         return p.mesh, p.grid
 
     def _record(self, tid: int, sig: tuple, p: Placement) -> None:
+        if self.journal is not None:
+            self.journal.append(tid)
         if p == self.home:
             self.table.pop(tid, None)
         else:
@@ -651,6 +656,8 @@ class Placer:
 
     def _forget(self, tid: int) -> list[tuple[int, int]]:
         """(rank, id) of ``tid`` and its copies everywhere, dropped from the books."""
+        if self.journal is not None:
+            self.journal.append(tid)
         entry = self.table.pop(tid, None)
         self.viewed.discard(tid)
         self._agreed.pop(tid, None)
@@ -661,6 +668,43 @@ class Placer:
         for where, copy in self.copies.pop(tid, _NONE).items():
             held += [(rank, copy) for rank in where.mesh]
         return held
+
+    # the books of one tensor, and of the placer, as a foreseen run reads and sets them
+    # (dispatcher/foresight.py) ----------------------------------------------------------------
+
+    def books(self, tid: int) -> tuple:
+        """What the placer knows of ``tid``: (its table entry, its copies by placement, its
+        recipe, whether it may be viewed, the meshes that agreed on it, its forward plan)."""
+        copies = self.copies.get(tid)
+        agreed = self._agreed.get(tid)
+        return (self.table.get(tid), dict(copies) if copies else None, self.recipes.get(tid),
+                tid in self.viewed, frozenset(agreed) if agreed else None, self.forward.get(tid))
+
+    def set_books(self, tid: int, books: tuple) -> None:
+        """``tid``'s books but its table entry, as ``books()`` gives them."""
+        _, copies, recipe, viewed, agreed, forward = books
+        for book, value in ((self.copies, copies), (self.recipes, recipe),
+                            (self._agreed, agreed and set(agreed)), (self.forward, forward)):
+            if value is None:
+                book.pop(tid, None)
+            else:
+                book[tid] = value
+        if viewed:
+            self.viewed.add(tid)
+        else:
+            self.viewed.discard(tid)
+
+    def bucket_state(self) -> list[tuple]:
+        """The gradients waiting to be summed: (key, bytes, ((id, sig), ...)) per bucket."""
+        return [(key, size[0], tuple(members)) for key, (size, members) in self._buckets.items()]
+
+    def set_buckets(self, state: list[tuple]) -> None:
+        self._buckets = {key: ([size], list(members)) for key, size, members in state}
+
+    def settings(self) -> tuple:
+        """What else places an instruction: the mode, the overlap settings, the groups made."""
+        return (self.strict, self.overlap, self.chunks, len(self._groups), self._plane_started,
+                len(self._passing))
 
     def _groups_along(self, p: Placement, axis: int) -> list[int]:
         """Each member's group along ``axis``, every one made before any member is given a

@@ -53,6 +53,7 @@ from typing import Any
 from ..ops.shapes import freeze, signature_key
 from ..ops.table import OPS, Kind as OpKind, Seed
 from ..recording.events import Kind, Lane
+from .foresight import FREE, MISSES_MAX, OP, READY, Ahead, Foresight, Tape, learn
 from .programs import Program
 
 RUN_LEN = 64  # instructions per run: the worker starts on a run once it is whole
@@ -156,6 +157,14 @@ class _Run:
         self.floor = floor  # every dispatcher's id above it existed when this run was sent
         self.top = max(ids)  # and every client id up to it
 
+    def renamed(self, ids: list[int], seeds: list[Seed]) -> "_Run":
+        """The same run under other ids and seeds (a foreseen run's, never placed)."""
+        run = object.__new__(_Run)
+        for name in _Run.__slots__:
+            setattr(run, name, getattr(self, name))
+        run.ids, run.seeds, run.top = ids, seeds, max(ids)
+        return run
+
     def existed(self, tid: int) -> bool:
         """Whether ``tid`` existed when this run was sent."""
         return tid <= self.top if tid >= 0 else tid > self.floor
@@ -222,6 +231,21 @@ class Repeats:
         self.installed = 0
         self.stale: list[Program] = []  # programs whose fixed tensors were freed: to drop
         self.counts: Counter = Counter()  # instructions: replayed, or as written by why
+        # placed runs foreseen (dispatcher/foresight.py): the run being taped or expected; the
+        # Foresight kept after each (the last run's program, the uploads and optimizer steps
+        # since); runs whose placing was skipped, expected wrongly, or not kept, by why
+        self.tape: Tape | None = None
+        self.ahead: Ahead | None = None
+        self.plans: dict[tuple, Foresight] = {}
+        # what a run is expected after: the last run's program, what was sent between (uploads,
+        # steps, agreements), and that, as it stood at the first run after such things (which
+        # of a gradient accumulation's steps this is: each one's runs follow alike programs)
+        self._last: int | None = None
+        self._since: tuple[str, ...] = ()
+        self._segment: tuple[str, ...] = ()
+        self.foreseen: Counter = Counter()
+        self._placing = False  # while the placer places an item
+        self._context: tuple = ()  # the signal open and whether it asked, as an op was placed
 
     def add(self, ins: tuple, urgent: bool, key: tuple | None = None) -> None:
         """An instruction for the home worker (``key``: its signature key, None for a free)."""
@@ -238,17 +262,133 @@ class Repeats:
             if self._ops >= RUN_LEN:
                 self.close()
 
-    def client(self, ins: tuple, urgent: bool, key: tuple | None, sigs: list) -> bool:
-        """Before the placer places one of the client's instructions (``key``: its signature
-        key, ``sigs``: its operands'), which it sends to ``hold``: False where it cannot be held
-        (an upload, an optimizer's step): the run so far goes out, and it goes as written."""
-        name, out, args, tmask, kw = ins
+    # placed runs: the dispatcher's entry points -------------------------------------------
+
+    def op(self, ins: tuple, urgent: bool, key: tuple | None, sigs: list, outs: list,
+           host: Any) -> int:
+        """One of the client's instructions, once tensors are placed: held in the run as the
+        placer places it, or, where the run is foreseen, compared with the expected one (not
+        placed). An upload or an optimizer's step sends the run and goes as written. Returns
+        the first rank it goes to."""
+        name, _, _, tmask, kw = ins
         if name in UNREPEATABLE:
-            self.close()
+            self.interrupt(name)
             self.counts["as written: an upload or an optimizer's step"] += 1
-            return False
+            return self.d.placer.submit(ins, sigs, outs, urgent, host, key)
         if key is None:
             key = signature_key(name, tuple(sigs), tmask, kw)
+        raw = (ins, key, sigs, outs, urgent, host)
+        self._ops += 1
+        self._urgent |= urgent
+        if self._expecting(OP):
+            rank = self.ahead.op(ins, key, raw)
+            if rank is not None:
+                if self._ops >= RUN_LEN:
+                    self.close()
+                return rank
+            self._unforeseen()
+        rank = self._place(OP, raw)
+        if self._ops >= RUN_LEN:
+            self.close()
+        return rank
+
+    def interrupt(self, name: str) -> None:
+        """What cannot be held (``name``: an upload, an optimizer's step, an agreement) goes
+        next: the run so far goes first."""
+        self.close()
+        self._since = (*self._since[-7:], name)
+
+    def item(self, kind: int, payload: tuple) -> None:
+        """Ids the client freed (FREE), a completed gradient (READY: id, sig) or backward's
+        end (DONE), in a placed run."""
+        if self._expecting(kind):
+            if self.ahead.other(kind, payload):
+                return
+            self._unforeseen()
+        self._place(kind, payload)
+
+    def _expecting(self, kind: int) -> bool:
+        """Whether a run is expected now: at a run's first item (of ``kind``), the Foresight
+        kept after the run before, if it starts alike and the placer stands as it stood then
+        (frees that go out before an upload start no run of their own)."""
+        if self.ahead is not None:
+            return True
+        if self.tape is not None:
+            return False
+        token = (self._last, self._since, self._segment)
+        plan = self.plans.get(token) if self._last is not None else None
+        if plan is not None and plan.items[0][0] == kind:
+            ahead = Ahead(plan, self.d.placer)
+            if ahead.start():
+                self.ahead = ahead
+                return True
+            self._missed(plan, "the placer's books at its start")
+        self.tape = Tape(self.d.placer, token)
+        return False
+
+    def _missed(self, plan: Foresight, why: str) -> None:
+        self.foreseen[f"expected wrongly: {why}"] += 1
+        plan.misses += 1
+        if plan.misses >= MISSES_MAX and self.plans.get(plan.token) is plan:
+            del self.plans[plan.token]
+
+    def _unforeseen(self, why: str = "an item differed") -> None:
+        """The run differs from the one expected: what came so far is placed after all."""
+        ahead, self.ahead = self.ahead, None
+        ahead.undo_placements()
+        self._missed(ahead.plan, why)
+        self.tape = Tape(self.d.placer, ahead.plan.token)
+        for kind, payload in ahead.raw:
+            self._place(kind, payload)
+
+    def _place(self, kind: int, payload: tuple) -> int:
+        """An item placed and held, and taped."""
+        placer, tape = self.d.placer, self.tape
+        self._placing = True
+        try:
+            rank = self._placed(kind, payload, tape)
+        finally:
+            self._placing = False
+        if self.tape is tape:
+            tape.add(placer, kind, payload if kind != OP else (*payload, *self._context), rank)
+        else:  # the run went out while this was placed (a group of workers made): what it
+            # held of this item, and the next run, are no Foresight's
+            self.tape = Tape(placer, None)
+        return rank
+
+    def _placed(self, kind: int, payload: tuple, tape: Tape) -> int:
+        d, placer = self.d, self.d.placer
+        rank = -1
+        if kind == OP:
+            ins, key, sigs, outs, urgent, host = payload
+            self._context = (placer.signals[-1][0] if placer.signals else None, placer._asked > 0)
+            self.client(ins, key)
+            name, out, args, tmask, kw = ins
+            for i, a in enumerate(args):
+                if tmask >> i & 1:
+                    tape.see(placer, a)
+            with d._diverting():
+                rank = placer.submit(ins, sigs, outs, urgent, host, key)
+            self.placed.append(None)
+        elif kind == FREE:
+            for tid in payload:
+                tape.see(placer, tid)
+            for r, ids in placer.free(list(payload)).items():
+                self.hold(r, ("free", None, tuple(ids), 0, None))
+        else:
+            if kind == READY:
+                tape.see(placer, payload[0])
+            with d._diverting():
+                if kind == READY:
+                    placer.reduce_soon(*payload)
+                else:
+                    placer.reduce_now()
+        return rank
+
+    def client(self, ins: tuple, key: tuple) -> None:
+        """Before the placer places one of the client's instructions (``key``: its signature
+        key), which it sends to ``hold``: its key, where what it reads from before lay."""
+        name, out, args, tmask, kw = ins
         seen, table = self._seen, self.d.placer.table
         lay = []
         i = 1
@@ -263,25 +403,18 @@ class Repeats:
             self._seeds += [v for v in kw.values() if type(v) is Seed]
         seen.update((out,) if type(out) is int else out or ())
         self._client.append((key, tuple(lay)))
-        self._ops += 1
-        self._urgent |= urgent
-        return True
 
     def hold(self, rank: int, ins: tuple) -> None:
         """A placed instruction for ``rank``, held in the run."""
         self.placed.append((rank, ins))
 
-    def placed_one(self) -> None:
-        """The client's instruction is placed: the run goes out once it is long enough."""
-        self.placed.append(None)
-        if self._ops >= RUN_LEN:
-            self.close()
-
     def close(self) -> None:
         """The run held so far goes out: replayed if it repeats, else as written."""
         if self.stale:
             self._drop_stale()
-        if self.placed or self._client:
+        if self.ahead is not None and self._close_ahead():
+            return
+        if self.placed or self._client or self.tape is not None:
             return self._close_placed()
         instructions, keys, urgent, ops = self.pending, self._keys, self._urgent, self._ops
         self.pending, self._keys, self._ops, self._urgent = [], [], 0, False
@@ -308,10 +441,47 @@ class Repeats:
             return as_written("the dispatcher's own tensors")
         self._decide(run, {self.d.home: instructions}, as_written, count)
 
+    def _close_ahead(self) -> bool:
+        """The expected run is whole: replayed with no placing, and True; else it is placed
+        after all (False)."""
+        ahead = self.ahead
+        plan = ahead.plan
+        ids = ahead.finish()
+        variant = plan.variant
+        run = None
+        if ids is not None and not variant.program.stale:
+            run = plan.run.renamed([ids[r] for r in plan.slots], ahead.seeds)
+            if not variant.fits(run.ids) or _binds_copies(run, variant.bound) or \
+                    not run.drawn_in_a_row():
+                run = None
+        if run is None:
+            self._unforeseen("the run ended, or read other tensors, or other copies")
+            return False
+        self.ahead = None
+        self._ops, self._urgent = 0, False
+        self._ran()
+        plan.apply(self.d.placer, ids)
+        if plan.run.key in self.shapes:
+            self.shapes.move_to_end(plan.run.key)
+        self.foreseen["placing skipped"] += 1
+        self._replay(variant, run, plan.count)
+        self._last = variant.program.key
+        return True
+
+    def _ran(self) -> None:
+        """A run with instructions of the client's goes."""
+        if self._since:
+            self._segment, self._since = self._since, ()
+
     def _close_placed(self) -> None:
         held, client, seeds = self.placed, self._client, self._seeds
         self.placed, self._client, self._seeds, self._seen = [], [], [], set()
         ops, self._ops, self._urgent = self._ops, 0, False
+        tape, self.tape = self.tape, None
+        self.d.placer.journal = None
+        if ops:
+            self._last = None
+            self._ran()
         streams: dict[int, list[tuple]] = {}
         for item in held:
             if item is not None:
@@ -351,9 +521,19 @@ class Repeats:
             run.reads.setdefault(rank, run.reads[ranks[0]])
             run.makes.setdefault(rank, run.makes[ranks[0]])
             run.frees.setdefault(rank, run.frees[ranks[0]])
-        self._decide(run, streams, as_written, count)
+        variant = self._decide(run, streams, as_written, count)
+        self._last = variant.program.key if variant else None
+        if variant is not None and tape is not None and tape.token is not None and \
+                not self._placing:
+            plan = learn(tape, run, variant, self.d.placer, count)
+            if isinstance(plan, Foresight):
+                self.plans[tape.token] = plan
+            else:
+                self.foreseen[f"not kept: {plan}"] += 1
 
-    def _decide(self, run: _Run, streams: dict[int, list[tuple]], as_written, count: int) -> None:
+    def _decide(self, run: _Run, streams: dict[int, list[tuple]], as_written,
+                count: int) -> _Variant | None:
+        """Sends ``run``: the program it was replayed as, or None (as written)."""
         if not run.drawn_in_a_row():
             return as_written("random ops with seeds not the session's next in a row")
         shape = self.shapes.get(run.key)
@@ -370,7 +550,8 @@ class Repeats:
             if variant.fits(run.ids) and not variant.program.stale:
                 if _binds_copies(run, variant.bound):
                     return as_written(BINDS_COPIES)
-                return self._replay(variant, run, count)
+                self._replay(variant, run, count)
+                return variant
         earlier = _fitting(shape.earlier, run)
         if earlier is None or len(shape.variants) >= VARIANTS_MAX or \
                 self.installed >= PROGRAMS_MAX:
@@ -388,6 +569,7 @@ class Repeats:
             return as_written(BINDS_COPIES)
         shape.variants.append(variant)
         self._replay(variant, run, count)
+        return variant
 
     def _counted(self, why: str, count: int) -> None:
         self.counts[f"as written: {why}"] += count
@@ -514,6 +696,7 @@ class Repeats:
 
     def forget(self) -> None:
         """Every program goes: the workers drop them (and their graphs' memory)."""
+        self.plans.clear()
         for shape in self.shapes.values():
             self._forget(shape)
         self.shapes.clear()
@@ -535,8 +718,9 @@ class Repeats:
         if not total:
             return "repeated runs: none sent yet"
         parts = [f"{n:,} {why}" for why, n in self.counts.most_common()]
+        foreseen = "; ".join(f"{n:,} {why}" for why, n in self.foreseen.most_common())
         return (f"repeated runs ({self.installed} programs): of {total:,} instructions, "
-                + "; ".join(parts))
+                + "; ".join(parts) + (f". Placed runs foreseen: {foreseen}" if foreseen else ""))
 
 
 REMAKES = "makes a tensor it reads from before anew (a graph reads those where it captured them)"

@@ -536,6 +536,10 @@ class Executor:
         comm = {} if backend.emulated else {  # an emulated launch runs (and counts) them itself
             k: (v[0] - counts.get(k, (0, 0))[0], v[1] - counts.get(k, (0, 0))[1])
             for k, v in after.items() if v != counts.get(k)}
+        for k, (n, nbytes) in comm.items():  # captured, not run: each launch counts them
+            entry = self.plane.stats[k]
+            entry[0] -= n
+            entry[1] -= nbytes
         return graphs.Captured(handle, inputs, [(tid, env[tid]) for tid in reads], comm,
                                len(program), graphs.written_inputs(program, set(inputs)),
                                frozenset(shared))
