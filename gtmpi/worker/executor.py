@@ -632,6 +632,10 @@ class Executor:
         if not captured.outputs:  # the first launch: its outputs are the graph's for good
             captured.set_outputs(env, outputs)
             self.graphs.launched(captured)
+        # an op of the stand-in's program failed (a real graph's kernels never fail on the
+        # host): every output fails with it, as with a failed input
+        failed = [poison.pop(recorded) for recorded in outputs if recorded in poison]
+        fault = fault or (failed[0] if failed else None)
         # a graph leaves its outputs where they were captured; the stand-in puts them (and
         # the autograd records it made afresh) under the recorded ids
         made = {recorded: env.pop(recorded) for recorded in outputs if recorded in env}

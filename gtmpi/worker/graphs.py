@@ -154,8 +154,9 @@ class _Emulated:
             self.static = {o: env[o] for o in outputs if isinstance(env.get(o), torch.Tensor)}
             return
         for o, static in self.static.items():  # an autograd record is handed out as made
-            static.data.copy_(env[o])  # as a graph writes: no version change
-            env[o] = static
+            if o in env:  # (not where its op failed: the launch fails its outputs)
+                static.data.copy_(env[o])  # as a graph writes: no version change
+                env[o] = static
 
 
 # why a launch falls back to running its program op by op (Captured.unlaunchable, Kept)
