@@ -533,11 +533,18 @@ class Dispatcher:
         if rec is not None:
             rec.issues.append((received, received, _clock(), "replay", program.key,
                                program.ranks[0]))
-            t = _clock()
-            for (site, kind, asked), (count, nbytes) in program.inserted.items():
-                rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, kind, program.key, -1, nbytes,
-                          count=count, flags=Flag.INSERTED,
-                          detail=f"{'asked' if asked else 'inserted'} {site}")
+            self.trace_inserted(program.inserted.items(), program.key)
+
+    def trace_inserted(self, inserted, key: int) -> None:
+        """The collectives a program runs that the client did not write, on the dispatcher's
+        lane of the trace (count and bytes per (site, kind, asked)), as placing them would."""
+        rec = self.trace
+        if rec is None:
+            return
+        t = _clock()
+        for (site, kind, asked), (count, nbytes) in inserted:
+            rec.event(Kind.DISPATCH, Lane.DISPATCHER, t, t, kind, key, -1, nbytes, count=count,
+                      flags=Flag.INSERTED, detail=f"{'asked' if asked else 'inserted'} {site}")
 
     def run_program(self, program: Program, binds: tuple | dict[int, tuple],
                     renames: tuple | dict[int, tuple], seeds: tuple[int, int] | None) -> None:

@@ -347,6 +347,9 @@ class Repeats:
         self._placing = True
         try:
             rank = self._placed(kind, payload, tape)
+        except BaseException:  # refused (a config's axis out of range): the run is no Foresight
+            tape.token = None
+            raise
         finally:
             self._placing = False
         if self.tape is tape:
@@ -464,6 +467,7 @@ class Repeats:
         if plan.run.key in self.shapes:
             self.shapes.move_to_end(plan.run.key)
         self.foreseen["placing skipped"] += 1
+        self.d.trace_inserted(plan.inserted, variant.program.key)
         self._replay(variant, run, plan.count)
         self._last = variant.program.key
         return True
@@ -503,7 +507,7 @@ class Repeats:
             for rank in touched:
                 d.flush(rank)
 
-        if not ops:  # frees alone
+        if not ops or not streams:  # frees alone, or an op the placer refused
             return as_written(None)
         # data parallelism sends every worker the same: one stream then stands for all
         ranks = sorted(streams)
@@ -640,9 +644,9 @@ class Repeats:
         hand = {rank: tuple((renamed[rank].get(s, slots[s]), s) for s in slots_)
                 for rank, slots_ in kept.items()}
         d._programs += 1
-        first, last = next(iter(programs.values())), programs[max(programs)]
-        made = Program(d._programs, f"repeated run {d._programs} ({count_of(programs)} "
-                       f"instructions, {first[0][0]} ... {last[-1][0]})", tuple(sorted(programs)),
+        listed = [ins[0] for rank in sorted(programs) for ins in programs[rank]] or ["nothing"]
+        made = Program(d._programs, f"repeated run {d._programs} ({len(listed)} instructions, "
+                       f"{listed[0]} ... {listed[-1]})", tuple(sorted(programs)),
                        frozenset(fixed.values()), (), (),
                        tuple((tid, None, False) for tid in
                              sorted({p for pairs in hand.values() for p, _ in pairs})),
@@ -728,10 +732,6 @@ REMAKES = "makes a tensor it reads from before anew (a graph reads those where i
 
 def _binds_copies(run: _Run, bound: dict[int, list[int]]) -> bool:
     return any(run.ids[s] < 0 for slots in bound.values() for s in slots)
-
-
-def count_of(programs: dict[int, list[tuple]]) -> int:
-    return sum(map(len, programs.values()))
 
 
 def _fitting(earlier: list[_Run], run: _Run) -> _Run | None:
