@@ -115,8 +115,8 @@ class Dispatcher:
         # GTMPI_AUTO_REPLAY=0
         self.repeats = Repeats(self) if os.environ.get("GTMPI_AUTO_REPLAY", "1") != "0" \
             else None
-        # and, with GTMPI_AUTO_REPLAY_PLACED=1, the placed runs of every worker (not yet
-        # measured on GPUs: off by default)
+        # and, with GTMPI_AUTO_REPLAY_PLACED=1, the placed runs of every worker (off by default:
+        # measured on GPUs for data parallelism only)
         self.placed_runs = os.environ.get("GTMPI_AUTO_REPLAY_PLACED") == "1"
         self._diverted = False  # the placer's instructions go into the held run
 

@@ -27,7 +27,7 @@ A random op's seed is no part of a run's shape: the session's seeds are consecut
 (ops/table.py: derive_seed), so a replay gives the run's k random ops the k seeds that follow
 the one before its first, which is what they draw as written.
 
-Placed runs (GTMPI_AUTO_REPLAY_PLACED=1; off until measured on GPUs): once tensors lie on
+Placed runs (GTMPI_AUTO_REPLAY_PLACED=1; off by default): once tensors lie on
 several workers (data parallel by a config), the placer still places each instruction as it
 comes, so its books (where tensors lie, kept copies, the collectives it inserted) stay what they
 would be, and what it sends each worker is held instead. Such a run is every worker's placed
@@ -37,7 +37,8 @@ follow from those. It becomes a program on each of its workers, replayed on all 
 (the collectives inside meet as they would op by op). A tensor from before that an op makes anew
 under its id (a bucket of gradients summed) is a version of the program's own from there on,
 handed out under the run's id; runs with transfers between workers, or that bind a copy the
-placer made before them, run as written.
+placer made before them, run as written. Once a placed run was replayed, its placing is skipped
+where it comes again after the run it followed (dispatcher/foresight.py).
 
 Replays keep what the instructions say: a run's tensors get the same values, under the same
 ids, that running it as written would give; what the run frees of older tensors is freed before
