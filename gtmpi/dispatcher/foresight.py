@@ -22,6 +22,7 @@ from ..ops.shapes import freeze
 from ..ops.table import Seed
 
 OP, FREE, READY, DONE = range(4)
+COPIES = 1  # Placer.books(): (table entry, copies, recipe, viewed, agreed, forward)
 MISSES_MAX = 3  # a run expected wrongly this often after the same one is no longer expected
 SEED = ("seed",)  # a random op's seed: the session's next ones, compared as a run closes
 _GONE = object()
@@ -97,10 +98,11 @@ class Foresight:
 
     def apply(self, placer: Any, ids: list[int]) -> None:
         """The books but where tensors lie (set as each item came): as the kept run left them."""
-        for ref, (copies, recipe, viewed, agreed, forward) in self.changes:
-            if copies is not None:
-                copies = {where: ids[r] for where, r in copies.items()}
-            placer.set_books(ids[ref], (None, copies, recipe, viewed, agreed, forward))
+        set_book = placer.set_book
+        for ref, field, value in self.changes:
+            if field == COPIES and value is not None:
+                value = {where: ids[r] for where, r in value.items()}
+            set_book(field, ids[ref], value)
         placer.set_buckets([(key, size, tuple((ids[r], sig) for r, sig in members))
                             for key, size, members in self.buckets_after])
         for key, (n, nbytes) in self.inserted:
@@ -161,18 +163,19 @@ def learn(tape: Tape, run: Any, variant: Any, placer: Any, count: int) -> Foresi
             parent, where = copy_of[tid]
             ref(tid)
             derived.append((refs[parent], where, footprint(tape.firsts[tid])))
-    changes = []
+    changes = []  # (ref, book, its value there), where the run changed it
     for r, tid in enumerate(order):
         after = placer.books(tid)
         before = tape.firsts.get(tid, _NO_BOOKS)
-        if after[1:] == before[1:]:
-            continue
-        copies = after[1]
-        if copies is not None:
-            if any(c not in refs for c in copies.values()):
-                return "keeps a copy it does not read"
-            copies = {where: refs[c] for where, c in copies.items()}
-        changes.append((r, (copies, *after[2:])))
+        for field in range(COPIES, len(after)):
+            value = after[field]
+            if value == before[field]:
+                continue
+            if field == COPIES and value is not None:
+                if any(c not in refs for c in value.values()):
+                    return "keeps a copy it does not read"
+                value = {where: refs[c] for where, c in value.items()}
+            changes.append((r, field, value))
     buckets_after = []
     for key, size, members in placer.bucket_state():
         if any(tid not in refs for tid, _ in members):
@@ -273,11 +276,12 @@ class Ahead:
         iname, out, args, tmask, kw = ins
         if iname != name or tmask != ptmask or key != pkey:
             return None
-        seeds = self.seeds
+        seeds, refs = self.seeds, self.refs
         for i, a in enumerate(args):
             want = kept[i]
             if tmask >> i & 1:
-                if not self._ref(a, want):
+                r = refs.get(a)
+                if r != want and (r is not None or not self._ref(a, want)):
                     return None
             elif type(a) is Seed:
                 seeds.append(a)

@@ -680,19 +680,20 @@ class Placer:
         return (self.table.get(tid), dict(copies) if copies else None, self.recipes.get(tid),
                 tid in self.viewed, frozenset(agreed) if agreed else None, self.forward.get(tid))
 
-    def set_books(self, tid: int, books: tuple) -> None:
-        """``tid``'s books but its table entry, as ``books()`` gives them."""
-        _, copies, recipe, viewed, agreed, forward = books
-        for book, value in ((self.copies, copies), (self.recipes, recipe),
-                            (self._agreed, agreed and set(agreed)), (self.forward, forward)):
-            if value is None:
-                book.pop(tid, None)
+    def set_book(self, field: int, tid: int, value: Any) -> None:
+        """One of ``tid``'s books (``field``: its place in what ``books()`` gives) set to
+        ``value`` (None: dropped)."""
+        if field == 3:
+            if value:
+                self.viewed.add(tid)
             else:
-                book[tid] = value
-        if viewed:
-            self.viewed.add(tid)
+                self.viewed.discard(tid)
+            return
+        book = (self.table, self.copies, self.recipes, None, self._agreed, self.forward)[field]
+        if value is None:
+            book.pop(tid, None)
         else:
-            self.viewed.discard(tid)
+            book[tid] = set(value) if field == 4 else value
 
     def bucket_state(self) -> list[tuple]:
         """The gradients waiting to be summed: (key, bytes, ((id, sig), ...)) per bucket."""
