@@ -531,15 +531,13 @@ class Executor:
                 poison.pop(tid, None)
                 self.waits.pop(tid, None)
             self.skipped = pending
+            self._count_as(counts)
             raise
         after = self._comm_counts()
         comm = {} if backend.emulated else {  # an emulated launch runs (and counts) them itself
             k: (v[0] - counts.get(k, (0, 0))[0], v[1] - counts.get(k, (0, 0))[1])
             for k, v in after.items() if v != counts.get(k)}
-        for k, (n, nbytes) in comm.items():  # captured, not run: each launch counts them
-            entry = self.plane.stats[k]
-            entry[0] -= n
-            entry[1] -= nbytes
+        self._count_as(counts)  # captured, not run: each launch counts them
         return graphs.Captured(handle, inputs, [(tid, env[tid]) for tid in reads], comm,
                                len(program), graphs.written_inputs(program, set(inputs)),
                                frozenset(shared))
@@ -565,6 +563,16 @@ class Executor:
 
     def _comm_counts(self) -> dict[str, tuple[int, int]]:
         return {k: tuple(v) for k, v in self.plane.stats.items()} if self.plane else {}
+
+    def _count_as(self, counts: dict[str, tuple[int, int]]) -> None:
+        """The collectives counted as ``counts`` says (what a capture recorded never ran)."""
+        if self.plane is not None:
+            stats = self.plane.stats
+            for k in list(stats):
+                if k in counts:
+                    stats[k][:] = counts[k]
+                else:
+                    del stats[k]
 
     def _commit(self, out, args: tuple) -> None:
         """(key, ok): every worker of the program captured it (launch the graph, and from now
