@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -535,7 +535,8 @@ class Dispatcher:
                                program.ranks[0]))
             self.trace_inserted(program.inserted.items(), program.key)
 
-    def trace_inserted(self, inserted, key: int) -> None:
+    def trace_inserted(self, inserted: Iterable[tuple[tuple, tuple[int, int]]],
+                       key: int) -> None:
         """The collectives a program runs that the client did not write, on the dispatcher's
         lane of the trace (count and bytes per (site, kind, asked)), as placing them would."""
         rec = self.trace
