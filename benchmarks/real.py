@@ -127,6 +127,25 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
     return result
 
 
+def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args_: list[str],
+                 dirs: dict[str, str], env: dict, tokens: int, opts) -> list[dict]:
+    """torch's original, then gtmpi's one-GPU runs, each tagged with the round it belongs to."""
+    def one(name, cmd, cwd, run_env):
+        result = run(name, cmd, cwd, run_env, tokens, opts.timeout, opts.trace, opts.memory)
+        return {**result, "round": round_}
+    out = []
+    if "torch" in runs:
+        out.append(one("torch", [py, "run.py", *args_], dirs["torch"], env))
+    for eager in ("", "-eager"):
+        genv = {**env, "GTMPI_AUTO_REPLAY": "0"} if eager else env
+        if "embedded" + eager in runs:
+            out.append(one("gtmpi embedded" + eager, [py, "run.py", *args_], dirs["gtmpi"], genv))
+        if "mpiexec" + eager in runs:
+            out.append(one("gtmpi mpiexec -n 2" + eager,
+                           [*mpiexec, "-n", "2", py, "run.py", *args_], dirs["gtmpi"], genv))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path", help="a checkout of karpathy/nanoGPT")
@@ -138,6 +157,9 @@ def main() -> None:
     ap.add_argument("--size", default="gpt2", choices=["gpt2", "tiny"],
                     help="tiny: 2 layers of 64 on 64 tokens, to try it on CPUs")
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the one-GPU runs this many times, interleaved (torch, gtmpi, torch, ...): "
+                    "the host's drift from call to call shows as the spread of the ratios")
     ap.add_argument("--trace", metavar="DIR", help="gtmpi's runs traced into DIR/<run>.h5")
     ap.add_argument("--memory", metavar="DIR", help="every run's GPU allocations recorded into "
                     "DIR/<run>/ (GTMPI_MEMORY_HISTORY) and what was live at its peak printed")
@@ -166,20 +188,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as where:
         dirs = prepare(args.path, where)
         tokens = args.batch * block
-        if "torch" in runs:
-            results.append(run("torch", [py, "run.py", *common, *one], dirs["torch"], env,
-                               tokens, args.timeout, args.trace, args.memory))
-        for eager in ("", "-eager"):
-            genv = {**env, "GTMPI_AUTO_REPLAY": "0"} if eager else env
-            if "embedded" + eager in runs:
-                results.append(run("gtmpi embedded" + eager, [py, "run.py", *common, *one],
-                                   dirs["gtmpi"], genv, tokens, args.timeout, args.trace,
-                                   args.memory))
-            if "mpiexec" + eager in runs:
-                results.append(run("gtmpi mpiexec -n 2" + eager,
-                                   [*mpiexec, "-n", "2", py, "run.py", *common, *one],
-                                   dirs["gtmpi"], genv, tokens, args.timeout, args.trace,
-                                   args.memory))
+        for round_ in range(args.rounds):
+            results += one_gpu_runs(runs, round_, py, mpiexec, common + one, dirs, env, tokens, args)
         if gpus > 1 and "ddp" in runs:
             results.append(run(f"torch DDP x{gpus}", [py, "-m", "torch.distributed.run",
                                                       "--standalone", f"--nproc-per-node={gpus}",
@@ -197,20 +207,28 @@ def main() -> None:
                                 f"--batch_size={args.batch * gpus}",
                                 "--gradient_accumulation_steps=1"], dirs["gtmpi"], dp_env,
                                tokens * gpus, args.timeout, args.trace, args.memory))
-    base = next((r for r in results if r["run"] == "torch" and r["rc"] == 0), None)
-    one_gpu = {r["run"]: r for r in results if r["rc"] == 0}
+    torch_of = {r.get("round"): r for r in results if r["run"] == "torch" and r["rc"] == 0}
+    first = torch_of.get(0)
+    one_gpu = {r["run"]: r for r in results if r["rc"] == 0 and r.get("round", 0) == 0}
     print(f"\nnanoGPT train.py, {args.size}, batch {args.batch} per GPU, {args.iters} iterations")
-    print(f"{'run':28} {'ms/iter':>9} {'tokens/s':>10} {'vs torch':>9} {'peak GB':>8} "
+    print(f"{'run':28} {'round':>5} {'ms/iter':>9} {'tokens/s':>10} {'vs torch':>9} {'peak GB':>8} "
           f"{'loss 0':>8} {'loss last':>9}")
     for r in results:
         if r["rc"]:
             print(f"{r['run']:28} failed (rc {r['rc']})")
             continue
+        # each round's gtmpi runs against the torch run of the same round: the host drifts
+        base = torch_of.get(r.get("round"), first)
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         r["vs_torch"] = round(ratio, 3)
-        print(f"{r['run']:28} {r['ms']:9.2f} {r['tokens_per_s']:10d} {ratio:8.3f}x "
-              f"{r['peak_gb'] if r['peak_gb'] is not None else '-':>8} {r['loss0']:8.4f} "
-              f"{r['loss_last']:9.4f}")
+        print(f"{r['run']:28} {r.get('round', 0):5d} {r['ms']:9.2f} {r['tokens_per_s']:10d} "
+              f"{ratio:8.3f}x {r['peak_gb'] if r['peak_gb'] is not None else '-':>8} "
+              f"{r['loss0']:8.4f} {r['loss_last']:9.4f}")
+    if args.rounds > 1:
+        for name in dict.fromkeys(r["run"] for r in results if "round" in r and r["rc"] == 0):
+            ratios = sorted(r["vs_torch"] for r in results if r["run"] == name and r["rc"] == 0)
+            print(f"{name}: vs torch over {len(ratios)} rounds: median "
+                  f"{statistics.median(ratios):.3f}x, range {ratios[0]:.3f}-{ratios[-1]:.3f}x")
     for name in list(one_gpu):
         if name.startswith("gtmpi DP") and "gtmpi embedded" in one_gpu:
             one_gpu[name]["vs_gtmpi_one_gpu"] = round(
