@@ -130,8 +130,12 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
 def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args_: list[str],
                  dirs: dict[str, str], env: dict, tokens: int, opts) -> list[dict]:
     """torch's original, then gtmpi's one-GPU runs, each tagged with the round it belongs to."""
+    trace = opts.trace and os.path.join(opts.trace, f"round{round_}")
+    if trace:
+        os.makedirs(trace, exist_ok=True)
+
     def one(name, cmd, cwd, run_env):
-        result = run(name, cmd, cwd, run_env, tokens, opts.timeout, opts.trace, opts.memory)
+        result = run(name, cmd, cwd, run_env, tokens, opts.timeout, trace, opts.memory)
         return {**result, "round": round_}
     out = []
     if "torch" in runs:
@@ -160,7 +164,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="the one-GPU runs this many times, interleaved (torch, gtmpi, torch, ...): "
                     "the host's drift from call to call shows as the spread of the ratios")
-    ap.add_argument("--trace", metavar="DIR", help="gtmpi's runs traced into DIR/<run>.h5")
+    ap.add_argument("--trace", metavar="DIR", help="gtmpi's runs traced into DIR/<run>.h5 (the "
+                    "one-GPU runs into DIR/round<N>/<run>.h5)")
     ap.add_argument("--memory", metavar="DIR", help="every run's GPU allocations recorded into "
                     "DIR/<run>/ (GTMPI_MEMORY_HISTORY) and what was live at its peak printed")
     args = ap.parse_args()
