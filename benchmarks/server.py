@@ -2,8 +2,8 @@
 
     python benchmarks/server.py [--workers 2] [--device cpu|cuda]
 
-Starts ``mpiexec -n W+1 python -m gtmpi.server`` itself, then runs clients (each its own
-``mpiexec -n 1``) against it:
+Starts ``mpiexec -n W+1 python -m gtmpi.server`` itself, then runs clients (each a plain
+``python``) against it:
 (a) read latency: one client makes a fresh value and reads it, 300 times (the median and the
     90th percentile), alone and while 3 other clients run tight loops of small ops (issue 22
     asks the median within 3x of alone); plain torch's op-and-read in this process beside it
@@ -18,8 +18,9 @@ Prints a table, then one JSON line.
     python benchmarks/server.py --clients N
 
 instead measures memory per client served (issue 33 asks 1,000 clients to grow no server
-process by more than 5 MB): N clients one after another (each uploads, computes, reads and
-leaves), every server rank's resident memory after the first 20 and after all N.
+process by more than 5 MB): N clients one after another, or --at-once K at a time (each
+uploads, computes, reads and leaves), every server rank's resident memory after the first 20
+and after all N.
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gtmpi.transport.joining import joining_jobs  # noqa: E402
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 if not os.path.exists(MPIEXEC):
     MPIEXEC = "mpiexec"
@@ -85,9 +85,8 @@ class Bench:
         self.dir = tempfile.mkdtemp(prefix="gtmpi-server-bench-")
         self.port = os.path.join(self.dir, "server.port")
         self.env = env
-        self.launch, self.pmix = joining_jobs(MPIEXEC, self.dir, env=env)
         self.server = subprocess.Popen(
-            [MPIEXEC, *self.launch, "-n", str(workers + 1), sys.executable, "-m", "gtmpi.server",
+            [MPIEXEC, "-n", str(workers + 1), sys.executable, "-m", "gtmpi.server",
              "--port-file", self.port], env=env, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(self.dir, "server.log"), "w"), start_new_session=True)
         deadline = time.monotonic() + 120
@@ -102,7 +101,7 @@ class Bench:
         path = os.path.join(self.dir, f"{name}.py")
         with open(path, "w") as f:
             f.write(textwrap.dedent(body))
-        return subprocess.Popen([MPIEXEC, *self.launch, "-n", "1", sys.executable, path, *args],
+        return subprocess.Popen([sys.executable, path, *args],  # a client needs no launcher
                                 env={**self.env, "GTMPI_CONNECT": self.port, **env},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -145,8 +144,6 @@ class Bench:
             self.server.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(self.server.pid, signal.SIGKILL)
-        if self.pmix is not None:
-            os.killpg(self.pmix.pid, signal.SIGTERM)
 
 
 def main() -> None:
@@ -159,6 +156,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3, help="runs with and without a monitor, (c)")
     p.add_argument("--clients", type=int, default=0,
                    help="measure memory per client served over this many clients instead")
+    p.add_argument("--at-once", type=int, default=1,
+                   help="with --clients: this many clients run together, wave after wave")
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": ROOT, "GTMPI_DEVICE": args.device,
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -169,11 +168,11 @@ def main() -> None:
     bench = Bench(args.workers, env)
     if args.clients:
         try:
-            got = clients_memory(bench, args.clients)
+            got = clients_memory(bench, args.clients, at_once=args.at_once)
         finally:
             bench.close()
-        print(f"gtmpi server, {args.workers} worker(s), {args.clients} clients one after another "
-              f"({got['seconds']} s), {platform.node()}, "
+        print(f"gtmpi server, {args.workers} worker(s), {args.clients} clients, {args.at_once} at "
+              f"a time ({got['seconds']} s), {platform.node()}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         print(f"{'server process':>16} {'RSS after 20 (MB)':>18} {'after all (MB)':>15} "
               f"{'growth (MB)':>12} {'per client (KB)':>16}")
@@ -247,16 +246,21 @@ SHORT = """
 """
 
 
-def clients_memory(bench: Bench, clients: int, warm: int = 20) -> dict:
-    """Resident memory of every server rank after ``warm`` clients and after ``clients``."""
+def clients_memory(bench: Bench, clients: int, warm: int = 20, at_once: int = 1) -> dict:
+    """Resident memory of every server rank after ``warm`` clients and after ``clients``,
+    ``at_once`` clients running together (each wave's all gone before the next starts)."""
     start = time.monotonic()
     before = {}
-    for i in range(clients):
-        proc = bench.client(SHORT, name="short")
-        out, err = proc.communicate(timeout=120)
-        said = [ln for ln in out.splitlines() if "UCX" not in ln]  # UCX's notes at exit
-        assert proc.returncode == 0 and said and float(said[-1]) == 1024 ** 2, out + err[-2000:]
-        if i + 1 == warm:
+    served = 0
+    while served < clients:
+        wave = [bench.client(SHORT, name="short") for _ in range(min(at_once, clients - served))]
+        for proc in wave:
+            out, err = proc.communicate(timeout=120)
+            said = [ln for ln in out.splitlines() if "UCX" not in ln]  # UCX's notes at exit
+            assert proc.returncode == 0 and said and float(said[-1]) == 1024 ** 2, \
+                out + err[-2000:]
+        served += len(wave)
+        if not before and served >= warm:
             before = bench.ranks_rss()
     after = bench.ranks_rss()
     growth = {pid: after[pid] - before[pid] for pid in after if pid in before}

@@ -11,11 +11,7 @@ import difflib as _difflib
 import sys as _sys
 import warnings as _warnings
 
-from .transport.trust import no_reads_in_place as _no_reads_in_place
-
-_no_reads_in_place()  # before any library below loads UCX (transport/trust.py)
-
-import torch as _torch  # noqa: E402
+import torch as _torch
 
 from . import amp, backends, cuda, debug, nn, optim, pipeline, profiler, trace, utils
 from .amp import autocast

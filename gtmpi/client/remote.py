@@ -1,13 +1,11 @@
 """A session that joins a gtmpi server (gtmpi/server) instead of starting workers.
 
-    GTMPI_CONNECT=PATH mpiexec -n 1 python train.py     (an unchanged script)
+    GTMPI_CONNECT=PATH python train.py                   (an unchanged script)
     gtmpi.connect(PATH)                                  (before the first tensor op)
 
 The client keeps everything of a session but the workers: its ids, autograd, signals, configs,
-placement and replayed programs are its own. MPICH joins two jobs only if each was started by
-mpiexec, so a client is started by its own ``mpiexec -n 1`` (Open MPI 4 needs both jobs to reach
-one PMIx server: start ``ompi-server --report-uri FILE`` once and give every mpiexec
-``--ompi-server file:FILE``).
+placement and replayed programs are its own. It speaks TCP to the server's rank 0 alone
+(transport/frames.py), so it is started as any program is: plain ``python`` or ``mpiexec -n 1``.
 """
 from __future__ import annotations
 
@@ -17,10 +15,9 @@ import socket
 import sys
 
 from ..dispatcher.dispatcher import SHARED_BATCH_MAX
-from ..transport.joining import LAUNCHER_ENV
+from ..transport.frames import Channel
 from ..transport.rendezvous import dial, read_port_file
 from ..transport.remote import RemoteLink, ServerConnection, ServerGone
-from ..transport.tags import Tag
 from .runtime import Runtime
 
 CONNECT_TIMEOUT_S = 30.0
@@ -28,28 +25,20 @@ CONNECT_TIMEOUT_S = 30.0
 
 def start_remote(path: str) -> Runtime:
     """Connect to the server whose port file is ``path``: a Runtime whose links go through it."""
-    if not any(k in os.environ for k in LAUNCHER_ENV):
-        raise RuntimeError(f"gtmpi: joining the server of {path} needs MPI's launcher: start this "
-                           "program with `mpiexec -n 1 python ...` (MPI connects two jobs only "
-                           "if each was started by mpiexec)")
-    from mpi4py import MPI
     info = read_port_file(path)
     if info.get("kind") != "server":
         raise RuntimeError(f"gtmpi: {path} is the port file of a {info.get('kind')}, not of a "
                            "server: use it with gtmpi-trace top")
-    port = MPI.Open_port()
-    try:
-        lines = dial(info, {"role": "client", "port": port, "pid": os.getpid(),
-                            "host": socket.gethostname(), "name": _program_name()})
-        answer = lines.recv(timeout_s=CONNECT_TIMEOUT_S)
-        if not answer or "refused" in answer or not answer.get("connecting"):
-            why = (answer or {}).get("refused", "no answer")
-            raise ConnectionRefusedError(f"gtmpi: the server of {path} refused this client: {why}")
-        inter = MPI.COMM_SELF.Accept(port)  # the server's whole job connects, workers too
-    finally:
-        MPI.Close_port(port)
-    welcome = inter.recv(source=0, tag=Tag.WELCOME)
-    conn = ServerConnection(inter, lines, path, welcome["slot"])
+    lines = dial(info, {"role": "client", "pid": os.getpid(), "host": socket.gethostname(),
+                        "name": _program_name()})
+    answer = lines.recv(timeout_s=CONNECT_TIMEOUT_S)
+    if not answer or "refused" in answer or not isinstance(answer.get("welcome"), dict):
+        lines.close()
+        why = (answer or {}).get("refused", "no answer")
+        raise ConnectionRefusedError(f"gtmpi: the server of {path} refused this client: {why}")
+    welcome = answer["welcome"]
+    # the rest of the connection is frames; what came after the welcome's line is their start
+    conn = ServerConnection(Channel(lines.sock, already=lines.rest()), path, welcome["slot"])
     workers = {int(r): w for r, w in welcome["workers"].items()}
     links = {r: RemoteLink(conn, r) for r in workers}
     rt = Runtime(links, workers)

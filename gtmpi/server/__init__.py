@@ -6,11 +6,11 @@ Rank 0 runs no program of its own: it waits for clients and forwards their work;
 are workers as in any run. A client (``gtmpi.connect(PATH)``, or ``GTMPI_CONNECT=PATH`` for an
 unchanged script, started by ``mpiexec -n 1``) keeps its own session: its tensors, autograd,
 signals, configs and placement are its own, and its dispatcher turns its ops into per-worker
-batches as in an ordinary run. Those batches, the workers' replies and the client's uploads
-travel through this process over MPI; what a worker sends back of a tensor (a read) goes
-straight to the client. Both ride the client's intercommunicator: the server's rank 0 and every
-worker connect to the client's port together (Connect is collective), so that the client sees
-rank r of this job as rank r of it.
+batches as in an ordinary run. A client speaks to this process alone, over the TCP connection
+it joined with (transport/frames.py), never over MPI: its batches, uploads, the workers' replies
+and its reads all pass through here, relayed to and from the workers over the job's own
+communicators. So a client leaves nothing behind in MPI (MPICH keeps about 80 KB of every
+process a job ever connected to, in every rank), and it is started as any program is.
 
 What the server guarantees:
 - Isolation. Each client has a slot; a worker keeps every slot's tensors, programs, graphs and
@@ -25,13 +25,13 @@ What the server guarantees:
   a tight loop keeps the workers' queues short for the others (clients batch at most
   SHARED_BATCH_MAX instructions).
 - Clients that go. A client leaves with LEAVE (at exit); one killed is seen by the end of its
-  TCP connection (transport/rendezvous.py). Either way its slot is dropped on every worker,
-  freeing its memory, and the server carries on.
+  TCP connection. Either way its slot is dropped on every worker, freeing its memory, and the
+  server carries on.
 - No worker waits on a client. A client's uploads reach a worker through this process, and a
   round goes to the workers only once every upload sent before it is here (a client killed
   mid-send would otherwise leave a worker waiting for bytes that never come, and the other
-  workers waiting for it in a collective). A read sent to a client that is gone is given up
-  when the client's DROP is queued behind it (transport/mpi.HostLink).
+  workers waiting for it in a collective). A worker's reads go to this process, which always
+  takes them, so no worker waits on a client that does not read.
 - Shutdown on request (``python -m gtmpi.server --stop --port-file PATH``) or SIGTERM: every
   client is told (ENDING), then the workers stop.
 """
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
 import signal
 import sys
 import time
@@ -48,6 +49,7 @@ from mpi4py import MPI
 
 from ..monitor.hub import Hub
 from ..recording.events import now
+from ..transport.frames import Channel
 from ..transport.mpi import Sends
 from ..transport import wire
 from ..transport.rendezvous import LOOPBACK, Lines
@@ -60,18 +62,18 @@ from .tracing import ServerTrace
 INFLIGHT_ALONE = 4
 INFLIGHT_SHARED = 1
 RECV_DEADLINE_S = 10.0  # a message that started to arrive and does not finish: its sender died
+TAKES_S = 10.0  # a client that takes nothing of what it was sent (a read) for this long: dropped
 # the largest message a client may send but an upload (a batch of instructions is far smaller);
 # an upload may be as large as the client's quota, if the server has one
 MESSAGE_MAX = 64 << 20
-LIVENESS_EVERY_S = 0.05  # how often the clients' TCP connections are checked for their end
+UPLOAD_MAX = 1 << 62
 GRACE_S = 2.0  # how long clients get, once told the server ends, before the workers stop
 
 
 class Client:
-    def __init__(self, slot: int, inter: MPI.Intercomm, lines: Lines,
-                 hello: dict[str, Any]) -> None:
+    def __init__(self, slot: int, chan: Channel, hello: dict[str, Any]) -> None:
         self.slot = slot
-        self.inter, self.lines = inter, lines
+        self.chan = chan
         self.name = str(hello.get("name", "?"))[:80]
         self.pid, self.host = hello.get("pid"), hello.get("host")
         # whole rounds not yet sent on: (their batches, when the last part arrived, how many
@@ -80,16 +82,11 @@ class Client:
         self.current: list = []  # the round still arriving: (worker rank, batch bytes)
         self.uploads = 0  # uploads relayed to the workers
         self.unacked = 0
-        self.sends = Sends()  # to the client
         self.state = "live"  # live, leaving (asked), dropping (slot being freed), gone
         self.killed = False
         self.drops = 0  # workers yet to confirm the slot dropped
-        # the message arriving now: (its receive, its buffer, its tag, the deadline)
-        self.arriving: tuple[MPI.Request, bytearray, int, float] | None = None
-        # receives that never finished (the client died while sending): kept, with their
-        # buffers, for good, and so is its intercommunicator, which is never freed (MPI would
-        # give its context to a later client, whose messages could then finish them)
-        self.stuck: list[tuple[MPI.Request | MPI.Message, bytearray | None]] = []
+        self.closing_by: float | None = None  # gone: its last words are flushed until then
+        self.shut = False  # its connection shut for writing, all said
         self.joined = time.time()
         self.counts = {"rounds": 0, "batches": 0, "bytes_in": 0, "bytes_out": 0}
 
@@ -113,8 +110,7 @@ class Server:
         self.ranks = sorted(d.links)
         self.comms = d.links[self.ranks[0]].comms
         self.clients: dict[int, Client] = {}
-        self.lingering: list[Client] = []  # dropped, their communicators not yet freed
-        self.stuck: list[Client] = []  # gone while sending: kept for good (Client.stuck)
+        self.closing: list[Client] = []  # gone, their last words (goodbye, why) still flushing
         self.gone: list[dict] = []  # the last 100 clients that left or were dropped (monitor)
         self._next_slot = 1
         self._max_slot = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) // SLOT_STRIDE - 1
@@ -127,7 +123,6 @@ class Server:
         self.trace = ServerTrace(trace, rt.workers) if trace else None
         d.post("serving", (self.quota,), self.ranks)
         d.post("monitor", (self.hub.address, self.hub.token), self.ranks)
-        self._last_liveness = 0.0
 
     def _figures(self) -> dict[str, Any]:
         return {"clients": [c.about() for c in list(self.clients.values())],
@@ -152,7 +147,7 @@ class Server:
                         moved = True
                 moved |= self._from_workers()
                 moved |= self._schedule()
-                self._liveness()
+                moved |= self._to_clients()
                 if self.ending is not None and self._ended():
                     return
                 if moved:
@@ -169,11 +164,11 @@ class Server:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.hub.close()
-            for c in self.lingering:  # the server ends: what they still send goes nowhere
-                c.sends.settle(0.5)
-                if not c.stuck and c.arriving is None:
-                    c.inter.Free()
-                c.lines.close()
+            for c in [*self.clients.values(), *self.closing]:  # their last words, briefly
+                deadline = time.monotonic() + 0.5
+                while not c.chan.flush() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                c.chan.close()
             if self.trace is not None:
                 print(f"gtmpi.server: trace written to {self.trace.write()}", file=sys.stderr,
                       flush=True)
@@ -187,7 +182,7 @@ class Server:
         print(f"gtmpi.server: shutting down ({why})", file=sys.stderr, flush=True)
         for c in self.clients.values():
             if c.state in ("live", "leaving"):
-                self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps((False, why)))
+                self._to_client(c, Tag.ENDING, pickle.dumps((False, why)))
 
     def _ended(self) -> bool:
         if time.monotonic() > self._ending_at:
@@ -220,45 +215,28 @@ class Server:
             lines.send({"refused": "the server has no free client slot"})
             lines.close()
             return
-        port = hello.get("port")
-        if not isinstance(port, str):
-            lines.send({"refused": "no MPI port"})
-            lines.close()
-            return
-        # every worker must get to the Connect: what it still needs of this process (batches,
-        # uploads) is sent first. Only then is the client told to accept, and the Connect
-        # follows at once: a client that dies while the job connects to it is fatal to MPI
-        # here (measured: MPICH over UCX ends the connecting process with a segfault), so the
-        # time it waits in Accept is kept to the Connect itself
-        self._out.drain()
-        lines.poll()
-        if lines.closed:
-            print(f"gtmpi.server: a client (pid {hello.get('pid')}) left before it was "
-                  "connected", file=sys.stderr, flush=True)
-            lines.close()
-            return
-        lines.send({"connecting": True, "slot": slot})
+        # the workers make the slot before any of the client's batches reach them (one queue)
         for rank in self.ranks:
             self._to_worker(rank, self.comms.ctrl, Tag.ADMIT + SLOT_STRIDE * slot,
                             MPI.pickle.dumps(None))
-        try:
-            inter = self.comms.base.Connect(port, root=0)
-        except MPI.Exception as e:
-            print(f"gtmpi.server: a client (pid {hello.get('pid')}) could not be connected: {e}",
-                  file=sys.stderr, flush=True)
-            lines.close()
-            return
-        c = self.clients[slot] = Client(slot, inter, lines, hello)
+        # a client gone by now is found so by its connection's end, and dropped as any other
+        lines.send({"welcome": {"slot": slot, "workers": self.rt.workers,
+                                "quota_bytes": self.quota}})
+        chan = Channel(lines.sock, already=lines.rest(), limit=self._limit)
+        chan.closed = chan.closed or lines.closed
+        c = self.clients[slot] = Client(slot, chan, hello)
         if self.trace is not None:
             self.trace.joined(slot, c.name, c.pid, c.host)
-        inter.send({"slot": slot, "workers": self.rt.workers, "quota_bytes": self.quota}, 0,
-                   Tag.WELCOME)
+
+    def _limit(self, tag: int) -> int:
+        """The largest message a client may send with ``tag`` (its worker's rank in it)."""
+        return (self.quota or UPLOAD_MAX) if tag % SLOT_STRIDE == Tag.UPLOAD else MESSAGE_MAX
 
     def _new_slot(self) -> int | None:
         for _ in range(self._max_slot):
             slot = self._next_slot
             self._next_slot = slot + 1 if slot < self._max_slot else 1
-            if slot not in self.clients and all(c.slot != slot for c in self.lingering):
+            if slot not in self.clients:
                 return slot
         return None
 
@@ -274,7 +252,7 @@ class Server:
             rank, tag = divmod(full_tag, SLOT_STRIDE)
             # what goes on to a worker names one; the rest is for the server alone
             for_worker = tag in (Tag.BATCH, Tag.UPLOAD, Tag.CLOCK_PING)
-            if buf is None or (rank not in self.ranks if for_worker else rank != 0):
+            if buf is None or tag < 0 or (rank not in self.ranks if for_worker else rank != 0):
                 self._expel(c, why or f"a message (tag {tag}) for rank {rank}, where no such "
                             "message goes")
                 return True
@@ -305,33 +283,20 @@ class Server:
         return moved
 
     def _take(self, c: Client) -> tuple[bytearray | None, int, str | None] | None:
-        """The client's next message whole, as (its bytes, its tag, None); (None, its tag, why)
-        for one refused: larger than the client may send (never received: no buffer for it is
-        made), or not arrived whole within RECV_DEADLINE_S of its start (its sender died
-        mid-transfer); None while nothing more has arrived. A message still arriving waits for
-        a later turn of the loop: the other clients are served meanwhile."""
-        if c.arriving is None:
-            status = MPI.Status()
-            msg = c.inter.improbe(0, MPI.ANY_TAG, status)
-            if msg is None:
-                return None
-            size, tag = status.Get_count(MPI.BYTE), status.Get_tag()
-            limit = (self.quota or size) if tag % SLOT_STRIDE == Tag.UPLOAD else MESSAGE_MAX
-            if size > limit:
-                c.stuck.append((msg, None))
-                return None, tag, f"a message of {size:,} bytes, over its limit of {limit:,}"
-            buf = bytearray(size)
-            c.arriving = (msg.Irecv([buf, MPI.BYTE]), buf, tag,
-                          time.monotonic() + RECV_DEADLINE_S)
-        req, buf, tag, deadline = c.arriving
-        if req.Test():
-            c.arriving = None
-            return buf, tag, None
-        if time.monotonic() < deadline:
-            return None
-        c.stuck.append((req, buf))
-        c.arriving = None
-        return None, tag, f"a message that did not arrive whole within {RECV_DEADLINE_S:.0f} s"
+        """The client's next message whole, as (its bytes, its tag, None); (None, -1, why) for
+        one refused: larger than the client may send (refused from its header: no buffer for
+        it is made), or not arrived whole within RECV_DEADLINE_S of its start (its sender died
+        or stalls mid-message); None while nothing more has arrived. A message still arriving
+        waits for a later turn of the loop: the other clients are served meanwhile."""
+        c.chan.pump()
+        if c.chan.frames:
+            frame = c.chan.frames.popleft()
+            return frame.body, frame.tag, None
+        if c.chan.refused is not None:
+            return None, -1, c.chan.refused
+        if c.chan.arriving_for() > RECV_DEADLINE_S:
+            return None, -1, f"a message that did not arrive whole within {RECV_DEADLINE_S:.0f} s"
+        return None
 
     def _schedule(self) -> bool:
         """One whole round per client in turn, from clients not too far ahead whose uploads
@@ -360,7 +325,7 @@ class Server:
     def _from_workers(self) -> bool:
         moved = False
         status = MPI.Status()
-        comm = self.comms.reply  # (reads go from the workers straight to their clients)
+        comm = self.comms.reply
         while (msg := comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
             moved = True
             buf = bytearray(status.Get_count(MPI.BYTE))
@@ -380,41 +345,49 @@ class Server:
                 c.unacked -= 1
             if c.state in ("live", "leaving"):
                 c.counts["bytes_out"] += len(buf)
-                self._to_client(c, c.inter, tag + SLOT_STRIDE * rank, buf)
+                if tag in (Tag.READ_OK, Tag.READ_FAULT):  # as from the worker itself
+                    self._to_client(c, tag, buf, source=rank)
+                else:
+                    self._to_client(c, tag + SLOT_STRIDE * rank, buf)
         return moved
 
     def _to_worker(self, rank: int, comm: MPI.Intracomm, tag: int, buf: Any) -> None:
         self._out.keep(comm.Isend([buf, MPI.BYTE], rank, tag), buf)
 
-    def _to_client(self, c: Client, comm: MPI.Intercomm, tag: int, buf: Any) -> None:
-        c.sends.keep(comm.Isend([buf, MPI.BYTE], 0, tag), buf)
+    def _to_client(self, c: Client, tag: int, buf: Any, source: int = 0) -> None:
+        if not c.chan.closed:
+            c.chan.send(source, tag, buf)
 
     # clients going ----------------------------------------------------------------------------
 
-    def _liveness(self) -> None:
-        now = time.monotonic()
-        if now - self._last_liveness < LIVENESS_EVERY_S:
-            return
-        self._last_liveness = now
+    def _to_clients(self) -> bool:
+        """What the clients have not taken yet, sent on; a client whose connection ended is
+        dropped, and one that takes nothing of what it was sent for TAKES_S is expelled."""
+        moved = False
         for c in list(self.clients.values()):
-            if c.state in ("live", "leaving"):
-                c.lines.poll()
-                if c.lines.closed:
-                    self._drop(c, killed=True)
-        for c in list(self.lingering):
-            # the rest it sent, into nothing; a message that never finishes stays stuck
-            while (taken := self._take(c)) is not None and taken[0] is not None:
-                pass
-            if not c.lines.closed:
-                c.lines.poll()
-            if c.lines.closed and (c.arriving is None or c.stuck):
-                c.sends.settle(2.0)
-                if not c.stuck:
-                    c.inter.Free()
-                c.lines.close()
-                self.lingering.remove(c)
-                if c.stuck:
-                    self.stuck.append(c)
+            if c.state not in ("live", "leaving"):
+                continue
+            c.chan.flush()
+            if c.chan.closed:
+                self._drop(c, killed=True)
+                moved = True
+            elif c.chan.stalled_since is not None and \
+                    time.monotonic() - c.chan.stalled_since > TAKES_S:
+                self._expel(c, f"it did not take a read (or else what it was sent) within "
+                            f"{TAKES_S:.0f} s")
+                moved = True
+        for c in list(self.closing):
+            # its last words sent, the connection is shut for writing; what the client still
+            # sends is read into nothing until it closes its end (closed with bytes unread,
+            # the connection would reset, and the client could lose those last words)
+            if c.chan.flush() and not c.shut:
+                c.chan.shut_writes()
+                c.shut = True
+            c.chan.pump()
+            if c.chan.closed or time.monotonic() > c.closing_by:
+                c.chan.close()
+                self.closing.remove(c)
+        return moved
 
     def _drop(self, c: Client, killed: bool) -> None:
         """Free a client's slot on every worker, behind the rounds it was sent (a killed
@@ -422,8 +395,6 @@ class Server:
         c.killed = killed
         c.rounds.clear()
         c.current = []
-        if killed and c.lines.closed:
-            c.sends.settle(0.0)  # a dead peer never takes them
         c.state = "dropping"
         c.drops = len(self.ranks)
         for rank in self.ranks:
@@ -442,7 +413,7 @@ class Server:
         message = f"{why}; the server has dropped the client"
         print(f"gtmpi.server: client {c.slot} ({c.name}, pid {c.pid}): {message}",
               file=sys.stderr, flush=True)
-        self._to_client(c, c.inter, Tag.ENDING, MPI.pickle.dumps((True, message)))
+        self._to_client(c, Tag.ENDING, pickle.dumps((True, message)))
         self._drop(c, killed=True)
 
     def _dropped(self, slot: int) -> None:
@@ -454,20 +425,13 @@ class Server:
             return
         del self.clients[slot]
         if c.killed:
-            # its communicators are freed only once its process has let go of them (its TCP
-            # connection ended) and what it sent is drained: MPI gives a freed communicator's
-            # context to the next one, and a message still on its way would be matched there,
-            # as if the next client had sent it
-            self.lingering.append(c)
-            how = "gone (its connection ended)" if c.lines.closed else "dropped"
+            how = "gone (its connection ended)" if c.chan.closed else "dropped"
         else:
-            c.inter.send(None, 0, Tag.GOODBYE)
-            c.sends.settle(2.0)
-            # freed, not disconnected: a disconnect is collective with the workers, which
-            # freed their ends when they dropped the slot (both MPIs let every side go so)
-            c.inter.Free()
-            c.lines.close()
+            self._to_client(c, Tag.GOODBYE, pickle.dumps(None))
             how = "left"
+        c.closing_by = time.monotonic() + 2.0  # what it was told last, then its connection ends
+        c.chan.discard()
+        self.closing.append(c)
         c.state = how.split()[0]
         if self.trace is not None:
             self.trace.left(slot, how)

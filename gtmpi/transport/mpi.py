@@ -6,9 +6,9 @@ on every rank, keep the three kinds of traffic from ever matching each other's r
   reply  worker -> rank 0: small pickled objects (hello, acks, sync, stats, faults)
   data   both ways: raw tensor bytes (uploads and reads), never pickled
 
-Under a server (gtmpi/server) a client's ctrl and reply go through the server's rank 0, and so
-do its uploads; its data communicator is an intercommunicator that every worker joined, so
-reads come from a worker straight to the client (see HostLink.for_slot).
+Under a server (gtmpi/server) everything of a client goes through the server's rank 0, which
+speaks to the client over TCP (transport/frames.py): its batches, its uploads, and the workers'
+replies and reads (a client's reads ride the reply communicator, see HostLink.for_slot).
 """
 from __future__ import annotations
 
@@ -183,11 +183,10 @@ class WorkerLink:
 
 
 CLIENT_UPLOAD_S = 10.0  # for a server's client's upload bytes to reach the worker
-CLIENT_TAKES_S = 10.0  # a read a server's client does not take within this: it is broken
 
 
 class ClientGone(RuntimeError):
-    """A server's client did not take a read: it was dropped, or it does not receive."""
+    """A server's client did not send the bytes of an upload it counted."""
 
 
 class Incoming(NamedTuple):
@@ -212,18 +211,16 @@ class HostLink:
     ordinary session (slot 0), or of one client of a server (its slot rides in every tag)."""
 
     def __init__(self, comms: Comms, slot: int = 0, sends: Sends | None = None,
-                 client: MPI.Intercomm | None = None, inbox: Inbox | None = None):
+                 inbox: Inbox | None = None):
         self.comms = comms
         self.slot = slot
         self._o = SLOT_STRIDE * slot
         self._sends = sends if sends is not None else Sends()
-        self._reads = client if client is not None else comms.data
         self.inbox = inbox if inbox is not None else Inbox()
 
-    def for_slot(self, slot: int, client: MPI.Intercomm) -> "HostLink":
-        """The same worker's link for a server's client ``slot`` (one queue of sends), whose
-        reads go to the client itself, over ``client`` (the client is its rank 0)."""
-        return HostLink(self.comms, slot, self._sends, client, self.inbox)
+    def for_slot(self, slot: int) -> "HostLink":
+        """The same worker's link for a server's client ``slot`` (one queue of sends)."""
+        return HostLink(self.comms, slot, self._sends, self.inbox)
 
     def next_message(self) -> Incoming | None:
         """The next message on ctrl, of any slot, received; None if none has come."""
@@ -232,10 +229,9 @@ class HostLink:
         return self._take()
 
     def _take(self) -> Incoming | None:
-        """A message's body is what it holds. A server's client's (a slot in its tag) is
-        decoded strictly (transport/wire.py), its body then the Refused that says why it is not
-        one of gtmpi's; this job's own rank 0 is trusted with plain pickle, which measured
-        faster per read (benchmarks/dispatch.py)."""
+        """A message's body is what it holds. A server's client's (a slot in its tag) is in the
+        wire's plain layout (transport/wire.py), its body then the Refused that says why it is
+        not one of gtmpi's; this job's own rank 0 is trusted with pickle, which is faster."""
         status = MPI.Status()
         msg = self.comms.ctrl.improbe(0, MPI.ANY_TAG, status)
         if msg is None:
@@ -290,19 +286,10 @@ class HostLink:
         self.comms.reply.send(fault, 0, Tag.FAULT + self._o)
 
     def _send_read(self, data: np.ndarray, tag: Tag) -> None:
-        if not self.slot:
-            self._reads.Send([data, MPI.BYTE], 0, tag)
-            return
-        # a server's client may be gone (kill -9) and never take it: the wait ends when the
-        # server's DROP of it is queued behind, or after CLIENT_TAKES_S
-        req = self._reads.Isend([data, MPI.BYTE], 0, tag)
-
-        def dropped() -> bool:  # a probe leaves the DROP where it is: asked again, it says so
-            return self.comms.ctrl.iprobe(0, Tag.DROP + self._o) or \
-                any(m.tag == Tag.DROP + self._o for m in self.inbox.ctrl)
-        if not _done_or_cancelled(req, time.monotonic() + CLIENT_TAKES_S, dropped):
-            raise ClientGone("the client was dropped" if dropped() else
-                             f"the client did not take a read within {CLIENT_TAKES_S:.0f} s")
+        # a server's client's read goes to the server, which relays it and always takes it
+        # (the reply communicator, where the server looks for all of a slot's messages)
+        comm = self.comms.reply if self.slot else self.comms.data
+        comm.Send([data, MPI.BYTE], 0, tag + self._o)
 
     def reply(self, tag: int, obj: Any) -> None:
         self.comms.reply.send(obj, 0, tag + self._o)

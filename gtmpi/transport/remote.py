@@ -1,18 +1,142 @@
-"""A client's end of a server (gtmpi/server): one intercommunicator to the server's whole job,
-whose rank r is the job's rank r. The instruction stream, the replies and the uploads go to and
-from the server's rank 0, which forwards them (the worker's rank rides in every tag, tags.py);
-reads come from each worker straight to the client."""
+"""A client's end of a server (gtmpi/server): one TCP connection to the server's rank 0
+(transport/frames.py), which relays everything to and from the workers: the instruction stream,
+the replies, the uploads and the reads. On it, ``FrameComm`` answers the few MPI calls a
+worker's link makes (sends, matched probes, receives), so that ``WorkerLink`` talks to a worker
+through the server as it does over MPI: the server's own messages and the workers' replies come
+from source 0 with the worker's rank in the tag (tags.py), a worker's read from the worker's
+rank."""
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any
 
 from mpi4py import MPI
 
+from . import wire
+from .frames import Channel, Frame
 from .mpi import Comms, Sends, WorkerLink
 from .poll import wait_for
-from .rendezvous import Lines
 from .tags import Tag
+
+
+class _Sent:
+    """A send: done once the socket has taken all of it (or the connection ended)."""
+
+    def __init__(self, chan: Channel, through: int) -> None:
+        self.chan, self.through = chan, through
+
+    def Test(self, status: MPI.Status | None = None) -> bool:
+        self.chan.flush()
+        return self.chan.closed or self.chan.sent >= self.through
+
+    def Wait(self) -> None:
+        wait_for(lambda: True if self.Test() else None)
+
+    def Cancel(self) -> None:
+        pass
+
+    def Free(self) -> None:
+        pass
+
+
+class _Matched:
+    """A frame taken by a matched probe, as MPI's Message."""
+
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+
+    def recv(self) -> Any:
+        return pickle.loads(self.frame.body)  # the server's and its workers': trusted
+
+    def irecv(self) -> "_Received":
+        return _Received(self.recv())
+
+    def Recv(self, spec: Any) -> None:
+        _copy(self.frame, spec)
+
+
+class _Received:
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def test(self) -> tuple[bool, Any]:
+        return True, self.obj
+
+
+class _Receive:
+    """A posted receive of raw bytes into a buffer: matched when its frame is here."""
+
+    def __init__(self, comm: "FrameComm", spec: Any, source: int, tag: int) -> None:
+        self.comm, self.spec, self.source, self.tag = comm, spec, source, tag
+
+    def Test(self, status: MPI.Status | None = None) -> bool:
+        frame = self.comm.match(self.source, self.tag, status)
+        if frame is None:
+            return False
+        _copy(frame, self.spec)
+        return True
+
+
+def _copy(frame: Frame, spec: Any) -> None:
+    buf = memoryview(spec[0]).cast("B")
+    buf[:len(frame.body)] = frame.body
+
+
+class FrameComm:
+    """MPI's calls that WorkerLink and ServerConnection make, over a client's Channel."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+
+    def match(self, source: int, tag: int, status: MPI.Status | None = None) -> Frame | None:
+        """The first frame arrived from ``source`` with ``tag`` (either may be ANY), taken."""
+        self._progress()
+        for i, f in enumerate(self.chan.frames):
+            if (source == MPI.ANY_SOURCE or f.source == source) and \
+                    (tag == MPI.ANY_TAG or f.tag == tag):
+                del self.chan.frames[i]
+                if status is not None:
+                    status.Set_source(f.source)
+                    status.Set_tag(f.tag)
+                    status.Set_elements(MPI.BYTE, len(f.body))
+                return f
+        return None
+
+    def _progress(self) -> None:
+        """What waits to be sent goes on (an upload's rest: the server holds the next round
+        until it is whole), and what has come is taken in."""
+        self.chan.flush()
+        self.chan.pump()
+
+    def improbe(self, source: int, tag: int, status: MPI.Status | None = None) -> _Matched | None:
+        frame = self.match(source, tag, status)
+        return None if frame is None else _Matched(frame)
+
+    def iprobe(self, source: int, tag: int) -> bool:
+        self._progress()
+        return any((source == MPI.ANY_SOURCE or f.source == source) and
+                   (tag == MPI.ANY_TAG or f.tag == tag) for f in self.chan.frames)
+
+    def isend(self, obj: Any, dest: int, tag: int) -> _Sent:
+        """A client's messages go in the wire's plain layout: the server's processes load
+        nothing else (wire.py)."""
+        return _Sent(self.chan, self.chan.send(0, tag, wire.dumps(obj)))
+
+    def send(self, obj: Any, dest: int, tag: int) -> None:
+        self.isend(obj, dest, tag).Wait()
+
+    def Isend(self, spec: Any, dest: int, tag: int) -> _Sent:
+        return _Sent(self.chan, self.chan.send(0, tag, spec[0]))
+
+    def Send(self, spec: Any, dest: int, tag: int) -> None:
+        self.Isend(spec, dest, tag).Wait()
+
+    def Irecv(self, spec: Any, source: int, tag: int) -> _Receive:
+        return _Receive(self, spec, source, tag)
+
+    def Free(self) -> None:
+        self.chan.close()
 
 
 class ServerGone(RuntimeError):
@@ -22,11 +146,12 @@ class ServerGone(RuntimeError):
 class ServerConnection:
     """The rounds of dispatcher.Rounds, the client's leaving, and news of the server's end."""
 
-    def __init__(self, inter: MPI.Intercomm, lines: Lines, path: str, slot: int) -> None:
-        # one communicator does for all: what the server sends comes from its rank 0, what a
-        # worker sends from the worker's rank
-        self.comms = Comms(inter, inter, inter, inter)
-        self.lines = lines
+    def __init__(self, chan: Channel, path: str, slot: int) -> None:
+        # one connection does for all: what the server sends comes from its rank 0, a worker's
+        # read from the worker's rank
+        comm = FrameComm(chan)
+        self.comms = Comms(comm, comm, comm, comm)
+        self.chan = chan
         self.path = path
         self.slot = slot
         self.pending = False
@@ -44,15 +169,14 @@ class ServerConnection:
     def check(self) -> None:
         """Raise ServerGone if the server said it ends, or its connection ended."""
         if self._ended is None:
+            self.chan.flush()
             msg = self.comms.ctrl.improbe(0, Tag.ENDING)
             if msg is not None:
                 self.dropped, why = msg.recv()  # (whether only this client goes, why)
                 self._ended = f"the gtmpi server ({self.path}) " + (
                     why if self.dropped else f"is shutting down: {why}")
-            else:
-                self.lines.poll()
-                if self.lines.closed and not self.left:
-                    self._ended = f"the gtmpi server ({self.path}) is gone"
+            elif self.chan.closed and not self.left:
+                self._ended = f"the gtmpi server ({self.path}) is gone"
         if self._ended is not None:
             raise ServerGone(self._ended)
 
@@ -71,8 +195,7 @@ class ServerConnection:
         status = MPI.Status()
         if self.dropped:  # no goodbye comes: let go, which lets the server free its end
             self._goodbye = False
-            self.comms.ctrl.Free()
-            self.lines.close()
+            self.chan.close()
             return False
 
         def goodbye() -> bool | None:
@@ -83,16 +206,14 @@ class ServerConnection:
                 if status.Get_tag() == Tag.GOODBYE:
                     return True
             # a server shutting down still says goodbye within its grace; one gone cannot
-            if self.lines.poll() or self.lines.closed or time.monotonic() > deadline:
+            if self.chan.closed or time.monotonic() > deadline:
                 return False
             return None
         self._goodbye = wait_for(goodbye)
         self._sends.drain()
         while (msg := self.comms.ctrl.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG)) is not None:
             msg.recv()  # replies nobody waits for (acks)
-        # freed, not disconnected: a disconnect is collective over the server's whole job
-        self.comms.ctrl.Free()
-        self.lines.close()
+        self.chan.close()
         return self._goodbye
 
 

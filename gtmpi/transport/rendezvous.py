@@ -1,10 +1,7 @@
-"""The port file and the TCP line protocol beside MPI, for servers, clients and monitors.
+"""The port file and the TCP line protocol, for servers, clients and monitors.
 
-MPI carries a server's instruction stream (Connect/Accept), but MPICH's blocking Accept,
-waiting in a thread, stops every other MPI call of the process (measured: a client's messages
-on an accepted intercommunicator were not received while a second Accept waited). So the
-server never accepts: a client opens an MPI port, says so over TCP, and waits in Accept while
-the server connects to it. The TCP connection stays open for the client's life: its end of
+A peer's first lines are JSON (its hello with the token, the answer). A server's client then
+goes on in frames on the same connection (transport/frames.py) for its whole life: its end of
 file is how the server learns, within a poll, that a client was killed (kill -9 included).
 
 The port file holds where to reach the process and a secret token; it is written whole, readable
@@ -162,6 +159,12 @@ class Lines:
         if len(self._buf) > LINE_MAX:
             self.closed = True
         return out
+
+    def rest(self) -> bytes:
+        """What arrived after the last whole line (a peer that goes on in frames: their
+        start), handed over."""
+        rest, self._buf = self._buf, b""
+        return rest
 
     def close(self) -> None:
         self.closed = True

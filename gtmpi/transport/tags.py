@@ -16,7 +16,7 @@ class Tag(IntEnum):
     SHUTDOWN = 2
     CLOCK_PING = 3  # only while the worker runs a 'clock' control word
     DROP = 4        # server -> worker: forget a client's slot (its tensors, programs, groups)
-    ADMIT = 5       # server -> worker: join the server's Connect to a new client's port
+    ADMIT = 5       # server -> worker: a new client's slot
     # reply communicator, worker -> rank 0: small pickled objects
     HELLO = 10
     ACK = 11      # payload: the sequence number of the last batch executed
@@ -31,10 +31,10 @@ class Tag(IntEnum):
     DEVICE = 29   # answers a 'device' control word: timings and properties of the device
     # data communicator: raw tensor bytes, never pickled
     UPLOAD = 20      # rank 0 -> worker (a server's client: through the server)
-    READ_OK = 21     # worker -> rank 0 (a server's client: straight to it, no slot in the tag)
+    READ_OK = 21     # worker -> rank 0 (a server's client's: on the reply communicator, slot in the tag)
     READ_FAULT = 22  # as READ_OK, empty; the Fault follows on the reply communicator
     BROKEN = 23      # reply communicator, worker -> server: a client's batch was not gtmpi's
-    # between a server and one client (their intercommunicator), client -> server
+    # between a server and one client (frames on their TCP connection), client -> server
     ROUND = 24       # the messages sent since the last ROUND go to the workers together
                      # (payload: how many uploads the client has sent, all told)
     LEAVE = 25       # the client is done: its tensors may go

@@ -40,7 +40,6 @@ class Slots:
         self.executors: dict[int, Executor] = {}
         self.seq: dict[int, int] = {}  # batches executed per slot (what its acks count)
         self.broken: set[int] = set()  # slots whose batches this worker could not run
-        self.clients: dict[int, MPI.Intercomm] = {}  # a client's intercommunicator, by slot
         self._add(0, link).executors = self.executors  # slot 0's monitor reports every slot
 
     def _add(self, slot: int, link: HostLink) -> Executor:
@@ -54,14 +53,8 @@ class Slots:
         return ex
 
     def admit(self, slot: int) -> None:
-        """A new client: with the server's rank 0 and every other worker, connect to it (a
-        collective Connect), so that this worker's reads go straight to the client."""
-        try:
-            client = self.link.comms.base.Connect(None, root=0)
-        except MPI.Exception:  # the server's Connect failed too: it never uses the slot
-            return
-        self.clients[slot] = client
-        self._add(slot, self.link.for_slot(slot, client))
+        """A new client of the server."""
+        self._add(slot, self.link.for_slot(slot))
 
     def run(self, slot: int, ex: Executor, batch: Any) -> bool:
         """A client's batch. One this worker cannot run at all (not instructions as gtmpi's
@@ -99,9 +92,6 @@ class Slots:
         status, data = MPI.Status(), self.link.comms.data
         while (msg := data.improbe(0, Tag.UPLOAD + SLOT_STRIDE * slot, status)) is not None:
             msg.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
-        client = self.clients.pop(slot, None)
-        if client is not None:  # freed, not disconnected: a disconnect waits for the client
-            client.Free()
         self.link.reply(Tag.DROPPED, slot)
 
 
@@ -135,7 +125,7 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
             slots.admit(slot)
             continue
         ex = slots.executors.get(slot)
-        if ex is None or slot in slots.broken:  # a client whose Connect failed, or broken
+        if ex is None or slot in slots.broken:  # a client dropped, or broken
             continue
         seq = slots.seq[slot] = slots.seq[slot] + 1
         batch = msg.body
