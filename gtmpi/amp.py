@@ -56,6 +56,7 @@ class Region:
     """One active autocast region: its dtype, its lists, and the casts of leaves it made."""
 
     def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        self.device_type = device_type
         self.dtype = dtype
         self.float32 = FLOAT32[device_type]
         self.composite_cross_entropy = device_type == "cuda"

@@ -455,3 +455,173 @@ def test_explain_and_the_trace_count_what_replays_ran(tmp_path):
     assert per_run[True][0] == per_run[False][0]
     assert per_run[True][0].get("all_reduce_bucket", (0, 0))[0] > 0, per_run
     assert per_run[True][1] == per_run[False][1]
+
+
+# What a step reads, followed (issue 34): each case records a step, changes what it reads in
+# one way, and the next calls must give what the step as written gives.
+
+def _calls(f, *args, n: int = 3) -> list[float]:
+    return [f(*args).item() for _ in range(n)]
+
+
+def test_a_layer_frozen_after_recording_gets_no_gradient():
+    nn = gtmpi.nn
+    first, second = nn.Linear(2, 2), nn.Linear(2, 1)
+
+    @gtmpi.replayable
+    def step(v):
+        loss = second(first(v)).sum()
+        loss.backward()
+        return loss
+
+    x = gtmpi.ones(3, 2)
+    for _ in range(3):
+        first.zero_grad()
+        step(x)
+    first.weight.requires_grad_(False)
+    first.zero_grad()  # as before every call: only the flag differs
+    step(x)
+    assert first.weight.grad is None and first.bias.grad is not None
+
+
+def test_a_model_given_as_an_argument_then_set_to_eval_runs_in_eval_mode():
+    torch.manual_seed(0)
+    ref = torch.nn.BatchNorm1d(3)
+    m = gtmpi.nn.BatchNorm1d(3)
+    data = torch.randn(5, 3) * 3 + 1
+    v = gtmpi.tensor(data)
+
+    @gtmpi.replayable
+    def step(model, x):
+        return model(x).sum()
+
+    for _ in range(3):
+        step(m, v)
+        ref(data)
+    m.eval()
+    ref.eval()
+    kept = m.running_mean.tolist()
+    with torch.no_grad():
+        want = ref(data).sum().item()
+    assert _calls(step, m, v) == pytest.approx([want] * 3, rel=1e-5, abs=1e-5)
+    assert m.running_mean.tolist() == kept  # eval mode updates no statistics
+
+
+def test_a_step_called_under_autocast_computes_in_its_dtype():
+    lin = gtmpi.nn.Linear(4, 4)
+    step = gtmpi.replayable(lambda v: lin(v))
+    x = gtmpi.ones(2, 4)
+    assert all(step(x).dtype == torch.float32 for _ in range(3))
+    with gtmpi.autocast("cpu", dtype=torch.bfloat16):
+        assert all(step(x).dtype == torch.bfloat16 for _ in range(3))
+    assert step(x).dtype == torch.float32
+
+
+def _nested(inner):
+    nn = gtmpi.nn
+    return nn.Sequential(nn.Sequential(nn.Sequential(nn.Sequential(nn.Sequential(
+        nn.Sequential(inner))))))
+
+
+def test_a_weight_replaced_or_a_layer_set_to_eval_deep_inside_a_model_is_followed():
+    nn = gtmpi.nn
+    lin, drop = nn.Linear(3, 3), nn.Dropout(0.5)
+    model = nn.Sequential(_nested(lin), _nested(drop))
+
+    @gtmpi.replayable
+    def step(v):
+        with gtmpi.no_grad():
+            return model(v).sum()
+
+    x = gtmpi.tensor(torch.randn(4, 3))
+    _calls(step, x)
+    drop.eval()  # seven modules down: no longer drawn
+    want = step.fn(x).item()  # as written
+    assert _calls(step, x) == pytest.approx([want] * 3, rel=1e-5, abs=1e-6)
+    kept = lin.weight  # alive: no free says the recording is stale
+    lin.weight = nn.Parameter(gtmpi.ones(3, 3))
+    want = step.fn(x).item()
+    assert _calls(step, x) == pytest.approx([want] * 3, rel=1e-5, abs=1e-6)
+    assert kept.shape == (3, 3)
+
+
+class _Settings:
+    factor = 1.0  # a class attribute a step reads
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+def _double(v):
+    return v * 2
+
+
+def _triple(v):
+    return v * 3
+
+
+_act = _double
+_np_scale = np.float32(1.0)
+_pair = (None, None)
+_config = {"scale": 1.0}
+
+
+def test_attributes_of_an_object_given_as_an_argument_are_followed():
+    step = gtmpi.replayable(lambda v, s: (v * s.scale).sum())
+    x, settings = gtmpi.ones(4), _Settings()
+    assert _calls(step, x, settings) == [4.0] * 3
+    settings.scale = 2.0
+    assert _calls(step, x, settings) == [8.0] * 3
+
+
+def test_a_rebound_global_function_is_followed():
+    global _act
+    step = gtmpi.replayable(lambda v: _act(v).sum())
+    x = gtmpi.ones(4)
+    assert _calls(step, x) == [8.0] * 3
+    _act = _triple
+    try:
+        assert _calls(step, x) == [12.0] * 3
+    finally:
+        _act = _double
+
+
+def test_a_modules_private_number_and_a_class_attribute_are_followed():
+    class Scaled(gtmpi.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._scale = 1.0
+
+        def forward(self, v):
+            return v * self._scale * _Settings.factor
+
+    m = Scaled()
+    step = gtmpi.replayable(lambda v: m(v).sum())
+    x = gtmpi.ones(4)
+    assert _calls(step, x) == [4.0] * 3
+    m._scale = 2.0
+    assert _calls(step, x) == [8.0] * 3
+    _Settings.factor = 3.0
+    try:
+        assert _calls(step, x) == [24.0] * 3
+    finally:
+        _Settings.factor = 1.0
+
+
+def test_a_numpy_number_a_tuple_of_tensors_and_a_dicts_number_are_followed():
+    global _np_scale, _pair
+    step = gtmpi.replayable(lambda v: (v * _np_scale * _pair[0] * _pair[1] *
+                                       _config["scale"]).sum())
+    x = gtmpi.ones(4)
+    _pair = (gtmpi.ones(4), gtmpi.ones(4))
+    try:
+        assert _calls(step, x) == [4.0] * 3
+        _np_scale = np.float32(2.0)
+        assert _calls(step, x) == [8.0] * 3
+        _pair = (gtmpi.full((4,), 3.0), gtmpi.ones(4))
+        assert _calls(step, x) == [24.0] * 3
+        _config["scale"] = 0.5
+        assert _calls(step, x) == [12.0] * 3
+        assert step.replays == 4  # each change recorded once, then replayed
+    finally:
+        _np_scale, _pair, _config["scale"] = np.float32(1.0), (None, None), 1.0

@@ -18,10 +18,14 @@ on each worker (dispatcher/programs.py); later calls of the same signature bind 
 and run it, one instruction per worker.
 
 What a replay repeats is the instructions. Like a CUDA graph, the function's Python does not
-run again, so what it reads from outside belongs to its signature (outside(): tensors, modules'
-training flags and Python numbers its code reaches by name); values inside lists and dicts are
-not followed, so keep the optimizer step outside (AdamW's bias correction and a schedule's
-rate change every step). Its tensor arguments are bound by position; the tensors it returns
+run again, so what it reads from outside belongs to its signature: the grad mode and autocast
+region, its arguments (modules and objects of the program's classes by what they hold), and
+outside(): what its code reaches by name. Modules are followed to any depth (training flags,
+parameters and buffers by identity and requires_grad, public and private attributes);
+functions by their code and the globals it reads; objects of the program's classes by their
+attributes and their class's; tuples whole; dicts for their numbers and strings; lists and
+gtmpi's own objects only for the functions, modules and tensors they hold, so keep the
+optimizer step outside (AdamW's bias correction and a schedule's rate change every step). Its tensor arguments are bound by position; the tensors it returns
 and the gradients it accumulates into leaves made before it are new tensors on every call. A
 call is recorded afresh when its arguments differ in shape, dtype, placement or constants,
 when what it reads by name differs, when its leaves' gradients are present where they were
@@ -40,6 +44,8 @@ import types
 import warnings
 import weakref
 from typing import Any, Callable
+
+import numpy as np
 
 from . import gradmode
 from ..errors import ReplayError
@@ -194,10 +200,13 @@ def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict,
 
 def _signature(rt: Runtime, value: Any, inputs: list[Tensor]) -> Any:
     """A call's signature: its tensors' shapes, dtypes, grad flags and placements, its other
-    arguments by value, the grad mode and the signal scopes open (tensors collected in
-    ``inputs``, in order)."""
+    arguments by value (modules and other objects by what they hold, as outside() walks
+    them), the grad mode, the autocast region and the signal scopes open (tensors collected
+    in ``inputs``, in order)."""
     placer = rt.dispatcher.placer
+    region = rt.autocast
     return (gradmode.is_grad_enabled(), tuple(p for p, _ in placer.signals),
+            None if region is None else (region.device_type, region.dtype),
             _shape_of(value, inputs, placer))
 
 
@@ -214,36 +223,67 @@ def outside(fn: Callable, named: bool = False) -> tuple:
     return tuple(found)
 
 
-_DEPTH = 4  # how far from the function the walk goes (functions, modules, containers)
-_PLAIN = (bool, int, float, str, type(None))
+_DEPTH = 4  # how far from the function the walk goes (functions, objects, containers)
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _LEAVES = (Tensor, *_PLAIN)
 _TABLES = ("_parameters", "_buffers", "_modules")
+_MODULE_INTERNALS = frozenset({*_TABLES, "_non_persistent", "_forward_hooks",
+                               "_forward_pre_hooks"})
+# classes whose attributes are the library's own, not a program's state: not walked
+_LIBRARIES = ("builtins", "gtmpi", "torch", "numpy", "collections", "typing", "abc",
+              "functools", "enum")
 
 
-def _reach(value: Any, path: str | None, found: list, seen: set, depth: int) -> None:
+def _users(cls: type) -> bool:
+    """Whether ``cls`` is the program's own class (not the library's or Python's)."""
+    return cls.__module__.split(".")[0] not in _LIBRARIES
+
+
+def _walked(value: Any) -> bool:
+    """Whether an argument is followed by what it holds (a module, an object of the
+    program's own class) rather than compared as a value."""
+    return "_modules" in getattr(value, "__dict__", ()) or (
+        hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType,
+                                                              types.FunctionType))
+        and _users(type(value)))
+
+
+def _reach(value: Any, path: str | None, found: list, seen: set, depth: int,
+           inside_library: bool = False) -> None:
     """Append what ``value`` holds that a replay depends on (with ``path`` where it was found,
-    unless path is None: the per-call walk, which names nothing)."""
+    unless path is None: the per-call walk, which names nothing). ``inside_library``: reached
+    through gtmpi's own objects (an optimizer's per-step counts are no reason to record
+    again: keep its step outside)."""
+    def note(where: str | None, what: Any) -> None:
+        found.append(what if path is None else (where, what))
+
     if isinstance(value, _PLAIN):
-        found.append(value if path is None else (path, value))
+        note(path, value)
         return
-    if id(value) in seen or depth > _DEPTH or isinstance(value, (types.ModuleType, type)):
+    if id(value) in seen or depth > _DEPTH or isinstance(value, types.ModuleType):
         return
     seen.add(id(value))
     if isinstance(value, Tensor):
-        found.append(value.id if path is None else (path, ("tensor", value.id)))
+        # which tensor, and whether it takes gradients (a layer frozen after the recording)
+        note(path, ("tensor", value.id, value.requires_grad))
     elif "_modules" in getattr(value, "__dict__", ()):  # an nn.Module
-        found.append(value.training if path is None else (f"{path}.training", value.training))
+        note(path and f"{path}.training", value.training)
         for name, item in value.__dict__.items():
             if name in _TABLES:
+                # a model's own tree is followed to any depth: a weight replaced or a layer
+                # set to eval() deep inside it must be seen
                 for key, sub in item.items():
-                    _reach(sub, path and f"{path}.{key}", found, seen, depth + 1)
-            elif name[0] != "_":
+                    _reach(sub, path and f"{path}.{key}", found, seen, depth)
+            elif name not in _MODULE_INTERNALS:
                 _reach(item, path and f"{path}.{name}", found, seen, depth + 1)
+        _class_state(type(value), path, found, seen, depth)
     elif isinstance(value, types.MethodType):
         _reach(value.__self__, path, found, seen, depth)
         _reach(value.__func__, path, found, seen, depth)
     elif isinstance(value, (types.FunctionType, Replayable)):
         fn = value.fn if isinstance(value, Replayable) else value
+        if depth:
+            note(path, fn.__code__)  # a name rebound to another function
         names = fn.__globals__
         for name in _global_names(fn.__code__):
             if name in names:
@@ -253,16 +293,42 @@ def _reach(value: Any, path: str | None, found: list, seen: set, depth: int) -> 
                 _reach(cell.cell_contents, None if path is None else name, found, seen, depth + 1)
             except ValueError:  # a cell not yet filled
                 pass
-    elif isinstance(value, (list, tuple, dict)):
-        # containers are walked for the code and modules they hold (a pipeline's stages), not
-        # for their tensors and numbers: a list a step appends to is no reason to record again
+    elif isinstance(value, tuple):  # made whole, never appended to: all it holds counts
+        for key, item in enumerate(value[:64]):
+            _reach(item, path and f"{path}[{key}]", found, seen, depth + 1)
+    elif isinstance(value, (list, dict)):
+        # a list is walked for the code and modules it holds (a pipeline's stages), not for
+        # its tensors and numbers: a list a step appends to is no reason to record again; a
+        # dict's numbers and strings count (a config's)
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in list(items)[:64]:
-            if not isinstance(item, _LEAVES):
-                _reach(item, path and f"{path}[{key!r}]", found, seen, depth + 1)
-    elif type(value).__module__.startswith("gtmpi.") and hasattr(value, "__dict__"):
-        for name, item in vars(value).items():  # a Pipeline, an optimizer, ...
-            _reach(item, path and f"{path}.{name}", found, seen, depth + 1)
+            if not isinstance(item, _LEAVES) or (isinstance(value, dict) and not inside_library
+                                                 and isinstance(item, _PLAIN)):
+                _reach(item, path and f"{path}[{key!r}]", found, seen, depth + 1, inside_library)
+    elif isinstance(value, type):
+        if _users(value):
+            note(path, value)  # a name rebound to another class
+            _class_state(value, path, found, seen, depth)
+    elif hasattr(value, "__dict__") and (_users(type(value)) or
+                                         type(value).__module__.startswith("gtmpi.")):
+        note(path and f"{path}.__class__", type(value))
+        library = inside_library or not _users(type(value))
+        for name, item in vars(value).items():  # a program's object, a Pipeline, an optimizer
+            _reach(item, path and f"{path}.{name}", found, seen, depth + 1, library)
+        if _users(type(value)):
+            _class_state(type(value), path, found, seen, depth)
+
+
+def _class_state(cls: type, path: str | None, found: list, seen: set, depth: int) -> None:
+    """The numbers, strings and tensors a program's class holds (read as self.x or Cls.x)."""
+    for klass in cls.__mro__:
+        if not _users(klass) or id(klass.__dict__) in seen:
+            continue
+        seen.add(id(klass.__dict__))
+        for name, item in vars(klass).items():
+            # its numbers, and its methods: what they read by name (forward's globals)
+            if isinstance(item, (*_LEAVES, types.FunctionType)) and not name.startswith("__"):
+                _reach(item, path and f"{path}.{name}", found, seen, depth + 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -294,6 +360,10 @@ def _shape_of(value: Any, inputs: list[Tensor], placer: Any) -> Any:
         return (type(value), tuple(_shape_of(v, inputs, placer) for v in value))
     if isinstance(value, dict):
         return (dict, tuple((k, _shape_of(v, inputs, placer)) for k, v in sorted(value.items())))
+    if _walked(value):  # a module or an object given as an argument: what it holds now
+        found: list = []
+        _reach(value, None, found, set(), 0)
+        return (type(value), tuple(found))
     try:
         hash(value)
     except TypeError:
