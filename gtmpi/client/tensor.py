@@ -46,7 +46,8 @@ class Tensor:
         # the value, while the client holds it itself (client/host.py); then no id yet
         self._host = host
         self._recipe = recipe  # the creation op that makes _host where it is used
-        self._state = False  # a module's parameter or buffer (placed by 'parameters')
+        self._state = False  # a module's parameter or buffer, or computed from them on the
+        # client (placed by 'parameters')
         self._scope: tuple = ()  # the signal scopes open where a held value was made
         self._sig = sig
         self.requires_grad = False
@@ -754,9 +755,16 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
     if inplace:
         args[0]._recipe = None  # changed: its recipe no longer makes it
         return args[0]
-    if isinstance(out, (tuple, list)):
-        return tuple(Tensor.held(o) for o in out)
-    return Tensor.held(out)
+    results = tuple(map(Tensor.held, out)) if isinstance(out, (tuple, list)) else \
+        (Tensor.held(out),)
+    # computed from a module's state (a causal mask sliced and compared) and no data of the
+    # program's: state too, placed by 'parameters', not split as an upload would be
+    operands = [a for a in args if isinstance(a, Tensor)]
+    if any(a._state for a in operands) and all(a._state or a._recipe is not None
+                                               for a in operands):
+        for r in results:
+            r._state = True
+    return results if isinstance(out, (tuple, list)) else results[0]
 
 
 def _mesh_beside(rt: Any, wire: list, tmask: int) -> tuple | None:
