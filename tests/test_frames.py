@@ -80,12 +80,13 @@ def test_a_frame_cut_short_is_seen_arriving_and_the_peers_end_is_seen():
     a, b = socket.socketpair()
     theirs = Channel(b)
     a.sendall(HEADER.pack(0, 1, 100) + bytes(10))
-    _until(lambda: theirs.pump() or theirs.arriving_for() > 0.05)
+    _until(lambda: theirs.pump() or theirs.stalled_for() > 0.05)
     assert not theirs.frames and not theirs.closed
     a.sendall(bytes(90) + HEADER.pack(0, 2, 0) + b"\x01")  # the rest, an empty frame, a byte
     _until(lambda: theirs.pump() or len(theirs.frames) == 2)
     assert [len(f.body) for f in theirs.frames] == [100, 0]
-    assert theirs.arriving_for() > 0  # a header's first byte is a frame begun
+    time.sleep(0.01)
+    assert theirs.stalled_for() > 0  # a header's first byte is a frame begun
     a.close()
     _until(lambda: theirs.pump() or theirs.closed)
 

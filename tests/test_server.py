@@ -520,7 +520,7 @@ HOSTILE = """
     ("round", "a round whose payload is not its count of uploads"),
     ("upload never sent", "the bytes of an upload did not come within 10 s"),
     ("oversized", "a message of 83,886,080 bytes, over its limit of 67,108,864"),
-    ("torn", "a message that did not arrive whole within 10 s"),
+    ("torn", "a message that stopped arriving (nothing more of it for 10 s)"),
     ("not frames", "bytes, over its limit of")])
 def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(server, tmp_path, case,
                                                                     said):

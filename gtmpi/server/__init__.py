@@ -61,7 +61,7 @@ from .tracing import ServerTrace
 # (another client's read then waits behind at most one batch of each)
 INFLIGHT_ALONE = 4
 INFLIGHT_SHARED = 1
-RECV_DEADLINE_S = 10.0  # a message that started to arrive and does not finish: its sender died
+RECV_DEADLINE_S = 10.0  # a message begun that moves no further for this long: its sender died
 TAKES_S = 10.0  # a client that takes nothing of what it was sent (a read) for this long: dropped
 # the largest message a client may send but an upload (a batch of instructions is far smaller);
 # an upload may be as large as the client's quota, if the server has one
@@ -285,7 +285,7 @@ class Server:
     def _take(self, c: Client) -> tuple[bytearray | None, int, str | None] | None:
         """The client's next message whole, as (its bytes, its tag, None); (None, -1, why) for
         one refused: larger than the client may send (refused from its header: no buffer for
-        it is made), or not arrived whole within RECV_DEADLINE_S of its start (its sender died
+        it is made), or begun and no further for RECV_DEADLINE_S (its sender died
         or stalls mid-message); None while nothing more has arrived. A message still arriving
         waits for a later turn of the loop: the other clients are served meanwhile."""
         c.chan.pump()
@@ -294,8 +294,9 @@ class Server:
             return frame.body, frame.tag, None
         if c.chan.refused is not None:
             return None, -1, c.chan.refused
-        if c.chan.arriving_for() > RECV_DEADLINE_S:
-            return None, -1, f"a message that did not arrive whole within {RECV_DEADLINE_S:.0f} s"
+        if c.chan.stalled_for() > RECV_DEADLINE_S:
+            return None, -1, (f"a message that stopped arriving (nothing more of it for "
+                              f"{RECV_DEADLINE_S:.0f} s)")
         return None
 
     def _schedule(self) -> bool:

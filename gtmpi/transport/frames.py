@@ -51,7 +51,7 @@ class Channel:
         self._head = bytearray(already)  # header bytes (and, at first, whatever came after)
         self._body: bytearray | None = None  # the body being received, and how much of it
         self._got = 0
-        self._arriving_since: float | None = None  # when the frame now arriving began
+        self._last_byte = time.monotonic()  # when bytes last came
         self._out: deque[memoryview] = deque()
         self.queued = 0  # bytes not yet taken by the socket
         self._total = 0  # bytes ever queued
@@ -74,6 +74,7 @@ class Channel:
                         self.closed = True
                         return
                     self._head += chunk
+                    self._last_byte = time.monotonic()
                     self._parse()
                 else:
                     n = self.sock.recv_into(memoryview(self._body)[self._got:])
@@ -81,6 +82,7 @@ class Channel:
                         self.closed = True
                         return
                     self._got += n
+                    self._last_byte = time.monotonic()
                     if self._finish():
                         self._parse()
             except (BlockingIOError, InterruptedError):
@@ -103,23 +105,20 @@ class Channel:
             self._body[:self._got] = self._head[start:start + self._got]
             del self._head[:start + self._got]
             self._finish()
-        # a frame begun, header or body: how long it takes to come whole is watched
-        if self._body is None and not self._head:
-            self._arriving_since = None
-        elif self._arriving_since is None:
-            self._arriving_since = time.monotonic()
 
     def _finish(self) -> bool:
         if self._body is None or self._got < len(self._body):
             return False
         self.frames.append(Frame(self._source, self._tag, self._body))
         self._body = None
-        self._arriving_since = None
         return True
 
-    def arriving_for(self) -> float:
-        """Seconds the frame now arriving has been arriving (0 if none is)."""
-        return 0.0 if self._arriving_since is None else time.monotonic() - self._arriving_since
+    def stalled_for(self) -> float:
+        """Seconds since the last byte of a frame begun and not yet whole (0 if none is): a
+        large upload over a slow network moves on, a sender that died or stalls does not."""
+        if self._body is None and not self._head:
+            return 0.0
+        return time.monotonic() - self._last_byte
 
     # sending --------------------------------------------------------------------------------
 
