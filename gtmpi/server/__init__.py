@@ -4,7 +4,7 @@
 
 Rank 0 runs no program of its own: it waits for clients and forwards their work; ranks 1..N-1
 are workers as in any run. A client (``gtmpi.connect(PATH)``, or ``GTMPI_CONNECT=PATH`` for an
-unchanged script, started by ``mpiexec -n 1``) keeps its own session: its tensors, autograd,
+unchanged script, started as plain ``python``) keeps its own session: its tensors, autograd,
 signals, configs and placement are its own, and its dispatcher turns its ops into per-worker
 batches as in an ordinary run. A client speaks to this process alone, over the TCP connection
 it joined with (transport/frames.py), never over MPI: its batches, uploads, the workers' replies
