@@ -12,7 +12,6 @@ replies and reads (a client's reads ride the reply communicator, see HostLink.fo
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from typing import Any, Callable, NamedTuple
@@ -53,25 +52,19 @@ class Sends:
             self._pending = [(r, b) for r, b in self._pending if not r.Test()]
 
     def drain(self) -> None:
-        self.settle(math.inf)
-
-    def settle(self, within_s: float) -> None:
-        """Wait for every send, but cancel one not done within ``within_s``: its receiver may
-        have died (a server's client)."""
-        deadline = time.monotonic() + within_s
+        """Wait for every send."""
         for req, _ in self._pending:
-            _done_or_cancelled(req, deadline)
+            wait_for(lambda req=req: True if req.Test() else None)
         self._pending.clear()
 
 
-def _done_or_cancelled(req: MPI.Request, deadline: float,
-                       stop: Callable[[], bool] = lambda: False) -> bool:
-    """Wait for ``req``; past ``deadline``, or once ``stop()`` says so, cancel and free it (its
-    peer may be a server's client that died). Whether it completed."""
+def _done_or_cancelled(req: MPI.Request, deadline: float) -> bool:
+    """Wait for ``req``; past ``deadline``, cancel and free it (its sender may be a server's
+    client that died). Whether it completed."""
     def settled() -> bool | None:
         if req.Test():
             return True
-        if stop() or time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             req.Cancel()
             req.Free()
             return False

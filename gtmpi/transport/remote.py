@@ -83,6 +83,11 @@ def _copy(frame: Frame, spec: Any) -> None:
     buf[:len(frame.body)] = frame.body
 
 
+def _matches(frame: Frame, source: int, tag: int) -> bool:
+    return (source == MPI.ANY_SOURCE or frame.source == source) and \
+        (tag == MPI.ANY_TAG or frame.tag == tag)
+
+
 class FrameComm:
     """MPI's calls that WorkerLink and ServerConnection make, over a client's Channel."""
 
@@ -93,8 +98,7 @@ class FrameComm:
         """The first frame arrived from ``source`` with ``tag`` (either may be ANY), taken."""
         self._progress()
         for i, f in enumerate(self.chan.frames):
-            if (source == MPI.ANY_SOURCE or f.source == source) and \
-                    (tag == MPI.ANY_TAG or f.tag == tag):
+            if _matches(f, source, tag):
                 del self.chan.frames[i]
                 if status is not None:
                     status.Set_source(f.source)
@@ -115,8 +119,7 @@ class FrameComm:
 
     def iprobe(self, source: int, tag: int) -> bool:
         self._progress()
-        return any((source == MPI.ANY_SOURCE or f.source == source) and
-                   (tag == MPI.ANY_TAG or f.tag == tag) for f in self.chan.frames)
+        return any(_matches(f, source, tag) for f in self.chan.frames)
 
     def isend(self, obj: Any, dest: int, tag: int) -> _Sent:
         """A client's messages go in the wire's plain layout: the server's processes load

@@ -39,7 +39,6 @@ class Tag(IntEnum):
                      # (payload: how many uploads the client has sent, all told)
     LEAVE = 25       # the client is done: its tensors may go
     # server -> client
-    WELCOME = 26     # the client's slot and the workers
     GOODBYE = 27     # answers LEAVE: nothing of the client is left
     ENDING = 28      # (dropped, why): the server drops this client, or shuts down
 

@@ -63,11 +63,6 @@ def _put(x: Any, out: bytearray) -> None:
         out += b"y"
         _put_str(x.str, out)
     else:
-        for kind, cls in _TORCH_KINDS.items():
-            if t is cls:
-                out += kind
-                _put_str(str(x).removeprefix("torch."), out)
-                return
         raise TypeError(f"gtmpi's wire carries no {t.__name__}")
 
 
@@ -111,7 +106,7 @@ def _put_dict(x: dict, out: bytearray) -> None:
 def _put_array(x: np.ndarray, out: bytearray) -> None:
     out += b"a"
     _put_str(x.dtype.str, out)
-    _put_seq(b"(")(x.shape, out)
+    _put(x.shape, out)
     _put_bytes(np.ascontiguousarray(x).tobytes(), out)
 
 
@@ -150,6 +145,8 @@ _PUT: dict[type, Callable[[Any, bytearray], None]] = {
     Seed: _put_seed,
     torch.Size: _put_seq(b"S"),
     torch.device: _put_tagged(b"D", str),
+    **{cls: _put_tagged(kind, lambda x: str(x).removeprefix("torch."))
+       for kind, cls in _TORCH_KINDS.items()},
 }
 
 
