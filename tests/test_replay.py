@@ -608,6 +608,42 @@ def test_a_modules_private_number_and_a_class_attribute_are_followed():
         _Settings.factor = 1.0
 
 
+class _Base(gtmpi.nn.Module):
+    factor = 1.0
+
+
+class _Shifted(_Base):
+    shift = 0.0
+
+    def forward(self, v):
+        return v * self.factor + self.shift
+
+
+class _Biased(gtmpi.nn.Module):
+    bias = 0.0
+
+    def forward(self, v):
+        return v + self.bias
+
+
+def test_the_class_attributes_of_every_class_a_step_reaches_are_followed():
+    # a model's classes and their bases after the first class walked (the walk once skipped
+    # them as the allocator's addresses fell, and replayed stale numbers)
+    shifted, biased = _Shifted(), _Biased()
+    step = gtmpi.replayable(lambda v: shifted(biased(v)).sum())
+    x = gtmpi.ones(4)
+    try:
+        assert _calls(step, x) == [4.0] * 3
+        _Base.factor = 2.0
+        assert _calls(step, x) == [8.0] * 3
+        _Shifted.shift = 1.0
+        assert _calls(step, x) == [12.0] * 3
+        _Biased.bias = 1.0
+        assert _calls(step, x) == [20.0] * 3
+    finally:
+        _Base.factor, _Shifted.shift, _Biased.bias = 1.0, 0.0, 0.0
+
+
 def test_a_numpy_number_a_tuple_of_tensors_and_a_dicts_number_are_followed():
     global _np_scale, _pair
     step = gtmpi.replayable(lambda v: (v * _np_scale * _pair[0] * _pair[1] *

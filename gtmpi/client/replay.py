@@ -322,9 +322,12 @@ def _reach(value: Any, path: str | None, found: list, seen: set, depth: int,
 def _class_state(cls: type, path: str | None, found: list, seen: set, depth: int) -> None:
     """The numbers, strings and tensors a program's class holds (read as self.x or Cls.x)."""
     for klass in cls.__mro__:
-        if not _users(klass) or id(klass.__dict__) in seen:
+        # keyed by the class, never by id(klass.__dict__): that is a new proxy each time,
+        # freed at once, whose address the next class's proxy takes (which skipped every
+        # class but the first, or not, as the allocator had it)
+        if not _users(klass) or ("class", id(klass)) in seen:
             continue
-        seen.add(id(klass.__dict__))
+        seen.add(("class", id(klass)))
         for name, item in vars(klass).items():
             # its numbers, and its methods: what they read by name (forward's globals)
             if isinstance(item, (*_LEAVES, types.FunctionType)) and not name.startswith("__"):
