@@ -337,6 +337,26 @@ def test_optimizer_state_dict_is_torchs_both_ways(name, kw):
         assert_same(g2.state_dict()[key], want, rtol=1e-5, atol=1e-6)
 
 
+def test_optimizer_state_is_keyed_by_the_parameter_as_torchs():
+    """opt.state[p], as torch's users read it (a learning-rate finder, a logger of Adam's
+    moments): {} before p's first step, its moments after, with torch's numbers."""
+    torch.manual_seed(4)
+    t_model = torch.nn.Linear(3, 2)
+    g_model = gnn.Linear(3, 2)
+    g_model.load_state_dict(t_model.state_dict())
+    t_opt = torch.optim.AdamW(t_model.parameters(), lr=1e-2)
+    g_opt = gtmpi.optim.AdamW(g_model.parameters(), lr=1e-2)
+    assert g_opt.state[g_model.weight] == {} == t_opt.state[t_model.weight]
+    x = torch.randn(4, 3)
+    for model, opt, inp in ((t_model, t_opt, x), (g_model, g_opt, gtmpi.tensor(x))):
+        model(inp).pow(2).mean().backward()
+        opt.step()
+    mine, theirs = g_opt.state[g_model.weight], t_opt.state[t_model.weight]
+    assert sorted(mine) == sorted(theirs)
+    assert_same(mine["exp_avg_sq"], theirs["exp_avg_sq"], rtol=1e-5, atol=1e-8)
+    assert g_model.bias in g_opt.state and len(g_opt.state) == 2
+
+
 def test_zero_grad_without_none_is_one_instruction():
     model = gnn.Sequential(gnn.Linear(4, 4), gnn.Linear(4, 2))
     model(gtmpi.randn(3, 4)).sum().backward()

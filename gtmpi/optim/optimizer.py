@@ -4,6 +4,7 @@ group of parameters that live alike (ops/table.py: sgd_foreach, adam_foreach), w
 foreach arithmetic (Adam's fused kernel on GPU workers)."""
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
@@ -27,7 +28,9 @@ class Optimizer:
         self.param_groups = [{**defaults, **g, "params": _tensors(g["params"])} for g in groups]
         for group in self.param_groups:
             self.check(group)
-        self.state: dict[int, dict[str, Any]] = {}
+        # keyed by the parameter, as torch's: opt.state[p] is p's state ({} before its first
+        # step), never a KeyError
+        self.state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
 
     def check(self, group: dict) -> None:
         """torch's checks of hyper-parameters, at construction rather than at step()."""
@@ -48,7 +51,7 @@ class Optimizer:
                          if p.grad is not None])
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            states = [self.state.setdefault(id(p), {}) for p in params]
+            states = [self.state[p] for p in params]
             for bucket in runtime().alike([p.id for p in params],
                                           [self.bucket_key(s) for s in states]):
                 self.update([params[i] for i in bucket], [states[i] for i in bucket], group)
@@ -66,10 +69,10 @@ class Optimizer:
         indices of their parameters."""
         params = self._params()
         index = {id(p): i for i, p in enumerate(params)}
-        steps = self._steps_done([p for p in params if "exp_avg" in self.state.get(id(p), ())])
-        state = {index[id(p)]: {k: torch.tensor(float(steps.get(id(p), v))) if k == "step"
-                                else v for k, v in self.state[id(p)].items()}
-                 for p in params if self.state.get(id(p))}
+        steps = self._steps_done([p for p in params if "exp_avg" in self.state.get(p, ())])
+        state = {index[id(p)]: {k: torch.tensor(float(steps.get(p, v))) if k == "step"
+                                else v for k, v in self.state[p].items()}
+                 for p in params if self.state.get(p)}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
         return {"state": state, "param_groups": groups}
@@ -85,11 +88,11 @@ class Optimizer:
                 raise ValueError("loaded state dict contains a parameter group that doesn't "
                                  "match the size of optimizer's group")
         params = self._params()
-        self.state = {}
+        self.state = defaultdict(dict)
         with no_grad():
             for i, entry in state_dict["state"].items():
                 p = params[int(i)]
-                mine = self.state[id(p)] = {}
+                mine = self.state[p] = {}
                 for k, v in entry.items():
                     if k == "step":
                         mine[k] = int(v.item() if hasattr(v, "item") else v)
@@ -100,16 +103,16 @@ class Optimizer:
         for mine, theirs in zip(self.param_groups, groups):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
 
-    def _steps_done(self, params: list[Tensor]) -> dict[int, int]:
-        """id(param) -> the updates its worker ran: the client counts every step() it issued,
+    def _steps_done(self, params: list[Tensor]) -> dict[Tensor, int]:
+        """param -> the updates its worker ran: the client counts every step() it issued,
         the worker only the updates it did not skip for a failed batch (ops/table.py:
         _adam_foreach), and a checkpoint must resume with the bias corrections of the latter."""
-        steps: dict[int, int] = {}
+        steps: dict[Tensor, int] = {}
         for group in runtime().alike([p.id for p in params], [None] * len(params)):
-            avgs = [self.state[id(params[i])]["exp_avg"] for i in group]
+            avgs = [self.state[params[i]]["exp_avg"] for i in group]
             for i, n in zip(group, apply("adam_steps", *avgs).tolist()):
                 if n >= 0:
-                    steps[id(params[i])] = n
+                    steps[params[i]] = n
         return steps
 
     def _params(self) -> list[Tensor]:
