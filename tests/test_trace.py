@@ -596,3 +596,35 @@ def test_the_memory_reading_names_what_was_live_at_the_peak(tmp_path, capsys):
     assert linear.split()[1] == "2"  # two blocks allocated there
     memory.main([str(path), "--from", "0.8"])  # the last event's state alone
     assert "1 blocks" in capsys.readouterr().out
+
+
+def test_top_after_a_client_leaves_shows_no_negative_rate_and_the_servers_memory():
+    """gtmpi-trace top's frame when a client left between two pushes: its counters went with
+    it; the rates are those of the slots still there, idle within 0-100%."""
+    from gtmpi.monitor.top import render
+
+    def slot(ops, exec_ns):
+        return {"ops": ops, "control": 0, "collectives": 0, "transfers": 0,
+                "exec_ns": exec_ns, "wait_ns": 0, "held_bytes": 4_000_000, "tensors": 2}
+
+    before = {"1": {"time": 10.0, "slots": {"0": slot(0, 0), "1": slot(5000, 9 * 10 ** 8),
+                                            "2": slot(100, 10 ** 7)}}}
+    now = {"kind": "server", "up_s": 12, "monitors": 1, "clients": [], "workers": {
+        "1": {"time": 11.0, "device": "cpu", "memory_bytes": 4_000_000,
+              "slots": {"0": slot(0, 0), "2": slot(300, 2 * 10 ** 8)}}}}
+    row = next(line for line in render(now, before).splitlines() if line.split()[:1] == ["1"])
+    cells = row.split()
+    assert cells[2] == "200" and cells[7:10] == ["19.0", "0.0", "81.0"], row
+    assert cells[10] == "4.0", row  # the clients' tensors on this worker, MB
+
+
+def test_a_cpu_workers_pushed_memory_is_its_clients_tensors():
+    from gtmpi.monitor.push import figures
+    from gtmpi.transport.local import LocalLink
+    from gtmpi.worker.executor import Executor
+
+    server = Executor(1, torch.device("cpu"), LocalLink())
+    client = Executor(1, torch.device("cpu"), LocalLink())
+    client.env[7] = torch.zeros(1000)
+    got = figures({0: server, 3: client})
+    assert got["memory_bytes"] == 4000 and got["slots"]["3"]["held_bytes"] == 4000

@@ -55,4 +55,8 @@ def figures(executors: dict[int, Any]) -> dict[str, Any]:
             "bytes_moved": st["bytes_received"] + st["bytes_sent"]
             + sum(v[1] for v in comm.values()),
             "tensors": len(ex.env), "held_bytes": ex._held_bytes()}
-    return {"device": str(first.device), **first.memory(), "slots": slots}
+    memory = first.memory()
+    if first.device.type != "cuda":
+        # a CPU worker's tensors are its slots' (a server's own slot 0 holds none)
+        memory["memory_bytes"] = sum(s["held_bytes"] for s in slots.values())
+    return {"device": str(first.device), **memory, "slots": slots}

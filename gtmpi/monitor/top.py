@@ -54,12 +54,15 @@ def render(snap: dict[str, Any], before: dict[str, dict]) -> str:
     for rank, w in snap["workers"].items():
         prev = before.get(rank)
         dt = w["time"] - prev["time"] if prev else 0.0
-        total = {k: sum(s.get(k, 0) for s in w["slots"].values())
-                 for k in ("ops", "control", "collectives", "transfers", "exec_ns", "wait_ns")}
+        # over the slots there now, each against its own earlier counters: a client that left
+        # takes its counters with it, and summing all slots then and now made rates negative
+        # and idle above 100%
+        keys = ("ops", "control", "collectives", "transfers", "exec_ns", "wait_ns")
+        total = {k: sum(s.get(k, 0) for s in w["slots"].values()) for k in keys}
         prev_total = None if prev is None else {
-            k: sum(s.get(k, 0) for s in prev["slots"].values()) for k in total}
+            k: sum(prev["slots"].get(slot, {}).get(k, 0) for slot in w["slots"]) for k in keys}
         r = _slot_rates(total, prev_total, dt)
-        idle = None if r["busy"] is None else max(0.0, 100 - r["busy"])
+        idle = None if r["busy"] is None else min(100.0, max(0.0, 100 - r["busy"]))
         peak = w.get("peak_bytes", w.get("peak_rss_bytes"))
         out.append(f"{rank:>6} {w['device']:<8} {_f(r['ops']):>9} {_f(r['compute']):>8} "
                    f"{_f(r['collectives']):>8} {_f(r['transfers']):>8} {_f(r['control']):>8} "
