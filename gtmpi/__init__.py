@@ -100,10 +100,14 @@ def synchronize() -> None:
 
 
 def info() -> dict:
-    """The world: worker ranks with their hosts, process ids and devices."""
+    """The world: worker ranks with their hosts, process ids and devices; ``dry_run``: the
+    simulated GPU's name in a dry run (values read are zeros, timings meaningless), else
+    None."""
     rt = _runtime()
     return {"workers": dict(rt.workers), "world_size": len(rt.workers) + 1,
-            "embedded": _builtins.any(w.get("embedded") for w in rt.workers.values())}
+            "embedded": _builtins.any(w.get("embedded") for w in rt.workers.values()),
+            "dry_run": next((w["dry_run"] for w in rt.workers.values() if w.get("dry_run")),
+                            None)}
 
 
 _start_role()

@@ -48,10 +48,26 @@ def start_role() -> None:
         return
     if MPI.Comm.Get_parent() != MPI.COMM_NULL:
         return  # a spawned worker: gtmpi.worker's __main__ joins explicitly
-    if MPI.COMM_WORLD.Get_size() > 1:
+    if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("GTMPI_DRY_RUN"):
+        _dry_run_alone(MPI.COMM_WORLD)
+    elif MPI.COMM_WORLD.Get_size() > 1:
         join(MPI.COMM_WORLD.Dup())
     else:
         _check_one_of_many(MPI)
+
+
+def _dry_run_alone(world: "MPI.Intracomm") -> None:
+    """GTMPI_DRY_RUN under a launcher (the sbatch script's srun line kept as it was): rank 0
+    plans the run on simulated workers, as under plain python; the other ranks would only
+    idle, so they leave now, and rank 0 says so."""
+    from mpi4py import MPI
+    _unlink_segments(world)
+    if world.Get_rank() != 0:
+        MPI.Finalize()
+        _leave()
+    print(f"gtmpi: GTMPI_DRY_RUN={os.environ['GTMPI_DRY_RUN']}: a dry run on rank 0 alone; "
+          f"this job's {world.Get_size() - 1} other rank(s) leave unused", file=sys.stderr,
+          flush=True)
 
 
 def _unlink_segments(base: "MPI.Intracomm") -> None:
@@ -304,6 +320,12 @@ def spawn_workers(n: int) -> None:
     if n < 1:
         raise ValueError(f"gtmpi.workers(n) needs n >= 1, got {n}")
     rt = session.current()
+    planned = os.environ.get("GTMPI_DRY_RUN")
+    if planned and rt is None:
+        if int(planned) != n:
+            print(f"gtmpi: GTMPI_DRY_RUN={planned}: gtmpi.workers({n}) starts no process; the "
+                  f"dry run simulates {planned} worker(s)", file=sys.stderr, flush=True)
+        return
     if rt is not None:
         have = len(rt.workers)
         if have == n:

@@ -153,6 +153,14 @@ def test_data_loader_gives_torchs_batches():
         assert len(g_loader) == len(t_loader)
         for (gx, gy), (tx, ty) in zip(g_loader, t_loader, strict=True):
             assert torch.equal(gx.cpu_torch(), tx) and torch.equal(gy.cpu_torch(), ty)
+    orders = []  # no generator given: gtmpi.manual_seed seeds the sampler's, as torch's does
+    for seed_with, loader in ((gtmpi, gtmpi.utils.data.DataLoader), (gtmpi, gtmpi.utils.data.
+                              DataLoader), (torch, torch.utils.data.DataLoader)):
+        seed_with.manual_seed(11)
+        orders.append([y.tolist() for _, y in loader(
+            gtmpi.utils.data.TensorDataset(xs, ys) if seed_with is gtmpi else
+            torch.utils.data.TensorDataset(xs, ys), batch_size=4, shuffle=True)])
+    assert orders[0] == orders[1] == orders[2] and sum(orders[2], []) != list(range(10))
     pairs = [(gtmpi.tensor([float(i)]), i) for i in range(5)]  # any dataset: stacked, collated
     batches = list(gtmpi.utils.data.DataLoader(pairs, batch_size=2))
     assert [b[0].tolist() for b in batches] == [[[0.0], [1.0]], [[2.0], [3.0]], [[4.0]]]

@@ -5,6 +5,7 @@ the named GPU; values read are zeros, said once."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,30 @@ def test_dry_run_asked_for_in_the_program(tmp_path):
     assert "again: gtmpi.dry_run() must come before the program's first tensor" in proc.stdout
     assert "gtmpi dry run on 2 simulated A100(s) of 80 GiB" in proc.stderr
     assert "all_reduce" in proc.stderr  # the gradient of the replicated weight, summed
+
+
+@serial
+@pytest.mark.parametrize("how", ["mpiexec", "workers(n)"])
+def test_a_dry_run_asked_for_under_mpiexec_or_with_workers_n_plans_and_runs_nothing(tmp_path,
+                                                                                   how):
+    """GTMPI_DRY_RUN kept on an sbatch script's launch line, or a program that starts its own
+    workers: the run is planned, never run for real, and train.py prints no zeros as losses
+    and no timings of a run that computed nothing."""
+    body = gpt() if how == "mpiexec" else "import gtmpi\ngtmpi.workers(2)\n" + \
+        textwrap.dedent(gpt())
+    proc, _ = run_job(tmp_path, body, 120, n=3 if how == "mpiexec" else None,
+                      env={"GTMPI_DRY_RUN": "4"})
+    assert proc.returncode == 0, proc.stderr
+    said = ("a dry run on rank 0 alone; this job's 2 other rank(s) leave unused"
+            if how == "mpiexec" else "gtmpi.workers(2) starts no process; the dry run "
+            "simulates 4 worker(s)")
+    assert said in proc.stderr, proc.stderr
+    assert "gtmpi dry run on 4 simulated H100(s)" in proc.stderr, proc.stderr
+    assert "step     3/3  (dry run: no loss, no timing)" in proc.stdout, proc.stdout
+    assert "loss 0.0000" not in proc.stdout and "tokens/s" not in proc.stdout
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert result["dry_run"] and result["losses"] == [] and result["tokens_per_s"] is None
+    assert result["workers"] == 4
 
 
 @serial

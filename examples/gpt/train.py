@@ -78,6 +78,7 @@ def main() -> None:
     args = p.parse_args()
 
     world = gtmpi.info()
+    dry = world["dry_run"] is not None
     device = world["workers"][min(world["workers"])]["device"]
     gpu = device.startswith("cuda")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if gpu else "fp32")]
@@ -248,7 +249,10 @@ def main() -> None:
             while pending and (len(pending) > 2 or step == end_at - 1 or saving):
                 s, value = pending.pop(0)
                 losses.append(float(value.item()))
-                if (s + 1) % args.log_every == 0 or s == end_at - 1:
+                if dry and ((s + 1) % args.log_every == 0 or s == end_at - 1):
+                    print(f"step {s + 1:5d}/{args.steps}  (dry run: no loss, no timing)",
+                          flush=True)
+                elif (s + 1) % args.log_every == 0 or s == end_at - 1:
                     rate = _rate(timed_from, clock, s, tokens)
                     mfu = f"{rate * flops / peak * 100:5.1f}%" if rate and peak else "-"
                     print(f"step {s + 1:5d}/{args.steps}  loss {losses[-1]:.4f}  lr "
@@ -256,7 +260,9 @@ def main() -> None:
                           f"{rate:,.0f}  MFU {mfu}" if rate else
                           f"step {s + 1:5d}/{args.steps}  loss {losses[-1]:.4f}", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0:
-            print(f"step {step + 1}: held-out loss {evaluate():.4f}", flush=True)
+            val = evaluate()
+            print(f"step {step + 1}: held-out loss " + ("(dry run)" if dry else f"{val:.4f}"),
+                  flush=True)
         if saving:
             _save(args.checkpoint, model, opt, step + 1, losses)
     gtmpi.synchronize()
@@ -265,13 +271,17 @@ def main() -> None:
     tokens_per_s = timed * tokens / (end - clock) if timed > 0 else None
     per_worker = _per_step(stats_before, gtmpi.debug.worker_stats(), timed) if timed > 0 else {}
     val = evaluate()
-    print(f"held-out loss {val:.4f} nats/byte (unigram entropy {entropy:.4f})", flush=True)
+    if dry:  # the workers computed nothing: zeros read as losses would look like results
+        tokens_per_s, losses, val = None, [], float("nan")
+    else:
+        print(f"held-out loss {val:.4f} nats/byte (unigram entropy {entropy:.4f})", flush=True)
     for name, note in gtmpi.debug.graph_notes().items():
         print(f"replayed {name}: {note}", flush=True)
     print(json.dumps({
         "size": args.size, "parameters": n_params, "steps": args.steps, "batch": args.batch,
         "seq": seq, "dtype": str(dtype)[6:], "workers": len(world["workers"]), "mode": mode,
-        "losses": [round(v, 5) for v in losses], "val_loss": round(val, 5),
+        "losses": [round(v, 5) for v in losses], "val_loss": None if dry else round(val, 5),
+        "dry_run": dry,
         "unigram_entropy": round(entropy, 5),
         "tokens_per_s": round(tokens_per_s) if tokens_per_s else None,
         "mfu": round(tokens_per_s * flops / peak, 4) if tokens_per_s and peak else None,

@@ -31,6 +31,7 @@ from ..recording.events import Flag, Kind, Lane
 
 _COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
 _SHAPED = {"view", "reshape", "expand"}  # ops whose argument is the result's (global) shape
+_SHAPED_KW = {"getitem_grad": "shape"}  # ops whose keyword is the result's (global) shape
 # per-member values that may be read another way, with no data moved
 _RELABEL = {("R", "V"), ("I", "V"), ("P", "V"), ("V", "P")}
 
@@ -244,6 +245,15 @@ class Placer:
             starts = p.wants[p.vocab].starts(tuple(sigs[p.vocab][0]))
             group = self._group(mesh)
             local = [{"offset": start, "group": group} for start in starts]
+        elif p.kw:
+            local = [p.kw] * len(mesh)
+        elif p.drawn:
+            whole = tuple(outs[0][0])
+            local = [{"whole": whole, "piece": tuple(p.out.piece(whole, m))}
+                     for m in range(len(mesh))]
+        elif name in _SHAPED_KW and p.out.kind != "R":
+            local = [{_SHAPED_KW[name]: p.out.local_shape(tuple(outs[0][0]), m)}
+                     for m in range(len(mesh))]
         elif name == "linear" and self.chunks and len(mesh) > 1 and p.out.kind == "P":
             partial = (tuple(outs[0][0]), outs[0][1])
             local = [{"group": self._group(mesh), "partial": partial,

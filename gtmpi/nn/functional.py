@@ -143,7 +143,8 @@ def nll_loss(log_probs: Tensor, target: Tensor, ignore_index: int = -100,
     """log_probs (N, C), target (N,) class indices."""
     keep = target != ignore_index
     safe = where(keep, target, 0)
-    picked = log_probs[arange(log_probs.shape[0]), safe]
+    # a gather along the classes, row by row: a batch split over workers stays split
+    picked = log_probs.gather(1, safe.unsqueeze(1)).squeeze(1)
     loss = -(picked * keep)
     if reduction == "mean":
         return loss.sum() / keep.sum()

@@ -173,12 +173,25 @@ def _multinomial_meta(probs, num_samples, replacement, seed):
     return torch.empty((*probs.shape[:-1], num_samples), dtype=torch.int64, device=probs.device)
 
 
-def _normal_(x, mean, std, seed):
-    return x.normal_(mean, std, generator=_generator(seed, x.device))
+def _normal_(x, mean, std, seed, whole=None, piece=()):
+    return _drawn_into(x, whole, piece,
+                       lambda t: t.normal_(mean, std, generator=_generator(seed, x.device)))
 
 
-def _uniform_(x, low, high, seed):
-    return x.uniform_(low, high, generator=_generator(seed, x.device))
+def _uniform_(x, low, high, seed, whole=None, piece=()):
+    return _drawn_into(x, whole, piece,
+                       lambda t: t.uniform_(low, high, generator=_generator(seed, x.device)))
+
+
+def _drawn_into(x, whole, piece, draw):
+    """``draw`` into x; with ``whole``, x is one piece ((dim, start, length) per cut) of a tensor
+    of that shape: the whole is drawn and x takes its piece, the numbers of one worker."""
+    if whole is None:
+        return draw(x)
+    full = draw(x.new_empty(whole))
+    for dim, start, length in piece:
+        full = full.narrow(dim, start, length)
+    return x.copy_(full)
 
 
 def index_key(template: tuple, tensors: tuple) -> tuple:
@@ -704,6 +717,14 @@ def _getitem_grad(g, *tensors, key, shape):
     return _pullback(lambda x: x[index_key(key, tensors)], (base,), (0,), (0,), (g,))[0]
 
 
+def _mean(x, dim, keepdim, count=None):
+    """torch's mean; with ``count``, the mean of a whole tensor of which x is one piece: x's sum
+    over the whole count (placement/rules.py: each member's part of a partial sum)."""
+    if count is None:
+        return x.mean(dim=dim, keepdim=keepdim)
+    return x.sum(dim=dim, keepdim=keepdim) / count
+
+
 _ops = [
     # creation
     Op("zeros", Kind.CREATE, lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device)),
@@ -754,7 +775,7 @@ _ops = [
       for name in FUSED_FNS),
     # reductions over all elements (dim=None) or over dims
     Op("sum", Kind.REDUCE, lambda x, dim, keepdim: x.sum(dim=dim, keepdim=keepdim)),
-    Op("mean", Kind.REDUCE, lambda x, dim, keepdim: x.mean(dim=dim, keepdim=keepdim)),
+    Op("mean", Kind.REDUCE, _mean),
     Op("amax", Kind.REDUCE, lambda x, dim, keepdim: x.amax(dim=() if dim is None else dim, keepdim=keepdim)),
     Op("amin", Kind.REDUCE, lambda x, dim, keepdim: x.amin(dim=() if dim is None else dim, keepdim=keepdim)),
     Op("max_dim", Kind.REDUCE, lambda x, dim, keepdim: tuple(torch.max(x, dim, keepdim))),

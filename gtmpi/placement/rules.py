@@ -35,6 +35,13 @@ class Plan(NamedTuple):
     # the conversions of operands are the layout's own (sequence parallelism's gather before a
     # column-parallel layer), not a fallback that strict placement stops
     intended: bool = False
+    # keyword constants every member's kernel is given (a mean over a split dim divides its
+    # piece's sum by the whole count)
+    kw: dict | None = None
+    # a random fill of the result's pieces: each member draws the whole tensor from the op's
+    # seed and keeps its piece (drawing its piece's shape alone, every member would draw the
+    # same first numbers: not a one-worker run's, and alike on every member)
+    drawn: bool = False
 
 
 Rule = Callable[..., Plan]
@@ -91,7 +98,9 @@ def plan(name: str, mesh: tuple[int, ...], grid: tuple[int, ...], args: tuple, t
         # one dim cut along two axes, or a vocabulary split on a mesh of several axes (whose
         # kernels would need the line's offset and group): not supported, made whole
         return replicate(mesh, kinds)
-    return Plan(wants, out)
+    # the constants are the whole tensor's (a count), the same whichever axis asked for them
+    return Plan(wants, out, kw=next((q.kw for q in plans if q.kw), None),
+                drawn=any(q.drawn for q in plans))
 
 
 def outs(out: Placement | tuple[Placement, ...], n: int = 1) -> tuple[Placement, ...]:
@@ -332,6 +341,9 @@ def _reduction(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     if x.dim in reduced:
         if name == "sum":  # the whole sum is the sum of the pieces' sums
             return Plan(tuple(kinds), Placement(mesh, "P"))
+        if name == "mean":  # and the whole mean the sum of each piece's sum over the count
+            count = math.prod(sigs[0][0][d] for d in reduced)
+            return Plan(tuple(kinds), Placement(mesh, "P"), kw={"count": count})
         return None
     out_dim = x.dim if keepdim else x.dim - sum(d < x.dim for d in reduced)
     return Plan(tuple(kinds), Placement(mesh, "S", out_dim))
@@ -513,6 +525,196 @@ def _attention(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return Plan((split, split, split, mask, *kinds[4:]), split)
 
 
+class Rows(NamedTuple):
+    """An op that works along some dims of its first operand and on every other index alone
+    (a cumulative sum along the last dim: each row by itself), so a split along any other dim
+    stays where it is. ``mixes(args, ndim)``: the dims it works along (None: all of them);
+    ``kept(args)``: whether those dims stay in the result (False: reduced away); ``lined``:
+    the operands indexed as the first one is (gather's index, scatter's source), cut alike;
+    every other tensor operand is used whole (index_select's index, a convolution's
+    weights)."""
+    mixes: Callable[[tuple, int], set[int] | None]
+    kept: Callable[[tuple], bool] = lambda args: True
+    lined: tuple[int, ...] = ()
+
+
+def _dims_at(pos: int) -> Callable[[tuple, int], set[int] | None]:
+    """The dims named by argument ``pos`` (an int, a sequence, or None: all)."""
+    def mixes(args: tuple, ndim: int) -> set[int] | None:
+        dim = args[pos]
+        if dim is None:
+            return None
+        return {d % max(ndim, 1) for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
+    return mixes
+
+
+def _keepdim_at(pos: int) -> Callable[[tuple], bool]:
+    return lambda args: bool(args[pos])
+
+
+def _last(n: int) -> Callable[[tuple, int], set[int]]:
+    return lambda args, ndim: set(range(max(ndim - n, 0), ndim))
+
+
+ROWS: dict[str, Rows] = {
+    "cumsum": Rows(_dims_at(1)),
+    "prod": Rows(_dims_at(1), _keepdim_at(2)),
+    "logsumexp": Rows(_dims_at(1), _keepdim_at(2)),
+    "vector_norm": Rows(_dims_at(1), _keepdim_at(2)),
+    "any": Rows(_dims_at(1), _keepdim_at(2)),
+    "all": Rows(_dims_at(1), _keepdim_at(2)),
+    "normalize": Rows(_dims_at(1)),
+    "topk": Rows(_dims_at(1)),
+    "sort": Rows(_dims_at(1)),
+    "gather": Rows(_dims_at(1), lined=(2,)),
+    "scatter": Rows(_dims_at(1), lined=(2, 3)),
+    "scatter_add": Rows(_dims_at(1), lined=(2, 3)),
+    "index_select": Rows(_dims_at(1)),
+    "flip": Rows(_dims_at(1)),
+    "roll": Rows(_dims_at(2)),  # with no dims, torch rolls the flattened tensor: all
+    "tril": Rows(_last(2)),
+    "triu": Rows(_last(2)),
+    "pad": Rows(lambda args, ndim: _last(len(args[1]) // 2)(args, ndim)),
+    "one_hot": Rows(lambda args, ndim: set()),  # each index its own row of the result
+    # a batch of images or sequences, each convolved alone with whole weights
+    "conv1d": Rows(lambda args, ndim: set(range(1, ndim))),
+    "conv2d": Rows(lambda args, ndim: set(range(1, ndim))),
+}
+
+
+def _rows(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """An op of ROWS on operands split along a dim it does not work along: each member runs
+    it on its piece; the lined-up operands are cut alike (a whole one locally), the others
+    used whole."""
+    spec = ROWS[name]
+    lined = (0, *spec.lined)
+    split = [(i, p) for i, p in enumerate(kinds) if p is not None and p.kind == "S"]
+    if not split or any(p is not None and p.kind == "P" for p in kinds) or \
+            any(i not in lined for i, _ in split):
+        return None
+    ndim = len(sigs[0][0])
+    dims = {p.dim for _, p in split}
+    mixed = spec.mixes(args, ndim)
+    if len(dims) != 1 or mixed is None or (d := next(iter(dims))) in mixed:
+        return None
+    wants = []
+    for i, (p, sig) in enumerate(zip(kinds, sigs)):
+        if p is None:
+            wants.append(None)
+        elif i not in lined:
+            wants.append(Placement(mesh, "R"))
+        elif len(sig[0]) != ndim or sig[0][d] != sigs[0][0][d]:
+            return None  # indexed otherwise than the first (a gather's shorter index)
+        else:
+            wants.append(Placement(mesh, "S", d))
+    out = d if spec.kept(args) else d - sum(m < d for m in mixed)
+    return Plan(tuple(wants), Placement(mesh, "S", out))
+
+
+def _vjp(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """torch's gradient of an op (ops/table.py's vjp) where that op's own rule keeps a split
+    where it is: the incoming gradients lie as its results did, each operand's gradient as the
+    operand did, and a whole operand beside pieces (a convolution's weights) gets a partial
+    sum from each member (the duality law, as dual() says it for a whole plan)."""
+    op, n = kw["op"], len(kw["outs"])
+    rule = RULES.get(op) or _KIND_RULES.get(OPS[op].kind)
+    forward = None if rule is None else rule(op, mesh, args[n:], dict(kw["kw"]), kinds[n:],
+                                             sigs[n:])
+    if forward is None or forward.kw or forward.vocab is not None:
+        return None
+    results = outs(forward.out, max(kw["outs"]) + 1)
+    if any(p is not None and p.kind == "P" for p in (*forward.wants, *results)):
+        return None
+    split = any(p.kind == "S" for p in results)
+    grads = []
+    for i in kw["grads"]:
+        want = forward.wants[i]
+        grads.append(Placement(mesh, "P") if want.kind == "R" and split else want)
+    return Plan((*(results[j] for j in kw["outs"]), *forward.wants), tuple(grads))
+
+
+def _basic(key: tuple, ndim: int) -> list[int | None] | None:
+    """Per dim of the tensor a basic index key (ints, slices, None, ...) reads: the result's dim
+    it becomes where the key takes it whole (``:``), else None; None for any other key (index
+    tensors, lists, masks: they pick elements, which the rows of a piece do not hold alike)."""
+    if any(not (item is None or item is Ellipsis or type(item) in (int, slice)) for item in key):
+        return None
+    used = sum(item is not None and item is not Ellipsis for item in key)
+    if used > ndim or sum(item is Ellipsis for item in key) > 1:
+        return None
+    items: list = []
+    for item in key:
+        items += [slice(None)] * (ndim - used) if item is Ellipsis else [item]
+    items += [slice(None)] * (ndim - sum(item is not None for item in items))
+    whole, out = [], 0
+    for item in items:
+        if item is None:
+            out += 1
+            continue
+        whole.append(out if item == slice(None) else None)
+        out += type(item) is slice
+    return whole
+
+
+def _getitem(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """x[key] with a basic key that takes the split dim whole (x[:, -1], x[..., :3]): each
+    member indexes its piece."""
+    x = kinds[0]
+    if x.kind == "P" or x.kind != "S":
+        return _partial(name, mesh, kinds)
+    whole = _basic(kw["key"], len(sigs[0][0]))
+    if whole is None or len(kinds) > 1 or whole[x.dim] is None:
+        return None
+    return Plan(tuple(kinds), Placement(mesh, "S", whole[x.dim]))
+
+
+def _getitem_grad(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """The gradient of x[key] with such a key: each member's piece scattered into its own
+    rows of x."""
+    g = kinds[0]
+    if g.kind == "P" or g.kind != "S":
+        return _partial(name, mesh, kinds)
+    whole = _basic(kw["key"], len(kw["shape"]))
+    if whole is None or len(kinds) > 1 or g.dim not in whole:
+        return None
+    return Plan(tuple(kinds), Placement(mesh, "S", whole.index(g.dim)))
+
+
+def _setitem(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """x[key] = value with such a key on a split x: each member writes its rows, the value cut
+    alike where it spans them, whole where it broadcasts along them."""
+    x = kinds[0]
+    if x.kind == "P" or x.kind != "S":
+        return _partial(name, mesh, kinds)
+    shape = tuple(sigs[0][0])
+    whole = _basic(kw["key"], len(shape))
+    if whole is None or len(kinds) > 2 or whole[x.dim] is None:
+        return None
+    if kinds[1] is None:
+        return Plan(tuple(kinds), x)
+    indexed = torch.empty(shape, device="meta")[kw["key"]].shape
+    lined = _lined_up(mesh, whole[x.dim], len(indexed),
+                      [Placement(mesh, "S", whole[x.dim]), kinds[1]],
+                      [(indexed, sigs[0][1]), sigs[1]])
+    return None if lined is None else Plan((x, lined[1]), x)
+
+
+def _repeat(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """x.repeat(sizes) that repeats the split dim once (new dims lead): each member repeats
+    its piece."""
+    x, sizes = kinds[0], args[1]
+    lead = len(sizes) - len(sigs[0][0])
+    if x.kind != "S" or lead < 0 or sizes[x.dim + lead] != 1:
+        return _partial(name, mesh, kinds)
+    return Plan(tuple(kinds), Placement(mesh, "S", x.dim + lead))
+
+
+def _drawn(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """normal_ and uniform_ in place on pieces: they stay pieces, drawn from the whole."""
+    target = kinds[0]
+    return Plan(tuple(kinds), target, drawn=True) if target.kind == "S" else None
+
+
 def _alike(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """Multi-tensor updates: every tensor operand where the first lives (the optimizer groups
     parameters by placement; gradients are brought to them). Zeroing keeps partial sums."""
@@ -563,12 +765,12 @@ RULES.update({"matmul": _matmul, "einsum": _einsum, "linear": _linear,
               "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
               "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach,
               "norm_foreach": _power_sum, "add_foreach": _sum_alike,
-              "adam_steps": _same_everywhere})
+              "adam_steps": _same_everywhere, "vjp": _vjp})
+RULES.update({_name: _rows for _name in ROWS})
 # gradient ops placed by dual() from their forward op's plan, in the dispatcher's placer
 DUAL = {"linear_grad", *(f"{name}_grad" for name in FUSED_FNS)}
-# mix or index dims: right only on whole tensors, or on partial sums where linear
-for _name in ("getitem", "getitem_grad", "setitem"):
-    RULES[_name] = lambda name, mesh, args, kw, kinds, sigs: _partial(name, mesh, kinds)
+RULES.update({"getitem": _getitem, "getitem_grad": _getitem_grad, "setitem": _setitem,
+              "normal_": _drawn, "uniform_": _drawn, "repeat": _repeat})
 for _name in ("cat", "stack", "split", "chunk", "narrow"):
     RULES[_name] = _along
 for _name in ("view", "reshape", "flatten", "squeeze", "expand"):
