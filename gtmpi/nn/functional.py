@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..client.creation import arange, rand_like
+from ..client.creation import rand_like
 from ..client.functions import gelu, log_softmax, relu, sigmoid, silu, softmax, tanh, where
 from ..autograd import no_grad
 from ..client.tensor import Tensor, apply
