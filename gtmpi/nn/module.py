@@ -247,6 +247,11 @@ class Module:
                 if name not in state:
                     continue
                 value = state[name]
+                if isinstance(value, Tensor) and value._host is not None:
+                    # a loaded checkpoint's value the client still holds: placed as below, where
+                    # the parameter lives, not as one of the program's uploads (which a config
+                    # may split)
+                    value = value._host
                 if isinstance(value, (torch.Tensor, np.ndarray)) and target._host is not None:
                     value = tensor(value)  # copied here: the client holds the parameter yet
                 elif isinstance(value, (torch.Tensor, np.ndarray)):
