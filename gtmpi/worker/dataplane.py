@@ -23,6 +23,9 @@ from mpi4py import MPI
 from ..transport.poll import wait_for
 
 
+# newer torch renamed these (its old names then warn with a FutureWarning on every call)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 SENDS_IN_FLIGHT = 8  # unfinished sends a worker keeps before it waits for the oldest
 
 
@@ -161,7 +164,7 @@ class DataPlane:
         # into one buffer, members outermost: no copy out of a list of parts, and pieces of
         # one size along dim 0 are the whole already (a view); along another dim, one copy
         flat = piece.new_empty((len(sizes) * piece.shape[0], *piece.shape[1:]))
-        self.wait(dist.all_gather_into_tensor(flat, piece, group=self.groups[group], async_op=True))
+        self.wait(_ALL_GATHER(flat, piece, group=self.groups[group], async_op=True))
         out = flat.view(len(sizes), *piece.shape)
         self._count("all_gather", piece)
         if len(set(sizes)) == 1:
@@ -180,7 +183,7 @@ class DataPlane:
         if len(set(sizes)) == 1:  # members' pieces outermost in one buffer (along dim 0: x)
             whole = x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).contiguous()
             out = whole.new_empty(whole.shape[1:])
-            self.wait(dist.reduce_scatter_tensor(out, whole, group=self.groups[group],
+            self.wait(_REDUCE_SCATTER(out, whole, group=self.groups[group],
                                                  async_op=True))
             self._count("reduce_scatter", x)
             return out
