@@ -928,15 +928,17 @@ def test_vocabulary_parallel_embedding_and_cross_entropy_match_torch(gen, reduct
     assert_same(g_logits.grad, t_logits.grad, rtol=1e-5, atol=1e-6)
 
 
-def megatron_gpt(config: str) -> tuple:
-    """The tiny GPT on torch and on gtmpi with the same weights, the latter's placed by
-    Megatron's layout under configs/``config``; and a batch (inputs, targets)."""
+def megatron_gpt(config: str, vocab: int | None = None) -> tuple:
+    """The tiny GPT (of ``vocab`` tokens if given) on torch and on gtmpi with the same weights,
+    the latter's placed by Megatron's layout under configs/``config``; and a batch (inputs,
+    targets)."""
+    import dataclasses
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root))
     from examples.gpt.model import SIZES, build, tensor_parallel
-    c = SIZES["tiny"]
+    c = SIZES["tiny"] if vocab is None else dataclasses.replace(SIZES["tiny"], vocab=vocab)
     gtmpi.load_config(str(root / "configs" / config))
     torch.manual_seed(0)
     ref = build(torch)(c)
@@ -950,7 +952,8 @@ def megatron_gpt(config: str) -> tuple:
 
 
 @spread
-def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only():
+@pytest.mark.parametrize("vocab", [None, 257])
+def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only(vocab):
     """The GPT with Megatron's layout (configs/gpt_tp2.yaml: QKV and the MLP's first layer
     column-parallel, heads split with them; the output projections row-parallel; the token
     embedding and the head split along the vocabulary, the loss the parallel cross-entropy)
@@ -958,8 +961,9 @@ def test_megatron_tensor_parallel_gpt_runs_megatrons_all_reduces_only():
     row-parallel layer in forward and one at each column-parallel layer's input in backward,
     one after the embedding and one at the head's input in backward: nothing else moves
     (the cross-entropy's own three sums per row run inside its kernel), and the weights stay
-    in halves."""
-    c, ref, model, (x, y) = megatron_gpt("gpt_tp2.yaml")
+    in halves. A vocabulary of 257 (the seed's Mini-GPT has 50257) splits unevenly: the
+    logits stay in their uneven pieces through the loss, nothing gathered."""
+    c, ref, model, (x, y) = megatron_gpt("gpt_tp2.yaml", vocab)
     from examples.gpt.model import tensor_parallel
     gtmpi.debug.strict_placement()
     try:

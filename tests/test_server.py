@@ -34,6 +34,10 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+# how long the tests' servers wait on a client that stopped (the hostile cases wait it out)
+TIMEOUT_S = 4
+
+
 class Server:
     """``mpiexec -n 3 python -m gtmpi.server`` (2 workers), stopped at the end of the test."""
 
@@ -43,7 +47,8 @@ class Server:
         self.proc = subprocess.Popen(
             ["timeout", str(limit_s), MPIEXEC, "-n", "3", sys.executable, "-m",
              "gtmpi.server", "--port-file", self.port_file, *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env=_env(GTMPI_CLIENT_TIMEOUT_S=str(TIMEOUT_S)), start_new_session=True)
         deadline = time.monotonic() + 60
         while not os.path.exists(self.port_file):
             assert self.proc.poll() is None, self.text()
@@ -91,6 +96,14 @@ class Server:
 @pytest.fixture
 def server(tmp_path):
     s = Server(tmp_path)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One server for the hostile cases one after another: each must leave it serving."""
+    s = Server(tmp_path_factory.mktemp("shared"))
     yield s
     s.stop()
 
@@ -406,7 +419,7 @@ def test_eight_clients_of_five_thousand_ops_each(server, tmp_path):
 def test_the_monitor_shows_a_running_train_py_and_leaves_its_losses_alone(tmp_path):
     port = str(tmp_path / "run.port")
     cmd = ["timeout", "200", MPIEXEC, "-n", "3", sys.executable,
-           os.path.join(ROOT, "examples", "gpt", "train.py"), "--size", "tiny", "--steps", "600"]
+           os.path.join(ROOT, "examples", "gpt", "train.py"), "--size", "tiny", "--steps", "400"]
     env = _env(GTMPI_CONFIG=os.path.join(ROOT, "configs", "data_parallel.yaml"))
     plain = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=220)
     assert plain.returncode == 0, plain.stderr
@@ -442,7 +455,8 @@ BAD_INDEX = """
 """
 
 
-def test_a_bad_index_fails_its_client_only(server, tmp_path):
+def test_a_bad_index_fails_its_client_only(shared, tmp_path):
+    server = shared
     # on GPU workers an index out of range would be a device-side assert, ending the worker
     # for every client: the worker checks a client's indices on the device (worker/bounds.py)
     other = server.client(tmp_path, "reads", READS, "4")
@@ -452,7 +466,8 @@ def test_a_bad_index_fails_its_client_only(server, tmp_path):
     assert "reads 4800.0" in finish(server.client(tmp_path, "reads1", READS, "1"))
 
 
-def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(server, tmp_path):
+def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(shared, tmp_path):
+    server = shared
     out = finish(server.client(tmp_path, "hostile", """
         import gtmpi as t
         from gtmpi.client.runtime import runtime
@@ -518,11 +533,11 @@ HOSTILE = """
     ("code", "not a message of gtmpi's: a value of kind"),
     ("garbage", "not a message of gtmpi's"), ("server word", "named 'serving'"),
     ("round", "a round whose payload is not its count of uploads"),
-    ("upload never sent", "the bytes of an upload did not come within 10 s"),
+    ("upload never sent", f"the bytes of an upload did not come within {TIMEOUT_S} s"),
     ("oversized", "a message of 83,886,080 bytes, over its limit of 67,108,864"),
-    ("torn", "a message that stopped arriving (nothing more of it for 10 s)"),
+    ("torn", f"a message that stopped arriving (nothing more of it for {TIMEOUT_S} s)"),
     ("not frames", "bytes, over its limit of")])
-def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(server, tmp_path, case,
+def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(shared, tmp_path, case,
                                                                     said):
     """A message whose pickle calls a function as it loads, bytes that are no pickle, a control
     word only the server sends, a round count that is code, an upload whose bytes never come,
@@ -530,7 +545,8 @@ def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(server, tmp_p
     message:
     nothing of it runs, on a worker or on the server, and nothing waits for good; the client is
     told why it was dropped; a client working beside it finishes right, and a new one joins
-    after."""
+    after (the cases share one server, each leaving it to the next)."""
+    server = shared
     ran = tmp_path / "ran"
     bystander = server.client(tmp_path, "reads", READS, "2")
     out = finish(server.client(tmp_path, "hostile", HOSTILE, case, str(ran)))
@@ -597,12 +613,14 @@ FUZZ = """
 """
 
 
-def test_a_fuzzing_client_neither_ends_nor_stalls_the_server(server, tmp_path):
+def test_a_fuzzing_client_neither_ends_nor_stalls_the_server(shared, tmp_path):
     """1,000 random and mutated messages, from four clients in turn: four in five on the tags
     that reach the workers, then on any tag (each client is dropped at the first message that
     is not gtmpi's, by a worker or the server, and told; what it sent after is drained into
     nothing, never unpickled: that once ended the server). A bystander working all along
-    finishes right, a new client joins after, and the server logs no traceback."""
+    finishes right, a new client joins after, and the server (the hostile cases' too) logs no
+    traceback."""
+    server = shared
     bystander = server.client(tmp_path, "reads", READS, "2")
     for seed in range(4):
         out = finish(server.client(tmp_path, f"fuzz{seed}", FUZZ, str(seed), "250"))
@@ -745,9 +763,10 @@ def test_the_listener_drops_what_is_not_a_token_and_survives_a_failed_accept(tmp
         hub.close()
 
 
-def test_garbage_on_a_servers_port_harms_no_client(server, tmp_path):
+def test_garbage_on_a_servers_port_harms_no_client(shared, tmp_path):
     """Bytes from any local process, with or without a token's place, leave the server taking
     and serving clients (a non-JSON line once ended its listener thread for good)."""
+    server = shared
     info = json.loads(open(server.port_file).read())
     for data in (b"\x00" * 20 + b"\n", b"GET / HTTP/1.0\r\n\r\n", b'{"role": "stop"}\n'):
         answer = _refused_by((info["host"], info["port"]), data)

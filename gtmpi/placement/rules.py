@@ -396,6 +396,10 @@ def _reshape(name, mesh, args, kw, kinds, sigs) -> Plan | None:
             return None
         inner = math.prod(shape[d] for d in ins if d > x.dim)
         inner_out = math.prod(out[d] for d in outs_ if d > lead_out[0])
+        if shape[x.dim] == out[lead_out[0]] and inner == inner_out:
+            # the split dim itself, only renumbered (logits (B, T, V) as (B*T, V)): the pieces
+            # are the result's, even or not (a vocabulary of 50257 over two workers)
+            return Plan(tuple(kinds), Placement(mesh, "S", lead_out[0]))
         n, k = shape[x.dim], len(mesh)  # members along the axis divide len(mesh): k suffices
         if n % k or (n // k * inner) % inner_out:
             return None

@@ -50,7 +50,7 @@ from mpi4py import MPI
 from ..monitor.hub import Hub
 from ..recording.events import now
 from ..transport.frames import Channel
-from ..transport.mpi import Sends
+from ..transport.mpi import CLIENT_TIMEOUT_S, Sends
 from ..transport import wire
 from ..transport.rendezvous import LOOPBACK, Lines
 from ..transport.tags import SLOT_STRIDE, Tag
@@ -61,8 +61,9 @@ from .tracing import ServerTrace
 # (another client's read then waits behind at most one batch of each)
 INFLIGHT_ALONE = 4
 INFLIGHT_SHARED = 1
-RECV_DEADLINE_S = 10.0  # a message begun that moves no further for this long: its sender died
-TAKES_S = 10.0  # a client that takes nothing of what it was sent (a read) for this long: dropped
+# a message begun that moves no further for this long: its sender died; a client that takes
+# nothing of what it was sent (a read) for this long: dropped
+RECV_DEADLINE_S = TAKES_S = CLIENT_TIMEOUT_S
 # the largest message a client may send but an upload (a batch of instructions is far smaller);
 # an upload may be as large as the client's quota, if the server has one
 MESSAGE_MAX = 64 << 20
