@@ -179,10 +179,10 @@ def test_what_a_replay_could_not_repeat_is_refused(body, message):
 
 
 def test_a_tensor_kept_beyond_the_call_is_refused_with_its_line():
-    kept = []
+    kept = set()  # where no call's signature looks (in a list, each call would differ)
 
     def body(x):
-        kept.append(x * 2)
+        kept.add(x * 2)
         return x + 1
 
     f = gtmpi.replayable(body)
@@ -190,6 +190,17 @@ def test_a_tensor_kept_beyond_the_call_is_refused_with_its_line():
     f(x)
     with pytest.raises(gtmpi.ReplayError, match=r"1 tensor\(s\) that outlive it .*test_replay"):
         f(x)
+
+
+def test_a_result_with_a_graph_behind_it_is_refused_saying_what_to_do():
+    lin = gtmpi.nn.Linear(4, 4)
+    f = gtmpi.replayable(lambda v: lin(v).relu().sum())
+    x = gtmpi.ones(2, 4)
+    f(x)
+    with pytest.raises(gtmpi.ReplayError, match="returned a tensor with an autograd graph"):
+        f(x)
+    with gtmpi.no_grad():  # a forward alone: no graph, replayed
+        assert [f(x).item() for _ in range(3)] == [lin(x).relu().sum().item()] * 3
 
 
 def test_an_argument_with_a_graph_behind_it_is_refused():
@@ -661,3 +672,174 @@ def test_a_numpy_number_a_tuple_of_tensors_and_a_dicts_number_are_followed():
         assert step.replays == 4  # each change recorded once, then replayed
     finally:
         _np_scale, _pair, _config["scale"] = np.float32(1.0), (None, None), 1.0
+
+
+class _Box:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+
+def test_a_tensor_in_a_list_replaced_is_read_anew():
+    ws = [gtmpi.full((4,), 2.0)]
+    old = ws[0]  # kept alive: no free says the recording is stale
+    step = gtmpi.replayable(lambda v: (v * ws[0]).sum())
+    x = gtmpi.ones(4)
+    assert _calls(step, x) == [8.0] * 3
+    ws[0] = gtmpi.full((4,), 3.0)
+    assert _calls(step, x) == [12.0] * 3
+    assert old.tolist() == [2.0] * 4
+
+
+def test_a_tensor_read_where_no_call_looks_is_refused_naming_it():
+    import functools
+    w = gtmpi.full((4,), 2.0)
+    scaled = functools.partial(lambda v, w: v * w, w=w)  # a library's object: not walked
+    step = gtmpi.replayable(lambda v: scaled(v).sum())
+    x = gtmpi.ones(4)
+    step(x)  # as written
+    with pytest.raises(gtmpi.ReplayError, match=r"read 1 tensor\(s\) from before the call .*"
+                       r"made at .*test_replay.py:\d+, held where no call looks"):
+        step(x)
+    deep = _Box(_Box(_Box(_Box(_Box(_Box(w))))))  # six objects down: past each call's walk
+    far = gtmpi.replayable(lambda v: (v * deep.inner.inner.inner.inner.inner.inner).sum())
+    far(x)
+    with pytest.raises(gtmpi.ReplayError, match=r"found as deep\.inner\.inner\.inner\.inner"):
+        far(x)
+    assert (x * w).sum().item() == 8.0  # the session goes on
+
+
+class _Scaler:
+    def __init__(self) -> None:
+        self.k = 2.0
+
+    def apply(self, v):
+        return (v * self.k).sum()
+
+
+def _case_bound_method():
+    obj = _Scaler()
+    return gtmpi.replayable(obj.apply), (gtmpi.ones(4),), lambda: setattr(obj, "k", 5.0)
+
+
+def _case_dict_tensor():
+    table = {"w": gtmpi.full((4,), 2.0)}
+    keep = table["w"]
+    step = gtmpi.replayable(lambda v: (v * table["w"]).sum())
+    return step, (gtmpi.ones(4),), lambda: (keep, table.update(w=gtmpi.full((4,), 7.0)))
+
+
+def _case_nested_closure():
+    box = [1.5]
+
+    def outer():
+        k = box[0]
+
+        def inner(v):
+            return (v * k).sum()
+        return inner
+    holder = {"f": outer()}
+    return (gtmpi.replayable(lambda v: holder["f"](v)), (gtmpi.ones(4),),
+            lambda: (box.__setitem__(0, 4.0), holder.update(f=outer())))
+
+
+def _case_string_option():
+    opts = {"act": "relu"}
+    step = gtmpi.replayable(lambda v: (v.relu() if opts["act"] == "relu" else v.sigmoid()).sum())
+    return step, (gtmpi.full((4,), -1.0),), lambda: opts.update(act="sigmoid")
+
+
+def _case_buffer_replaced():
+    m = gtmpi.nn.Module()
+    m.register_buffer("scale", gtmpi.full((4,), 2.0))
+    keep = m.scale
+    step = gtmpi.replayable(lambda v: (v * m.scale).sum())
+    return step, (gtmpi.ones(4),), lambda: (keep, m.register_buffer("scale", gtmpi.full((4,), 3.0)))
+
+
+def _case_module_swapped():
+    net = gtmpi.nn.Sequential(gtmpi.nn.Linear(4, 4), gtmpi.nn.ReLU())
+    step = gtmpi.replayable(lambda v: net(v).sum().detach())
+    return step, (gtmpi.ones(2, 4),), lambda: net.__setitem__(1, gtmpi.nn.Tanh())
+
+
+def _case_module_list_entry_eval():
+    blocks = gtmpi.nn.ModuleList([gtmpi.nn.Dropout(1.0), gtmpi.nn.Identity()])
+    step = gtmpi.replayable(lambda v: blocks[1](blocks[0](v)).sum())
+    return step, (gtmpi.ones(64),), lambda: blocks[0].eval()
+
+
+def _case_class_tensor():
+    class Holder:
+        w = gtmpi.full((4,), 2.0)
+    keep = Holder.w
+    step = gtmpi.replayable(lambda v: (v * Holder.w).sum())
+    return step, (gtmpi.ones(4),), lambda: (keep, setattr(Holder, "w", gtmpi.full((4,), 6.0)))
+
+
+def _case_tuple_config():
+    cfg = [(1.0, 2.0)]
+    step = gtmpi.replayable(lambda v: (v * cfg[0][1]).sum())
+    return step, (gtmpi.ones(4),), lambda: cfg.__setitem__(0, (1.0, 9.0))
+
+
+def _case_object_three_down():
+    root = _Box(_Box(_Box(gtmpi.full((4,), 2.0))))
+    keep = root.inner.inner.inner
+    step = gtmpi.replayable(lambda v: (v * root.inner.inner.inner).sum())
+    return step, (gtmpi.ones(4),), lambda: (keep, setattr(root.inner.inner, "inner",
+                                                          gtmpi.full((4,), 5.0)))
+
+
+def _case_requires_grad_of_an_argument():
+    w = gtmpi.full((4,), 2.0)
+
+    def step(v, w):
+        out = (v * w).sum()
+        if w.requires_grad:
+            out.backward()
+            return out.detach() * 3
+        return out
+    return gtmpi.replayable(step), (gtmpi.ones(4), w), lambda: w.requires_grad_()
+
+
+def _case_no_grad_around_the_call():
+    w = gtmpi.full((4,), 2.0, requires_grad=True)
+    state = {"off": False}
+
+    def step(v):
+        out = (v * w).sum()
+        return (out * 2).detach() if out.requires_grad else out
+    return _Moded(gtmpi.replayable(step), state), (gtmpi.ones(4),), lambda: state.update(off=True)
+
+
+class _Moded:
+    """A step called under no_grad once ``state["off"]``; ``fn`` the same as written."""
+
+    def __init__(self, replayed, state) -> None:
+        self.replayed, self.state = replayed, state
+        self.fn = lambda v: self._call(replayed.fn, v)
+
+    def _call(self, f, v):
+        if not self.state["off"]:
+            return f(v)
+        with gtmpi.no_grad():
+            return f(v)
+
+    def __call__(self, v):
+        return self._call(self.replayed, v)
+
+
+@pytest.mark.parametrize("case", [
+    _case_bound_method, _case_dict_tensor, _case_nested_closure, _case_string_option,
+    _case_buffer_replaced, _case_module_swapped, _case_module_list_entry_eval,
+    _case_class_tensor, _case_tuple_config, _case_object_three_down,
+    _case_requires_grad_of_an_argument, _case_no_grad_around_the_call])
+def test_what_a_program_changes_between_calls_is_never_replayed_stale(case):
+    """Further changes a program makes between calls of a replayable step (beyond the issue's
+    probe): after each, every call gives what the step as written gives."""
+    step, args, change = case()
+    for _ in range(2):
+        want = step.fn(*args).item()
+        assert [step(*args).item() for _ in range(3)] == \
+            pytest.approx([want] * 3, rel=1e-5, abs=1e-6), case.__name__
+        change()

@@ -20,18 +20,23 @@ and run it, one instruction per worker.
 What a replay repeats is the instructions. Like a CUDA graph, the function's Python does not
 run again, so what it reads from outside belongs to its signature: the grad mode and autocast
 region, its arguments (modules and objects of the program's classes by what they hold), and
-outside(): what its code reaches by name. Modules are followed to any depth (training flags,
-parameters and buffers by identity and requires_grad, public and private attributes);
-functions by their code and the globals it reads; objects of the program's classes by their
-attributes and their class's; tuples whole; dicts for their numbers and strings; lists and
-gtmpi's own objects only for the functions, modules and tensors they hold, so keep the
-optimizer step outside (AdamW's bias correction and a schedule's rate change every step). Its tensor arguments are bound by position; the tensors it returns
-and the gradients it accumulates into leaves made before it are new tensors on every call. A
-call is recorded afresh when its arguments differ in shape, dtype, placement or constants,
-when what it reads by name differs, when its leaves' gradients are present where they were
-absent (or the reverse), or when a tensor it reads was freed or placed anew. A read or an upload inside raises ReplayError (a replay
-could not repeat it), as does a tensor made inside that outlives the call unreturned. Random
-ops draw on each call what they would draw as written (their seeds are derived again per call).
+outside(): what its code reaches by name, up to 4 steps from the function and 1,024 items of a
+container. Modules are followed to any depth (training flags, parameters and buffers by
+identity and requires_grad, public and private attributes); functions by their code and the
+globals it reads; objects of the program's classes by their attributes and their class's
+(every class of the MRO); tuples whole; lists and dicts for the code, modules, objects and
+tensors they hold, dicts for their numbers and strings too; gtmpi's own objects (a Pipeline,
+an optimizer) for the same but not their numbers, so keep the optimizer step outside (AdamW's
+bias correction and a schedule's rate change every step). Its tensor arguments are bound by
+position; the tensors it returns and the gradients it accumulates into leaves made before it
+are new tensors on every call. A call is recorded afresh when its arguments differ in shape,
+dtype, placement or constants, when what it reads by name differs, when its leaves' gradients
+are present where they were absent (or the reverse), or when a tensor it reads was freed or
+placed anew. Recording fails with a ReplayError naming what a replay could not follow or
+repeat: a tensor from before the call read where no call's signature looks (a set, a
+functools.partial, a library's object, past those bounds), a read or an upload inside, a
+tensor made inside that outlives the call unreturned. Random ops draw on each call what they
+would draw as written (their seeds are derived again per call).
 On GPU workers, programs become CUDA graphs from their second replay (worker/graphs.py).
 GTMPI_REPLAY=0 runs every call as written.
 """
@@ -98,7 +103,7 @@ class Replayable:
         if calls <= self.warmup or calls > self.warmup + RECORDINGS_MAX:
             return self.fn(*args, **kwargs)
         self._named = outside(self.fn, named=True)  # to say what changed, should it
-        result, rec = _record(rt, self.fn, args, kwargs, inputs)
+        result, rec = _record(rt, self.fn, args, kwargs, inputs, _tensor_ids(key))
         kept.append(rec)
         return result
 
@@ -157,9 +162,11 @@ class _Recorded:
         return _build(self.structure, made)
 
 
-def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict,
-            inputs: list[Tensor]) -> tuple[Any, _Recorded]:
-    """Run ``fn`` once as written while its instructions are recorded, and install them."""
+def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict, inputs: list[Tensor],
+            followed: set[int]) -> tuple[Any, _Recorded]:
+    """Run ``fn`` once as written while its instructions are recorded, and install them.
+    ``followed``: the tensors from before the call that each call's signature names; one it
+    read that is not among them could be replaced unseen, so the recording is refused."""
     d = rt.dispatcher
     first = rt.new_id()
     d.start_recording(first)
@@ -183,12 +190,22 @@ def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict,
     program, kept = d.install([t.id for t in outs], [t.id for t in inputs] +
                               [before for _, _, before in grads if before is not None],
                               f"{fn.__qualname__} (recorded at {rt.current_site()})")
+    if kept and any(t._node is not None for t in outs):
+        d.drop(program)
+        raise ReplayError("a replayable function returned a tensor with an autograd graph behind "
+                          "it (it requires grad, and no backward ran inside): a replay hands "
+                          "back tensors without a graph. Call backward inside, return it "
+                          "detached, or run the call under gtmpi.no_grad()")
     if kept:
         d.drop(program)
         sites = ", ".join(sorted({rt.site(tid) or f"tensor {tid}" for tid in kept[:8]}))
         raise ReplayError(f"a replayable function made {len(kept)} tensor(s) that outlive it "
                           f"without being returned (made at {sites}): a replay would not make "
                           "them again. Return them, or keep them out of the function")
+    unfollowed = sorted(program.reads - followed)
+    if unfollowed:
+        d.drop(program)
+        raise ReplayError(_unfollowed(rt, fn, unfollowed))
     # the tensors handed out now move off the ids the program makes, which replays reuse
     pairs = [(t.id, rt.new_id()) for t in outs]
     d.rename(pairs)
@@ -196,6 +213,36 @@ def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict,
         t.id = new
     rec = _Recorded(program, structure, [t._sig for t in outs], [t.id for t in inputs], grads)
     return result, rec
+
+
+def _tensor_ids(key: Any) -> set[int]:
+    """The ids of the tensors a call's key names by identity (outside()'s entries)."""
+    ids, stack = set(), [key]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, tuple):
+            if len(value) == 3 and value[0] == "tensor" and type(value[1]) is int:
+                ids.add(value[1])
+            else:
+                stack.extend(value)
+    return ids
+
+
+def _unfollowed(rt: Runtime, fn: Callable, ids: list[int]) -> str:
+    """Why a recording that read tensors its calls' signature does not name is refused, and
+    where each was found (by a walk past the per-call bounds), or that it was not."""
+    where = {what[1]: path for path, what in outside(fn, named=True, full=True)
+             if isinstance(what, tuple) and what[:1] == ("tensor",)}
+    said = []
+    for tid in ids[:4]:
+        made = rt.site(tid) or "an unknown line"
+        said.append(f"made at {made}, found as {where[tid]} (past the {_BOUNDS[1]} items of a "
+                    f"container or {_DEPTH} steps from the function that each call compares)"
+                    if tid in where else f"made at {made}, held where no call looks (a set, a "
+                    "functools.partial, an object of a library's class)")
+    return (f"gtmpi.replayable({fn.__qualname__}): it read {len(ids)} tensor(s) from before "
+            "the call that replays could not tell replaced: " + "; ".join(said) +
+            ". Pass them as arguments, or keep them in a module, a tuple or a dict it reads")
 
 
 def _signature(rt: Runtime, value: Any, inputs: list[Tensor]) -> Any:
@@ -210,20 +257,24 @@ def _signature(rt: Runtime, value: Any, inputs: list[Tensor]) -> Any:
             _shape_of(value, inputs, placer))
 
 
-def outside(fn: Callable, named: bool = False) -> tuple:
+def outside(fn: Callable, named: bool = False, full: bool = False) -> tuple:
     """What a replay of ``fn`` silently depends on besides its arguments, as it stands now:
     the tensors its code reaches by name (globals, closures, the functions and modules those
-    hold, their parameters and buffers) by id, modules' training flags, and the Python numbers
-    and strings found on the way (in lists and dicts only the functions and modules are
-    followed). A replay repeats instructions, not Python: if any of these differs from the
-    recording's, the call is recorded afresh (a rebound tensor, model.eval(), a changed loss
-    scale) rather than replayed stale. ``named``: each as (where it was found, value)."""
-    found: list = []
-    _reach(fn, "" if named else None, found, set(), 0)
-    return tuple(found)
+    hold, their parameters and buffers, the tensors in their lists and dicts) by id and
+    requires_grad, modules' training flags, and the Python numbers and strings found on the
+    way (a dict's, not a list's). A replay repeats instructions, not Python: if any of these
+    differs from the recording's, the call is recorded afresh (a rebound tensor, model.eval(),
+    a changed loss scale) rather than replayed stale. ``named``: each as (where it was found,
+    value); ``full``: past the bounds each call's walk keeps to (twice as deep, every item of
+    a container), to say where a tensor that a recording read was found."""
+    walk = _Walk(named, *(_FULL if full else _BOUNDS))
+    walk.reach(fn, "" if named else None, 0)
+    return tuple(walk.found)
 
 
 _DEPTH = 4  # how far from the function the walk goes (functions, objects, containers)
+_BOUNDS = (_DEPTH, 1024)  # each call's walk: its depth, and the items of a container it reads
+_FULL = (2 * _DEPTH, None)  # a recording's walk for the tensors it read
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _LEAVES = (Tensor, *_PLAIN)
 _TABLES = ("_parameters", "_buffers", "_modules")
@@ -248,90 +299,100 @@ def _walked(value: Any) -> bool:
         and _users(type(value)))
 
 
-def _reach(value: Any, path: str | None, found: list, seen: set, depth: int,
-           inside_library: bool = False) -> None:
-    """Append what ``value`` holds that a replay depends on (with ``path`` where it was found,
-    unless path is None: the per-call walk, which names nothing). ``inside_library``: reached
-    through gtmpi's own objects (an optimizer's per-step counts are no reason to record
-    again: keep its step outside)."""
-    def note(where: str | None, what: Any) -> None:
-        found.append(what if path is None else (where, what))
+class _Walk:
+    """One walk from a function (or an argument) over what a replay depends on: ``found``
+    in order, each thing once (``seen``), at most ``depth`` steps away and ``items`` items of
+    each container (None: all); ``named``: with where each was found."""
 
-    if isinstance(value, _PLAIN):
-        note(path, value)
-        return
-    if id(value) in seen or depth > _DEPTH or isinstance(value, types.ModuleType):
-        return
-    seen.add(id(value))
-    if isinstance(value, Tensor):
-        # which tensor, and whether it takes gradients (a layer frozen after the recording)
-        note(path, ("tensor", value.id, value.requires_grad))
-    elif "_modules" in getattr(value, "__dict__", ()):  # an nn.Module
-        note(path and f"{path}.training", value.training)
-        for name, item in value.__dict__.items():
-            if name in _TABLES:
-                # a model's own tree is followed to any depth: a weight replaced or a layer
-                # set to eval() deep inside it must be seen
-                for key, sub in item.items():
-                    _reach(sub, path and f"{path}.{key}", found, seen, depth)
-            elif name not in _MODULE_INTERNALS:
-                _reach(item, path and f"{path}.{name}", found, seen, depth + 1)
-        _class_state(type(value), path, found, seen, depth)
-    elif isinstance(value, types.MethodType):
-        _reach(value.__self__, path, found, seen, depth)
-        _reach(value.__func__, path, found, seen, depth)
-    elif isinstance(value, (types.FunctionType, Replayable)):
-        fn = value.fn if isinstance(value, Replayable) else value
-        if depth:
-            note(path, fn.__code__)  # a name rebound to another function
-        names = fn.__globals__
-        for name in _global_names(fn.__code__):
-            if name in names:
-                _reach(names[name], None if path is None else name, found, seen, depth + 1)
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-            try:
-                _reach(cell.cell_contents, None if path is None else name, found, seen, depth + 1)
-            except ValueError:  # a cell not yet filled
-                pass
-    elif isinstance(value, tuple):  # made whole, never appended to: all it holds counts
-        for key, item in enumerate(value[:64]):
-            _reach(item, path and f"{path}[{key}]", found, seen, depth + 1)
-    elif isinstance(value, (list, dict)):
-        # a list is walked for the code and modules it holds (a pipeline's stages), not for
-        # its tensors and numbers: a list a step appends to is no reason to record again; a
-        # dict's numbers and strings count (a config's)
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in list(items)[:64]:
-            if not isinstance(item, _LEAVES) or (isinstance(value, dict) and not inside_library
-                                                 and isinstance(item, _PLAIN)):
-                _reach(item, path and f"{path}[{key!r}]", found, seen, depth + 1, inside_library)
-    elif isinstance(value, type):
-        if _users(value):
-            note(path, value)  # a name rebound to another class
-            _class_state(value, path, found, seen, depth)
-    elif hasattr(value, "__dict__") and (_users(type(value)) or
-                                         type(value).__module__.startswith("gtmpi.")):
-        note(path and f"{path}.__class__", type(value))
-        library = inside_library or not _users(type(value))
-        for name, item in vars(value).items():  # a program's object, a Pipeline, an optimizer
-            _reach(item, path and f"{path}.{name}", found, seen, depth + 1, library)
-        if _users(type(value)):
-            _class_state(type(value), path, found, seen, depth)
+    def __init__(self, named: bool, depth: int, items: int | None) -> None:
+        self.named, self.depth, self.items = named, depth, items
+        self.found: list = []
+        self.seen: set = set()
 
+    def note(self, where: str | None, what: Any) -> None:
+        self.found.append((where, what) if self.named else what)
 
-def _class_state(cls: type, path: str | None, found: list, seen: set, depth: int) -> None:
-    """The numbers, strings and tensors a program's class holds (read as self.x or Cls.x)."""
-    for klass in cls.__mro__:
-        # keyed by the class, never by id(klass.__dict__): that is a new proxy each time,
-        # freed at once, whose address the next class's proxy takes (which skipped every
-        # class but the first, or not, as the allocator had it)
-        if not _users(klass) or ("class", id(klass)) in seen:
-            continue
-        seen.add(("class", id(klass)))
-        for name, item in vars(klass).items():
-            # its numbers, and its methods: what they read by name (forward's globals)
-            if isinstance(item, (*_LEAVES, types.FunctionType)) and not name.startswith("__"):
-                _reach(item, path and f"{path}.{name}", found, seen, depth + 1)
+    def reach(self, value: Any, path: str | None, depth: int, inside_library: bool = False) -> None:
+        """What ``value`` (found at ``path``; None in a walk that names nothing) holds. ``inside_library``: reached through
+        gtmpi's own objects, whose numbers are no reason to record again (an optimizer's
+        per-step counts: keep its step outside)."""
+        if isinstance(value, _PLAIN):
+            self.note(path, value)
+            return
+        if id(value) in self.seen or depth > self.depth or isinstance(value, types.ModuleType):
+            return
+        self.seen.add(id(value))
+        if isinstance(value, Tensor):
+            # which tensor, and whether it takes gradients (a layer frozen after the recording)
+            self.note(path, ("tensor", value.id, value.requires_grad))
+        elif "_modules" in getattr(value, "__dict__", ()):  # an nn.Module
+            # its class (a ReLU swapped for a Tanh holds nothing else that differs)
+            self.note(path and f"{path}.__class__", type(value))
+            self.note(path and f"{path}.training", value.training)
+            for name, item in value.__dict__.items():
+                if name in _TABLES:
+                    # a model's own tree is followed to any depth: a weight replaced or a layer
+                    # set to eval() deep inside it must be seen
+                    for key, sub in item.items():
+                        self.reach(sub, path and f"{path}.{key}", depth)
+                elif name not in _MODULE_INTERNALS:
+                    self.reach(item, path and f"{path}.{name}", depth + 1)
+            self.class_state(type(value), path, depth)
+        elif isinstance(value, types.MethodType):
+            self.reach(value.__self__, path, depth)
+            self.reach(value.__func__, path, depth)
+        elif isinstance(value, (types.FunctionType, Replayable)):
+            fn = value.fn if isinstance(value, Replayable) else value
+            if depth:
+                self.note(path, fn.__code__)  # a name rebound to another function
+            names = fn.__globals__
+            for name in _global_names(fn.__code__):
+                if name in names:
+                    self.reach(names[name], self.named and name or None, depth + 1)
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+                try:
+                    self.reach(cell.cell_contents, self.named and name or None, depth + 1)
+                except ValueError:  # a cell not yet filled
+                    pass
+        elif isinstance(value, tuple):  # made whole, never appended to: all it holds counts
+            for key, item in enumerate(value[:self.items]):
+                self.reach(item, path and f"{path}[{key}]", depth + 1)
+        elif isinstance(value, (list, dict)):
+            # a list is walked for the code, modules and tensors it holds (a pipeline's
+            # stages), not for its numbers: a list of numbers a step appends to is no reason to
+            # record again; a dict's numbers and strings count (a config's)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in list(items)[:self.items]:
+                if not isinstance(item, _PLAIN) or (isinstance(value, dict) and
+                                                    not inside_library):
+                    self.reach(item, path and f"{path}[{key!r}]", depth + 1, inside_library)
+        elif isinstance(value, type):
+            if _users(value):
+                self.note(path, value)  # a name rebound to another class
+                self.class_state(value, path, depth)
+        elif hasattr(value, "__dict__") and (_users(type(value)) or
+                                             type(value).__module__.startswith("gtmpi.")):
+            self.note(path and f"{path}.__class__", type(value))
+            library = inside_library or not _users(type(value))
+            for name, item in vars(value).items():  # a program's object, a Pipeline, an optimizer
+                self.reach(item, path and f"{path}.{name}", depth + 1, library)
+            if _users(type(value)):
+                self.class_state(type(value), path, depth)
+
+    def class_state(self, cls: type, path: str | None, depth: int) -> None:
+        """The numbers, strings and tensors a program's class holds (read as self.x or
+        Cls.x)."""
+        for klass in cls.__mro__:
+            # keyed by the class, never by id(klass.__dict__): that is a new proxy each time,
+            # freed at once, whose address the next class's proxy takes (which skipped every
+            # class but the first, or not, as the allocator had it)
+            if not _users(klass) or ("class", id(klass)) in self.seen:
+                continue
+            self.seen.add(("class", id(klass)))
+            for name, item in vars(klass).items():
+                # its numbers, and its methods: what they read by name (forward's globals)
+                if isinstance(item, (*_LEAVES, types.FunctionType)) and not name.startswith("__"):
+                    self.reach(item, path and f"{path}.{name}", depth + 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -364,9 +425,9 @@ def _shape_of(value: Any, inputs: list[Tensor], placer: Any) -> Any:
     if isinstance(value, dict):
         return (dict, tuple((k, _shape_of(v, inputs, placer)) for k, v in sorted(value.items())))
     if _walked(value):  # a module or an object given as an argument: what it holds now
-        found: list = []
-        _reach(value, None, found, set(), 0)
-        return (type(value), tuple(found))
+        walk = _Walk(False, *_BOUNDS)
+        walk.reach(value, None, 0)
+        return (type(value), tuple(walk.found))
     try:
         hash(value)
     except TypeError:

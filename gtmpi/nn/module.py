@@ -340,6 +340,10 @@ class ModuleList(Module):
     def __getitem__(self, i: int) -> Module:
         return list(self._modules.values())[i]
 
+    def __setitem__(self, i: int, module: Module) -> None:
+        """torch's ``layers[i] = module`` (a negative index counts from the end)."""
+        self.add_module(list(self._modules)[i], module)
+
     def __len__(self) -> int:
         return len(self._modules)
 
