@@ -27,6 +27,16 @@ class WorkerError(RuntimeError):
         super().__init__(message)
 
 
+class WorkerIndexError(WorkerError, IndexError):
+    """An op's index was out of range on a worker: an IndexError, as torch raises it."""
+
+
+def worker_error(fault: Fault, site: str | None) -> WorkerError:
+    """The exception for ``fault``: an IndexError too where the worker's was one."""
+    cls = WorkerIndexError if fault.error.startswith("IndexError") else WorkerError
+    return cls(fault, site)
+
+
 class ReplayError(RuntimeError):
     """A replayable function did what a replay could not repeat (client/replay.py)."""
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gtmpi
-from conftest import HOME_DEVICE, assert_same, line_of
+from conftest import HOME_DEVICE, UNDER_MPI, assert_same, line_of, mpiexec, run_job
 
 
 def test_shape_errors_raise_synchronously_with_torch_messages():
@@ -128,3 +128,38 @@ def test_wrong_inputs_raise_at_the_line_as_torch(case):
     assert type(got.value) is type(want.value), (got.value, want.value)
     assert str(got.value).split("\n")[0][:60] == str(want.value).split("\n")[0][:60]
     assert gtmpi.arange(3.0).sum().item() == 3.0  # the session carries on
+
+
+def test_an_index_error_on_a_worker_is_an_index_error():
+    x = gtmpi.arange(5.0, device="cuda")
+    with pytest.raises(IndexError, match="op 'getitem'"):
+        print(x[gtmpi.tensor([1, 9])])
+
+
+@pytest.mark.skipif(UNDER_MPI or mpiexec() is None, reason="starts its own job; once, serially")
+def test_the_index_guard_names_the_line_and_keeps_the_worker(tmp_path):
+    """GTMPI_INDEX_GUARD=1 (what a server does for its clients on GPUs, for every worker): an
+    index out of range is checked on the device, set in range, and the next read raises an
+    IndexError naming the op and the program's line that issued it; the worker goes on."""
+    proc, _ = run_job(tmp_path, """
+        import gtmpi
+        emb = gtmpi.nn.Embedding(10, 4).to("cuda")
+        ids = gtmpi.tensor([1, 12, 3], device="cuda")
+        out = emb(ids).sum()  # line 5
+        ok = gtmpi.ones(3, device="cuda") * 2
+        try:
+            print(out.item())
+        except IndexError as e:
+            print("told:", e)
+        try:
+            ok.sum().item()
+        except IndexError as e:
+            print("after:", "line 5" if "prog.py:5" in str(e) else str(e))
+        print("worker", sorted(gtmpi.debug.worker_stats()))
+    """, 120, env={"GTMPI_INDEX_GUARD": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    told = next(line for line in proc.stdout.splitlines() if line.startswith("told:"))
+    assert "op 'embedding' issued at" in told and "prog.py:5" in told, told
+    assert "index out of range (checked on the device" in told
+    assert "after: line 5" in proc.stdout  # what was computed since is not reliable: said
+    assert "worker [1, 2]" in proc.stdout

@@ -30,7 +30,7 @@ import torch
 from ..dispatcher import Dispatcher
 from ..signals.config import load
 from .signalbook import SignalBook
-from ..errors import Fault, WorkerError
+from ..errors import Fault, WorkerError, worker_error
 from ..ops import settings
 from ..ops.table import Seed, derive_seed
 from ..transport import ending
@@ -237,7 +237,7 @@ class Runtime:
         self._reported[fault[:3]] = None
         if len(self._reported) > 1024:
             del self._reported[next(iter(self._reported))]
-        return WorkerError(fault, self.site(fault.tensor_id))
+        return worker_error(fault, self.site(fault.tensor_id))
 
     def _told(self, fault: Fault) -> bool:
         """Whether this is a skipped in-place op's note of a failure already raised (each

@@ -1,4 +1,5 @@
-"""Indices checked on the GPU, without waiting for it, for a server's clients.
+"""Indices checked on the GPU, without waiting for it: a server's clients always, every
+worker's ops with GTMPI_INDEX_GUARD=1.
 
 On a GPU, an index out of range (a token id past the embedding's rows, a bad class in a
 cross-entropy, a gather past a dim's end) is a device-side assert: the worker's CUDA context
@@ -8,10 +9,14 @@ device: a bad one is set to an index in range, in its own tensor (so that every 
 gradients included, is in range too), and the worker's flag for that client is raised. The
 next read or sync of that client sees the flag (a read waits for the device anyway) and fails
 with an IndexError; the flag stays raised, because what the client computed since is not what
-it asked for. Its other tensors, and every other client's, are untouched.
+it asked for. Its other tensors, and every other client's, are untouched. In an ordinary
+job the guard also keeps the first bad op's id, so that the IndexError names the program's
+line that issued it, and the worker keeps its CUDA context (torch's device-side assert would
+end it, every later op failing).
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -24,33 +29,58 @@ MESSAGE = ("IndexError: an index out of range in an op of this client (an embedd
            "and what this client computed since is not reliable; start it again")
 
 
+ORDINARY = ("IndexError: index out of range (checked on the device: it was set in range, so "
+            "what the program computed since is not reliable; the worker is unharmed)")
+NAMES_KEPT = 4096  # the ops last checked, by id: which one the first bad index was in
+
+
+def everywhere() -> bool:
+    """Whether every worker checks its ops' indices (GTMPI_INDEX_GUARD=1), not only a
+    server's for its clients."""
+    return os.environ.get("GTMPI_INDEX_GUARD", "0") == "1"
+
+
 class IndexGuard:
     """One client's flag on one worker's device, and the checks that raise it."""
 
     def __init__(self, device: torch.device) -> None:
-        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # written in place: a
-        # CUDA graph captured with the checks in it raises this same flag when launched
+        # written in place: a CUDA graph captured with the checks in it raises this same flag,
+        # and keeps the first bad op's id in the same tensor, when launched
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.first = torch.full((), -1, dtype=torch.int64, device=device)
+        self.names: dict[int, str] = {}
 
-    def check(self, op: Op, args: tuple | list, kw: dict[str, Any]) -> tuple | list:
-        """``args`` with every index operand of ``op`` in range (changed in place where it can
-        be, else replaced); the flag raised if any was not."""
+    def check(self, op: Op, args: tuple | list, kw: dict[str, Any], out: int = -1) -> tuple | list:
+        """``args`` with every index operand of ``op`` (whose result is ``out``) in range
+        (changed in place where it can be, else replaced); the flag raised if any was not."""
         specs = op.indices(args, kw)
         if not specs:
             return args
         args = list(args)
+        if len(self.names) >= NAMES_KEPT:
+            self.names.clear()
+        self.names[out] = op.name
         for spec in specs:
             idx = args[spec.pos]
             if isinstance(idx, torch.Tensor) and idx.numel():
-                args[spec.pos] = self._in_range(idx, spec)
+                args[spec.pos] = self._in_range(idx, spec, out)
         return args
 
-    def _in_range(self, idx: torch.Tensor, spec: IndexArg) -> torch.Tensor:
+    def culprit(self) -> tuple[int, str]:
+        """The id and op of the first op whose index was out of range (a read: the host
+        waits)."""
+        tid = int(self.first)
+        return tid, self.names.get(tid, "an indexing op")
+
+    def _in_range(self, idx: torch.Tensor, spec: IndexArg, out: int) -> torch.Tensor:
         if spec.size == 0:  # nothing is in range: known on the host, an ordinary op error
             raise IndexError(f"index into a dimension of size 0 (operand {spec.pos})")
         ok = (idx >= (-spec.size if spec.negative else 0)) & (idx < spec.size)
         if spec.also is not None:
             ok |= idx == spec.also
-        self.bad |= ~ok.all()
+        wrong = ~ok.all()
+        self.first.copy_(torch.where(wrong & (self.first < 0), out, self.first))
+        self.bad |= wrong
         safe = torch.where(ok, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
         try:
             idx.copy_(safe)

@@ -94,8 +94,10 @@ class Executor:
         self.client_quota: int | None = None  # under a server: bytes each client may hold
         self.quota: int | None = None  # this executor's, if it is a client's under a quota
         self.slot = 0  # a server's client's slot (worker/loop.py), 0 for an ordinary session
-        # a server's client on a GPU: its ops' indices checked on the device (worker/bounds.py)
-        self.index_guard: bounds.IndexGuard | None = None
+        # a server's client on a GPU, or every worker with GTMPI_INDEX_GUARD=1: its ops'
+        # indices checked on the device (worker/bounds.py)
+        self.index_guard: bounds.IndexGuard | None = \
+            bounds.IndexGuard(device) if bounds.everywhere() and device.type != "meta" else None
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         # what traces are stamped with: a dry run's worker keeps a modeled clock instead
         self.now: Callable[[], int] = time.perf_counter_ns
@@ -178,7 +180,8 @@ class Executor:
                     elif kw is not None and "group" in kw:  # a vocabulary-parallel fused kernel
                         kw = {**kw, "plane": self.plane}
                     if guard is not None and op.indices is not None:
-                        args = guard.check(op, args, kw or {})
+                        args = guard.check(op, args, kw or {},
+                                           out if type(out) is int else (out or (-1,))[0])
                     start = None
                     if gpu_every:
                         countdown -= 1
@@ -700,7 +703,10 @@ class Executor:
         """The fault of every read and sync once an index of this client was out of range."""
         if self.index_guard is None or not self.index_guard.raised():
             return None
-        return Fault(tid, "index", self.rank, bounds.MESSAGE)
+        if self.slot:
+            return Fault(tid, "index", self.rank, bounds.MESSAGE)
+        first, name = self.index_guard.culprit()  # the program's line that asked for it
+        return Fault(first, name, self.rank, bounds.ORDINARY)
 
     def _stats(self, out, args: tuple) -> None:
         """(reset,): after replying, start the peaks afresh."""
