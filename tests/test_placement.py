@@ -823,6 +823,43 @@ def test_strict_placement_lets_a_constant_be_made_again_where_it_is_used():
 
 
 @spread
+def test_a_mask_made_in_forward_from_constants_is_made_where_used():
+    """Under a config that splits the program's uploads (configs/ddp.yaml), a causal mask made
+    in forward (tril of ones, compared) and positions from arange: computed by the client from
+    constants alone, they were placed as uploads, split along their first dim, and the batch's
+    attention scores were gathered to meet them (strict placement refused it). Now they are
+    constants, made again where they are used; torch's loss and gradients."""
+    def forward(lib, q, x):
+        T = x.shape[1]
+        att = q(x) @ x.transpose(-2, -1)
+        mask = lib.tril(lib.ones(T, T))
+        att = att.masked_fill(mask == 0, float("-inf")).softmax(-1)
+        return (att @ x).sum() + lib.arange(T).float().sum()
+
+    host = torch.randn(4, 6, 8)
+    ref = torch.nn.Linear(8, 8)
+    gtmpi.load_config({"parameters": {"shard": {"workers": [0, 1], "replicated": True}},
+                       "uploads": {"shard": {"axis": 0, "workers": [0, 1]}}})
+    try:
+        q = nn.Linear(8, 8)
+        q.load_state_dict(ref.state_dict())
+        gtmpi.debug.strict_placement()
+        try:
+            loss = forward(gtmpi, q, gtmpi.tensor(host))
+            loss.backward()
+        finally:
+            gtmpi.debug.strict_placement(False)
+        want = forward(torch, ref, host)
+        want.backward()
+        assert abs(loss.item() - want.item()) < 1e-3
+        assert_same(q.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
+    finally:  # the implicit signals go again: the other tests' uploads stay whole
+        from gtmpi.client.runtime import runtime
+        for name in ("parameters", "uploads"):
+            runtime().signals.signals.pop(name)
+
+
+@spread
 def test_masked_fill_gradient_keeps_a_split_batch_split():
     """A causal mask's masked_fill: its gradient was torch's vjp on whole tensors (an all-gather
     of the scores per layer and step under data parallelism); now a where of the pieces."""

@@ -92,6 +92,10 @@ class Tensor:
             if not scopes and beside is not None and not placer.signals:
                 placer.enter(Placement(beside, "R"), "")
                 inside.callback(placer.exit)
+            if recipe is not None:
+                for operand in recipe[1:]:  # a constant computed from constants: theirs first
+                    if isinstance(operand, Tensor):
+                        operand.id
             made = apply(*recipe) if recipe is not None else upload(value)
         self._id, made._id = made._id, None
         return self._id
@@ -764,6 +768,12 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
                                                for a in operands):
         for r in results:
             r._state = True
+    elif len(results) == 1 and key is None and not kw and \
+            all(a._recipe is not None for a in operands):
+        # computed from constants alone (a causal mask made in forward: tril of ones, compared):
+        # a constant too, made again by the same op where it is used, not uploaded as the
+        # program's data (which a data-parallel config splits)
+        results[0]._recipe = (name, *args)
     return results if isinstance(out, (tuple, list)) else results[0]
 
 
