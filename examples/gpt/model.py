@@ -5,6 +5,7 @@ on gtmpi. The two have the same parameter names, so one's state_dict loads into 
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -30,6 +31,7 @@ SIZES = {
 def build(lib: ModuleType) -> type:
     """The GPT class on ``lib`` (torch or gtmpi)."""
     nn, F = lib.nn, lib.nn.functional
+    checkpoint = importlib.import_module(f"{lib.__name__}.utils.checkpoint").checkpoint
 
     class Attention(nn.Module):
         def __init__(self, c: Config) -> None:
@@ -72,12 +74,20 @@ def build(lib: ModuleType) -> type:
             self.ln = nn.LayerNorm(c.dim)
             self.head = nn.Linear(c.dim, c.vocab, bias=False)
             self.register_buffer("position_ids", lib.arange(c.seq))
+            # --checkpoint-activations full: each block's activations recomputed in backward
+            # instead of kept (its input alone is), one more forward per block
+            self.checkpointing = False
 
         def forward(self, idx, targets=None):
             x = self.embed(idx)
             for block in self.blocks:
-                x = block(x)
+                x = self.run(block, x)
             return self.finish(x, targets)
+
+        def run(self, block, x):
+            if self.checkpointing and self.training:
+                return checkpoint(block, x, use_reentrant=False)
+            return block(x)
 
         def embed(self, idx):
             return self.tokens(idx) + self.positions(self.position_ids[:idx.shape[1]])
@@ -134,7 +144,7 @@ def stages(model, p: int) -> list[tuple[list, Callable]]:
             if first:
                 x = model.embed(x)
             for block in mine:
-                x = block(x)
+                x = model.run(block, x)
             return model.finish(x, targets) if last else x
         owned = ([model.tokens, model.positions] if s == 0 else []) + mine + \
             ([model.ln, model.head] if s == p - 1 else [])

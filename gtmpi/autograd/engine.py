@@ -115,83 +115,160 @@ def record(op: str, operands: Sequence, kw: dict | None, result: Any, graph: Any
             o._slot = slot
 
 
+def function(operands: Sequence, outputs: tuple, backward_fn: Any) -> None:
+    """Link ``outputs``, made where the graph did not see it, to ``operands``: the gradients
+    of the operands are ``backward_fn(gradients of the outputs)``, one each (None where there
+    is none), as a torch.autograd.Function's backward gives them."""
+    record("function", tuple(operands), {"backward": backward_fn}, outputs)
+
+
 def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> None:
-    if not root.requires_grad:
-        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+    """torch's Tensor.backward: the gradients of ``root`` accumulated into the leaves."""
     with no_grad(), runtime().sites_here():
-        if gradient is None:
-            if root.numel() != 1:
-                raise RuntimeError("grad can be implicitly created only for scalar outputs")
-            gradient = ones_like(root)
-        elif not isinstance(gradient, Tensor):
-            gradient = tensor(gradient, dtype=root.dtype)
-        if gradient.shape != root.shape:
-            raise RuntimeError(f"Mismatch in shape: grad_output[0] has a shape of {gradient.shape} "
-                               f"and output[0] has a shape of {root.shape}.")
+        _run([(root, _seed(root, gradient, 0))], retain_graph)
+
+
+def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: bool | None = None,
+         create_graph: bool = False, allow_unused: bool | None = None) -> tuple:
+    """torch.autograd.grad: the gradients of ``outputs`` (a tensor or a sequence, weighted by
+    ``grad_outputs``) with respect to ``inputs``, returned, not accumulated into any .grad."""
+    if create_graph:
+        raise NotImplementedError("gtmpi.autograd.grad(create_graph=True): gradients of "
+                                  "gradients are not recorded")
+    outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+    single = isinstance(inputs, Tensor)
+    inputs = [inputs] if single else list(inputs)
+    given = [None] * len(outputs) if grad_outputs is None else \
+        ([grad_outputs] if isinstance(grad_outputs, Tensor) else list(grad_outputs))
+    with no_grad(), runtime().sites_here():
+        roots = [(o, _seed(o, g, i)) for i, (o, g) in enumerate(zip(outputs, given))]
+        got = _run(roots, bool(retain_graph), inputs)
+    for i, g in enumerate(got):
+        if g is None and not allow_unused:
+            raise RuntimeError(f"One of the differentiated Tensors (input {i}) appears to not "
+                               "have been used in the graph. Set allow_unused=True if this is "
+                               "the desired behavior.")
+    return tuple(got)
+
+
+def _seed(root: Any, gradient: Any, i: int) -> Any:
+    """The gradient a backward starts ``root`` with (ones for a scalar), checked as torch
+    checks it."""
+    if not root.requires_grad:
+        raise RuntimeError(f"element {i} of tensors does not require grad and does not have a "
+                           "grad_fn")
+    if gradient is None:
+        if root.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        return ones_like(root)
+    if not isinstance(gradient, Tensor):
+        gradient = tensor(gradient, dtype=root.dtype)
+    if gradient.shape != root.shape:
+        raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of "
+                           f"{gradient.shape} and output[{i}] has a shape of {root.shape}.")
+    return gradient
+
+
+class _Roots:
+    """The nodes a backward starts from, as the one node the walk starts at."""
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.nodes = nodes
+
+    def parents(self):
+        return iter(self.nodes)
+
+
+def _run(roots: list[tuple[Any, Any]], retain_graph: bool, inputs: list | None = None):
+    """Backward from each (root, its gradient). With ``inputs`` (leaves), their gradients are
+    collected and returned, and no leaf's .grad changes (torch.autograd.grad); else every leaf
+    reached accumulates its gradient, and each completed one is handed to the dispatcher (its
+    sum across data-parallel replicas starts while backward goes on)."""
+    rt = runtime()
+    collected = None if inputs is None else {id(t): None for t in inputs}
+    pending: dict[int, list] = {}
+    for root, gradient in roots:
         if root._node is None:
-            _accumulate(root, gradient)
-            return
-        order = _topological(root._node)
-        rt = runtime()
-        book = rt.signals
-        # how many gradients each leaf still waits for: once none, its gradient is complete,
-        # and its sum across data-parallel replicas can start while backward goes on
-        waiting: dict[int, int] = {}
+            if collected is None:
+                _accumulate(root, gradient)
+            elif id(root) in collected:
+                prev = collected[id(root)]
+                collected[id(root)] = gradient if prev is None else prev + gradient
+            continue
+        slots = pending.setdefault(id(root._node), [None] * root._node.outputs)
+        prev = slots[root._slot]
+        slots[root._slot] = gradient if prev is None else prev + gradient
+    nodes = list({id(r._node): r._node for r, _ in roots if r._node is not None}.values())
+    order = [] if not nodes else _topological(nodes[0]) if len(nodes) == 1 else \
+        _topological(_Roots(nodes))[1:]
+    book = rt.signals
+    # how many gradients each leaf still waits for: once none, its gradient is complete,
+    # and its sum across data-parallel replicas can start while backward goes on
+    waiting: dict[int, int] = {}
+    if collected is None:
         for node in order:
             for a in node.operands:
                 if isinstance(a, Tensor) and a._node is None and a.requires_grad:
                     waiting[id(a)] = waiting.get(id(a), 0) + 1
-        # gradients for leaves that already have one (the micro-batches after a pipeline's
-        # first): added at the end, one instruction per placement instead of one add each
-        deferred: dict[int, tuple] = {}
-        pending: dict[int, list] = {id(root._node): [None] * root._node.outputs}
-        pending[id(root._node)][root._slot] = gradient
-        for node in order:
-            grads = pending.pop(id(node), None)
-            if grads is None:
+    # gradients for leaves that already have one (the micro-batches after a pipeline's
+    # first): added at the end, one instruction per placement instead of one add each
+    deferred: dict[int, tuple] = {}
+    for node in order:
+        grads = pending.pop(id(node), None)
+        if grads is None:
+            continue
+        if node.freed:
+            raise RuntimeError("Trying to backward through the graph a second time (or directly "
+                               "access saved tensors after they have already been freed). "
+                               "Specify retain_graph=True if you need to backward a second time.")
+        # backward= on the signal of its forward: its gradient ops run there
+        with nullcontext() if node.backward is None else book.scope(node.backward):
+            results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
+        for operand, g in zip(node.operands, results):
+            if not getattr(operand, "requires_grad", False):
                 continue
-            if node.freed:
-                raise RuntimeError("Trying to backward through the graph a second time (or directly "
-                                   "access saved tensors after they have already been freed). "
-                                   "Specify retain_graph=True if you need to backward a second time.")
-            # backward= on the signal of its forward: its gradient ops run there
-            with nullcontext() if node.backward is None else book.scope(node.backward):
-                results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
-            for operand, g in zip(node.operands, results):
-                if not getattr(operand, "requires_grad", False):
-                    continue
-                if g is not None and g.dtype != operand.dtype:
-                    # an operand promoted by the op (bf16 + float32 under autocast) gets its
-                    # gradient in its own dtype, as torch's engine casts it
-                    g = g.to(operand.dtype)
-                if operand._node is None:
-                    if g is not None:
-                        if operand.grad is not None and id(operand) not in deferred:
-                            deferred[id(operand)] = (operand, _as_grad(operand, g))
-                        else:  # a second gradient this pass (a weight used twice): in order
-                            if id(operand) in deferred:
-                                _accumulate(*deferred.pop(id(operand)))
-                            _accumulate(operand, g)
-                    waiting[id(operand)] -= 1
-                    if not waiting[id(operand)] and operand.grad is not None and \
-                            id(operand) not in deferred:
-                        rt.dispatcher.gradient_ready(operand.grad.id, operand.grad._sig)
-                elif g is None:
-                    continue
-                else:
-                    slots = pending.setdefault(id(operand._node), [None] * operand._node.outputs)
-                    prev = slots[operand._slot]
-                    slots[operand._slot] = g if prev is None else prev + g
-            grads = results = g = prev = None  # gradients of non-leaves die once passed on
-            if not retain_graph:  # what the rule read is dropped now, as torch does
-                node.freed = True
-                node.saved = None
-                node.operands = tuple(Ghost(a) if isinstance(a, Tensor) else a
-                                      for a in node.operands)
-        _accumulate_all(rt, list(deferred.values()))
-        for leaf, _ in deferred.values():
-            rt.dispatcher.gradient_ready(leaf.grad.id, leaf.grad._sig)
-        rt.dispatcher.backward_done()
+            if g is not None and g.dtype != operand.dtype:
+                # an operand promoted by the op (bf16 + float32 under autocast) gets its
+                # gradient in its own dtype, as torch's engine casts it
+                g = g.to(operand.dtype)
+            if operand._node is None and collected is not None:
+                if g is not None and id(operand) in collected:
+                    prev = collected[id(operand)]
+                    collected[id(operand)] = g if prev is None else prev + g
+            elif operand._node is None:
+                if g is not None:
+                    if operand.grad is not None and id(operand) not in deferred:
+                        deferred[id(operand)] = (operand, _as_grad(operand, g))
+                    else:  # a second gradient this pass (a weight used twice): in order
+                        if id(operand) in deferred:
+                            _accumulate(*deferred.pop(id(operand)))
+                        _accumulate(operand, g)
+                waiting[id(operand)] -= 1
+                if not waiting[id(operand)] and operand.grad is not None and \
+                        id(operand) not in deferred:
+                    rt.dispatcher.gradient_ready(operand.grad.id, operand.grad._sig)
+            elif g is None:
+                continue
+            else:
+                slots = pending.setdefault(id(operand._node), [None] * operand._node.outputs)
+                prev = slots[operand._slot]
+                slots[operand._slot] = g if prev is None else prev + g
+        grads = results = g = prev = None  # gradients of non-leaves die once passed on
+        if not retain_graph:  # what the rule read is dropped now, as torch does
+            node.freed = True
+            node.saved = None
+            if node.op == "function":  # its backward's closure holds what it runs again
+                node.kw = None
+            node.operands = tuple(Ghost(a) if isinstance(a, Tensor) else a
+                                  for a in node.operands)
+    if collected is not None:
+        return [None if collected[id(t)] is None else _as_grad(t, collected[id(t)])
+                for t in inputs]
+    _accumulate_all(rt, list(deferred.values()))
+    for leaf, _ in deferred.values():
+        rt.dispatcher.gradient_ready(leaf.grad.id, leaf.grad._sig)
+    rt.dispatcher.backward_done()
+    return None
 
 
 def _as_grad(leaf: Any, g: Any) -> Any:

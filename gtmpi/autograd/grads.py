@@ -471,6 +471,13 @@ def _einsum(node, g):
     return tuple(grads)
 
 
+@rule("function")
+def _function(node, g):
+    """A gradient given as a Python function (engine.function: activation checkpointing's
+    recompute): one per operand."""
+    return node.kw["backward"](g)
+
+
 # ops whose gradient torch's autograd computes on the worker, from the op's own kernel run
 # again (ops/table.py's "vjp"): rare in training loops, exact, and one instruction each
 @rule("floor", "ceil", "round", "trunc", "erf", "erfinv", "log1p", "expm1", "reciprocal",

@@ -190,7 +190,7 @@ def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict, inputs: list[T
     program, kept = d.install([t.id for t in outs], [t.id for t in inputs] +
                               [before for _, _, before in grads if before is not None],
                               f"{fn.__qualname__} (recorded at {rt.current_site()})")
-    if kept and any(t._node is not None for t in outs):
+    if kept and any(t._node is not None and not t._node.freed for t in outs):
         d.drop(program)
         raise ReplayError("a replayable function returned a tensor with an autograd graph behind "
                           "it (it requires grad, and no backward ran inside): a replay hands "

@@ -185,6 +185,19 @@ class Runtime:
         recording.random_ops += 1
         return Seed(seed, recording.random_ops)
 
+    def draws(self) -> tuple[int, int | None]:
+        """Where the random ops' seeds stand (the session's count, and the recording's):
+        going back there draws the same numbers again (activation checkpointing's recompute
+        draws its forward's dropout masks)."""
+        recording = self.dispatcher.recording
+        return self._random_ops, None if recording is None else recording.random_ops
+
+    def draw_from(self, at: tuple[int, int | None]) -> None:
+        self._random_ops = at[0]
+        recording = self.dispatcher.recording
+        if recording is not None and at[1] is not None:
+            recording.random_ops = at[1]
+
     def seeds_for(self, random_ops: int) -> tuple[int, int] | None:
         """For a replay of a call that makes ``random_ops`` random ops: (the session seed, the
         count before the call), from which the workers derive each op's seed; the count moves

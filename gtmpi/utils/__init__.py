@@ -1,4 +1,5 @@
-"""torch.utils on gtmpi: data loading (gtmpi.utils.data)."""
-from . import data
+"""torch.utils on gtmpi: data loading (gtmpi.utils.data), activation checkpointing
+(gtmpi.utils.checkpoint)."""
+from . import checkpoint, data
 
-__all__ = ["data"]
+__all__ = ["checkpoint", "data"]

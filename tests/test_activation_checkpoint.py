@@ -1,0 +1,216 @@
+"""Activation checkpointing (gtmpi.utils.checkpoint, torch's API): the gradients of a model
+with its blocks checkpointed are those without (dropout's masks drawn again alike), as written
+and replayed, on one worker and data parallel; between forward and backward the workers hold
+only the blocks' inputs; and gtmpi.autograd.grad, which its recompute uses, is torch's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gtmpi
+from conftest import assert_same
+from gtmpi.utils.checkpoint import checkpoint, checkpoint_sequential
+
+WORKERS = sorted(gtmpi.info()["workers"])
+
+
+def _model(lib, seed: int = 0):
+    (torch.manual_seed if lib is torch else gtmpi.manual_seed)(seed)
+    nn = lib.nn
+    blocks = [nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.Dropout(0.25))
+              for _ in range(4)]
+    return blocks, nn.Linear(8, 1)
+
+
+def _loss(blocks, head, x, how):
+    h = x
+    if how == "sequential":
+        h = checkpoint_sequential(blocks, 2, h, use_reentrant=False)
+    else:
+        for b in blocks:
+            h = checkpoint(b, h, use_reentrant=False) if how == "each" else b(h)
+    return head(h).square().mean()
+
+
+def _grads(blocks, head, x):
+    return [p.grad.cpu_torch() for m in [*blocks, head] for p in m.parameters()] + \
+        ([x.grad.cpu_torch()] if x.requires_grad else [])
+
+
+@pytest.mark.parametrize("how", ["each", "sequential"])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_checkpointed_blocks_give_the_gradients_of_the_model_without(how, input_grad):
+    host = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for mode in ("none", how):
+        blocks, head = _model(gtmpi)
+        x = gtmpi.tensor(host, requires_grad=input_grad)
+        losses = []
+        for _ in range(2):  # the second step's draws: the recompute moved nothing on
+            for m in [*blocks, head]:
+                m.zero_grad()
+            loss = _loss(blocks, head, x, mode)
+            loss.backward()
+            losses.append(loss.item())
+        runs.append((losses, _grads(blocks, head, x)))
+    (want_losses, want), (got_losses, got) = runs
+    assert got_losses == want_losses and len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_without_dropout_the_gradients_are_torchs():
+    host = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    t_blocks, t_head = _model(torch)
+    g_blocks, g_head = _model(gtmpi)
+    for t, g in zip([*t_blocks, t_head], [*g_blocks, g_head]):
+        t.eval()
+        g.eval()
+        g.load_state_dict(t.state_dict())
+    tx, gx = host.clone().requires_grad_(), gtmpi.tensor(host, requires_grad=True)
+    h = tx
+    for b in t_blocks:
+        h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+    t_head(h).square().mean().backward()
+    _loss(g_blocks, g_head, gx, "each").backward()
+    for t, g in zip([*t_blocks, t_head], [*g_blocks, g_head]):
+        for tp, gp in zip(t.parameters(), g.parameters()):
+            assert_same(gp.grad, tp.grad, rtol=1e-5, atol=1e-6)
+    assert_same(gx.grad, tx.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_function_of_several_inputs_and_outputs_and_the_rng_left_free():
+    w = gtmpi.ones(4, requires_grad=True)
+
+    def f(a, b, scale):
+        return a * w * scale, "note", (b * w).sum()
+
+    a, b = gtmpi.full((4,), 2.0, requires_grad=True), gtmpi.full((4,), 3.0)
+    out, note, total = checkpoint(f, a, b, 2.0, use_reentrant=False)
+    assert note == "note" and total.item() == 12.0
+    (out.sum() + total).backward()
+    assert a.grad.tolist() == [2.0] * 4 and w.grad.tolist() == [7.0] * 4 and b.grad is None
+    with gtmpi.no_grad():  # no graph wanted: the function runs as written
+        assert checkpoint(f, a, b, 1.0)[2].item() == 12.0
+    drop = gtmpi.nn.Dropout(0.5)
+    x = gtmpi.ones(64, requires_grad=True)
+    checkpoint(drop, x, preserve_rng_state=False).sum().backward()
+    assert set(x.grad.tolist()) <= {0.0, 2.0}  # a mask of its own: not the forward's
+
+
+def test_between_forward_and_backward_only_the_blocks_inputs_are_held():
+    host = torch.randn(64, 8, generator=torch.Generator().manual_seed(3))
+
+    def held() -> int:
+        gtmpi.synchronize()
+        return sum(s["tensors"] for s in gtmpi.debug.worker_stats().values())
+
+    counts = {}
+    for how in ("none", "each"):
+        blocks, head = _model(gtmpi)
+        for m in [*blocks, head]:
+            m.to("cuda")  # the weights on the workers now, not at their first use
+        x = gtmpi.tensor(host).to("cuda")
+        before = held()
+        loss = _loss(blocks, head, x, how)
+        counts[how] = held() - before
+        loss.backward()
+    # one output per block and the loss, against every block's linears', GELU's and
+    # dropout's saved tensors
+    assert counts["each"] <= 4 + 2 and counts["none"] >= 4 * 5, counts
+
+
+def test_a_replayed_step_with_checkpointed_blocks_gives_the_steps_as_written():
+    host = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
+    runs = []
+    for replay in (False, True):
+        blocks, head = _model(gtmpi)
+        opt = gtmpi.optim.SGD([p for m in [*blocks, head] for p in m.parameters()], lr=0.1)
+
+        def step(x):
+            loss = _loss(blocks, head, x, "each")
+            loss.backward()
+            return loss
+
+        run = gtmpi.replayable(step) if replay else step
+        x = gtmpi.tensor(host)
+        losses = []
+        for _ in range(5):
+            opt.zero_grad()
+            losses.append(run(x).item())
+            opt.step()
+        runs.append(losses)
+        if replay:
+            assert run.replays == 3
+    assert runs[0] == pytest.approx(runs[1], rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+def test_data_parallel_checkpointed_blocks_reduce_gradients_in_strict_placement():
+    host = torch.randn(8, 8, generator=torch.Generator().manual_seed(5))
+    gtmpi.load_config({"ck_data": {"shard": {"axis": 0, "workers": [0, 1]}},
+                       "ck_weights": {"shard": {"workers": [0, 1], "replicated": True}}})
+    grads = []
+    for split in (False, True):
+        blocks, head = _model(gtmpi)
+        if split:
+            for m in [*blocks, head]:
+                gtmpi.signal.place(m, "ck_weights")
+        x = gtmpi.signal.tensor(host, "ck_data") if split else gtmpi.tensor(host)
+        gtmpi.debug.strict_placement(split)
+        try:
+            _loss(blocks, head, x, "each" if split else "none").backward()
+        finally:
+            gtmpi.debug.strict_placement(False)
+        grads.append(_grads(blocks, head, x))
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_autograd_grad_is_torchs_and_leaves_grad_alone():
+    host = torch.randn(3, 4, generator=torch.Generator().manual_seed(6))
+    tx, gx = host.clone().requires_grad_(), gtmpi.tensor(host, requires_grad=True)
+    tw, gw = torch.ones(4, requires_grad=True), gtmpi.ones(4, requires_grad=True)
+    want = torch.autograd.grad([(tx * tw).sum(), (tx * tw).exp()], [tx, tw],
+                               [None, torch.full((3, 4), 0.5)])
+    got = gtmpi.autograd.grad([(gx * gw).sum(), (gx * gw).exp()], [gx, gw],
+                              [None, gtmpi.full((3, 4), 0.5)])
+    for g, w in zip(got, want):
+        assert_same(g, w, rtol=1e-5, atol=1e-6)
+    assert gx.grad is None and gw.grad is None
+    unused = gtmpi.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="appears to not have been used"):
+        gtmpi.autograd.grad((gx * 2).sum(), [gx, unused])
+    assert gtmpi.autograd.grad((gx * 2).sum(), [gx, unused], allow_unused=True)[1] is None
+
+
+def test_the_gpt_examples_checkpointed_blocks_give_its_losses_and_gradients():
+    """examples/gpt's model with --checkpoint-activations full (model.checkpointing), as
+    written and replayed, against the same model keeping its activations."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from examples.gpt.model import SIZES, build
+    c = SIZES["tiny"]
+    data = torch.randint(0, c.vocab, (2, 4, c.seq + 1), generator=torch.Generator().manual_seed(7))
+    runs = []
+    for checkpointing in (False, True):
+        gtmpi.manual_seed(0)
+        model = build(gtmpi)(c)
+        model.checkpointing = checkpointing
+
+        @gtmpi.replayable
+        def step(x, y):
+            loss = model(x, y)
+            loss.backward()
+            return loss
+
+        losses = []
+        for i in range(4):
+            model.zero_grad()
+            d = data[i % 2]
+            losses.append(step(gtmpi.tensor(d[:, :-1]), gtmpi.tensor(d[:, 1:])).item())
+        runs.append((losses, [p.grad.cpu_torch() for p in model.parameters()]))
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-6)
+    for g, w in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
