@@ -214,3 +214,86 @@ def test_the_gpt_examples_checkpointed_blocks_give_its_losses_and_gradients():
     assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-6)
     for g, w in zip(runs[1][1], runs[0][1]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction, smoothing", [("mean", 0.0), ("sum", 0.0), ("none", 0.0),
+                                                  ("mean", 0.1)])
+def test_a_chunked_head_and_loss_is_torchs_linear_and_cross_entropy(reduction, smoothing):
+    gen = torch.Generator().manual_seed(8)
+    x, w, b = torch.randn(24, 16, generator=gen), torch.randn(50, 16, generator=gen), \
+        torch.randn(50, generator=gen)
+    t = torch.randint(0, 50, (24,), generator=gen)
+    t[5] = -100
+    tx, tw, tb = (v.clone().requires_grad_() for v in (x, w, b))
+    want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(tx, tw, tb), t,
+                                             reduction=reduction, label_smoothing=smoothing)
+    gx, gw, gb = (gtmpi.tensor(v, requires_grad=True) for v in (x, w, b))
+    got = gtmpi.nn.functional.linear_cross_entropy(gx, gw, gtmpi.tensor(t), gb,
+                                                   reduction=reduction,
+                                                   label_smoothing=smoothing, chunk_size=10)
+    assert_same(got, want.detach(), rtol=1e-5, atol=1e-6)
+    upstream = torch.rand(want.shape, generator=gen)
+    (want * upstream).sum().backward()
+    (got * gtmpi.tensor(upstream)).sum().backward()
+    for g, v in ((gx, tx), (gw, tw), (gb, tb)):
+        assert_same(g.grad, v.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_chunked_loss_holds_one_chunks_logits_at_a_time():
+    """The peak of tensors held during forward and backward (a dry run would count bytes;
+    here the workers' tensor counts after each chunk): the logits of one chunk at a time."""
+    x = gtmpi.randn(64, 16, device="cuda", requires_grad=True)
+    w = gtmpi.randn(1000, 16, device="cuda", requires_grad=True)
+    t = gtmpi.randint(0, 1000, (64,), device="cuda")
+    gtmpi.synchronize()
+    before = sum(s["memory_bytes"] for s in gtmpi.debug.worker_stats().values())
+    loss = gtmpi.nn.functional.linear_cross_entropy(x, w, t, chunk_size=16)
+    gtmpi.synchronize()
+    after = sum(s["memory_bytes"] for s in gtmpi.debug.worker_stats().values())
+    assert after - before < 16 * 1000 * 4  # not one chunk's logits kept, let alone all 64 rows'
+    loss.backward()
+    assert x.grad.shape == (64, 16) and w.grad.shape == (1000, 16)
+
+
+@pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+def test_a_chunked_loss_keeps_a_split_batch_split():
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(32, 16, generator=gen), torch.randn(40, 16, generator=gen)
+    t = torch.randint(0, 40, (32,), generator=gen)
+    gtmpi.load_config({"ck_data": {"shard": {"axis": 0, "workers": [0, 1]}},
+                       "ck_weights": {"shard": {"workers": [0, 1], "replicated": True}}})
+    gx = gtmpi.signal.tensor(x, "ck_data").requires_grad_()
+    gw = gtmpi.signal.tensor(w, "ck_weights").requires_grad_()
+    gtmpi.debug.strict_placement()
+    try:
+        loss = gtmpi.nn.functional.linear_cross_entropy(gx, gw, gtmpi.signal.tensor(t, "ck_data"),
+                                                        chunk_size=4)
+        loss.backward()
+    finally:
+        gtmpi.debug.strict_placement(False)
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(tx @ tw.T, t)
+    want.backward()
+    assert abs(loss.item() - want.item()) < 1e-5
+    assert_same(gx.grad, tx.grad, rtol=1e-5, atol=1e-6)
+    assert_same(gw.grad, tw.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gpt_examples_chunked_loss_gives_its_losses_and_gradients():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from examples.gpt.model import SIZES, build
+    c = SIZES["tiny"]
+    d = torch.randint(0, c.vocab, (4, c.seq + 1), generator=torch.Generator().manual_seed(10))
+    runs = []
+    for rows in (None, 64):
+        gtmpi.manual_seed(0)
+        model = build(gtmpi)(c)
+        model.loss_chunk_rows = rows
+        loss = model(gtmpi.tensor(d[:, :-1]), gtmpi.tensor(d[:, 1:]))
+        loss.backward()
+        runs.append((loss.item(), [p.grad.cpu_torch() for p in model.parameters()]))
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-6)
+    for g, w in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -77,6 +77,9 @@ def build(lib: ModuleType) -> type:
             # --checkpoint-activations full: each block's activations recomputed in backward
             # instead of kept (its input alone is), one more forward per block
             self.checkpointing = False
+            # --loss-chunk-rows N (gtmpi): the head and its loss N rows at a time, the whole
+            # logits never held (nn.functional.linear_cross_entropy)
+            self.loss_chunk_rows = None
 
         def forward(self, idx, targets=None):
             x = self.embed(idx)
@@ -94,6 +97,11 @@ def build(lib: ModuleType) -> type:
 
         def finish(self, x, targets=None):
             """The logits, or the mean loss where targets are given."""
+            if targets is not None and self.loss_chunk_rows:
+                B, T, C = x.shape
+                return F.linear_cross_entropy(self.ln(x).view(B * T, C), self.head.weight,
+                                              targets.view(B * T),
+                                              chunk_size=self.loss_chunk_rows)
             logits = self.head(self.ln(x))
             if targets is None:
                 return logits

@@ -70,6 +70,9 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--checkpoint-activations", choices=["none", "full"], default="none",
                    help="full: each block's activations recomputed in backward, not kept")
+    p.add_argument("--loss-chunk-rows", type=int, default=0,
+                   help="the head and loss this many rows at a time, the logits never whole "
+                   "(0: all at once)")
     p.add_argument("--checkpoint", default=None, help="file to save to (and --resume from)")
     p.add_argument("--save-every", type=int, default=0, help="0: only at the end")
     p.add_argument("--resume", action="store_true")
@@ -118,6 +121,7 @@ def main() -> None:
         gtmpi.manual_seed(args.seed)
         model = build(gtmpi)(c)
     model.checkpointing = args.checkpoint_activations == "full"
+    model.loss_chunk_rows = args.loss_chunk_rows or None
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     if tensor_par:  # Megatron's layout: each weight to its signal
         for name, role in tensor_parallel(model, vocab="vocab" in names).items():

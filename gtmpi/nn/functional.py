@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..client.creation import rand_like
-from ..client.functions import gelu, log_softmax, relu, sigmoid, silu, softmax, tanh, where
+from ..client.functions import (gelu, log_softmax, relu, sigmoid, silu, softmax, stack, tanh,
+                                where)
 from ..autograd import no_grad
 from ..client.tensor import Tensor, apply
 
@@ -15,7 +16,7 @@ __all__ = ["linear", "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "s
            "log_softmax", "dropout", "layer_norm", "rms_norm", "embedding",
            "scaled_dot_product_attention", "one_hot", "pad", "normalize", "conv1d", "conv2d",
            "batch_norm", "mse_loss", "nll_loss",
-           "cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
+           "cross_entropy", "linear_cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -173,6 +174,45 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
         return total / (target != ignore_index).sum().to(total.dtype)
     return apply("cross_entropy", input, target, ignore_index, reduction, label_smoothing,
                  **extra)
+
+
+def linear_cross_entropy(input: Tensor, weight: Tensor, target: Tensor,
+                         bias: Tensor | None = None, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0,
+                         chunk_size: int = 1024) -> Tensor:
+    """cross_entropy(linear(input, weight, bias), target) that never holds the whole logits:
+    input (N, C) rows in chunks of about ``chunk_size``, each chunk's logits made, reduced to
+    its losses and dropped, and made again in its backward (activation checkpointing per
+    chunk: one more matmul of the head). A language model's (tokens, vocabulary) logits are
+    most of its step's activation memory. A chunk is every k-th row (rows j, j + k, ...), so a
+    batch split over data-parallel workers stays split."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    from ..utils.checkpoint import checkpoint
+    (n, c), k = input.shape, _chunks(input.shape[0], chunk_size)
+    rows, targets = input.view(n // k, k, c), target.view(n // k, k)
+    each = "none" if reduction == "none" else "sum"
+
+    def piece(x: Tensor, t: Tensor) -> Tensor:
+        return cross_entropy(linear(x, weight, bias), t, ignore_index, each, label_smoothing)
+
+    parts = [checkpoint(piece, rows[:, j], targets[:, j], use_reentrant=False) for j in range(k)]
+    if reduction == "none":
+        return stack(parts, 1).view(n)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    if reduction == "sum":
+        return total
+    return total / (target != ignore_index).sum().to(total.dtype)
+
+
+def _chunks(n: int, size: int) -> int:
+    """The fewest pieces of at most about ``size`` rows that divide n rows evenly."""
+    k = max(1, -(-n // max(size, 1)))
+    while n % k:
+        k += 1
+    return k
 
 
 def _split_along(t: Tensor, dim: int) -> bool:
