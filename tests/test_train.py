@@ -66,7 +66,7 @@ def test_the_seeds_tp2_pp4_layout_on_8_workers_gives_one_workers_losses(tmp_path
     want = train(tmp_path, *args)
     out = train(tmp_path, *args, "--micro-batches", "8", n=9, config="gpt_tp2_pp4.yaml")
     assert out["workers"] == 8 and "4 pipeline stages" in out["mode"] and \
-        "tensor parallel in each" in out["mode"]
+        "tensor parallel in each" in out["mode"] and "blocks per stage 1/1/1/1" in out["mode"]
     assert out["losses"] == pytest.approx(want["losses"], rel=1e-4)
 
 

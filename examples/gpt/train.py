@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import gtmpi  # noqa: E402  (under mpiexec, ranks > 0 become workers here)
 from examples.gpt.data import batch, splits, unigram_entropy  # noqa: E402
-from examples.gpt.model import (SIZES, build, flops_per_token, parameters, stages,  # noqa: E402
-                                tensor_parallel)
+from examples.gpt.model import (SIZES, balanced_bounds, build, flops_per_token,  # noqa: E402
+                                parameters, stages, tensor_parallel)
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
@@ -184,8 +184,11 @@ def main() -> None:
     flops = flops_per_token(c, seq)
     card = torch.cuda.get_device_name(0) if gpu and torch.cuda.is_available() else ""
     peak = next((v for k, v in PEAK_FLOPS.items() if k in card), None)
+    cuts = balanced_bounds(c, n_stages) if n_stages else []
     mode = (f"{n_stages} pipeline stages ({args.schedule}, {args.micro_batches} micro-batches"
-            f"{', tensor parallel in each' if staged_tp else ''})"
+            f"{', tensor parallel in each' if staged_tp else ''}; blocks per stage "
+            f"{'/'.join(str(b - a) for a, b in zip(cuts, cuts[1:]))}, by their modeled cost "
+            "with the embedding and the head)"
             if n_stages else "data parallel" if data_parallel else
             "tensor parallel (Megatron)" if tensor_par else "one worker") + \
         (", sequence parallel" if seq_signal is not None else "")
