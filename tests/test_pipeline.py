@@ -48,6 +48,53 @@ def test_schedule_orders_every_action_once_after_what_it_needs(name, p, m):
             assert peak == min(p - s, m)
 
 
+def _makespan(order: list, p: int, cost: dict) -> float:
+    """When the last action ends, each stage running its actions in the issued order, each
+    as soon as its stage is free and what it needs has ended (``cost`` per kind)."""
+    free, end = [0.0] * p, {}
+    for kind, s, i in order:
+        if kind == "F":
+            need = [("F", s - 1, i)] if s else []
+        elif kind == "B":
+            need = [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else [])
+        else:
+            need = [("B", s, i)]
+        start = max([free[s]] + [end[n] for n in need])
+        end[(kind, s, i)] = free[s] = start + cost[kind]
+    return max(free)
+
+
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (4, 8), (4, 3), (8, 16)])
+def test_zero_bubble_h1_orders_b_and_w_apart_and_fills_the_bubble(p, m):
+    """ZB-H1: every forward, input-gradient (B) and weight-gradient (W) action once, after what
+    it needs; at most p - s micro-batches in flight on stage s (1F1B's memory); and with F, B
+    and W of equal cost a shorter step than 1F1B's (whose backward is B and W together)."""
+    order = issue_order("zbh1", p, m)
+    assert sorted(order) == sorted((k, s, i) for k in "FBW" for s in range(p) for i in range(m))
+    seen = set()
+    for kind, s, i in order:
+        if kind == "F" and s:
+            assert ("F", s - 1, i) in seen
+        if kind == "B":
+            assert ("F", s, i) in seen and (s == p - 1 or ("B", s + 1, i) in seen)
+        if kind == "W":
+            assert ("B", s, i) in seen
+        seen.add((kind, s, i))
+    for s in range(p):
+        alive = peak = 0
+        for k, t, _ in order:
+            if t == s and k != "W":
+                alive += 1 if k == "F" else -1
+                peak = max(peak, alive)
+        assert peak <= min(p - s, m)
+    zb = _makespan(order, p, {"F": 1, "B": 1, "W": 1})
+    one = _makespan(issue_order("1f1b", p, m), p, {"F": 1, "B": 2})
+    ideal = 3 * m
+    if p > 1 and m >= p:  # the bubble (time idle per stage) at most half 1F1B's
+        assert zb - ideal <= (one - ideal) / 2, (zb, one, ideal)
+    assert zb <= one
+
+
 def test_bubble_and_bad_arguments():
     assert bubble(4, 8) == pytest.approx(3 / 11)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
@@ -61,7 +108,7 @@ def test_bubble_and_bad_arguments():
 
 
 @spread
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbh1"])
 def test_two_stage_gpt_gives_the_full_batch_loss_and_gradients(name):
     c = SIZES["tiny"]
     gtmpi.load_config({"stage0": {"shard": {"workers": [0]}},

@@ -277,7 +277,7 @@ def test_tensor_parallel_replay_runs_megatrons_all_reduces_as_written():
 
 
 @spread
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
 def test_a_replayed_pipeline_step_gives_the_full_batch_gradients(schedule):
     replayed = _both(*pipeline_run(schedule))
     assert replayed[3] == 3

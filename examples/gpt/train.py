@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's)")
     p.add_argument("--layers", type=int, default=None, help="blocks (default: the size's)")
     p.add_argument("--micro-batches", type=int, default=4, help="per step, with pipeline stages")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zbh1"], default="1f1b")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default by size)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps/10)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")

@@ -17,7 +17,7 @@ from ..client.gradmode import Autograd, no_grad, set_autograd
 from ..client.runtime import current, runtime
 from ..client.tensor import Tensor, apply
 from ..ops import OPS, Kind
-from .grads import GRADS, kept
+from .grads import GRADS, MASKED, kept
 from .node import Node
 
 _state = threading.local()  # the graph recorded last in this thread (for printing)
@@ -179,11 +179,67 @@ class _Roots:
         return iter(self.nodes)
 
 
-def _run(roots: list[tuple[Any, Any]], retain_graph: bool, inputs: list | None = None):
+class Later:
+    """The weights' half of a backward split in two (a zero-bubble pipeline's B and W): the
+    gradients of every leaf but those in ``now`` (a stage's input) are left for run(), with
+    each node that feeds them and its incoming gradient, kept until then."""
+
+    def __init__(self, now: Sequence[Any]) -> None:
+        self.now = {id(t) for t in now}
+        self.stash: list[tuple[Node, Any]] = []
+
+    def deferred(self, node: Node) -> set[int]:
+        """The operands of ``node`` whose gradients wait for run()."""
+        return {id(a) for a in node.operands if isinstance(a, Tensor) and a._node is None
+                and a.requires_grad and id(a) not in self.now}
+
+    def run(self) -> None:
+        """The weights' gradients, accumulated into them."""
+        rt = runtime()
+        with no_grad(), rt.sites_here():
+            for node, grads in self.stash:
+                wanted = self.deferred(node)
+                MASKED.update(id(a) for a in node.operands if id(a) not in wanted)
+                try:
+                    with nullcontext() if node.backward is None else \
+                            rt.signals.scope(node.backward):
+                        results = GRADS[node.op](node, grads)
+                finally:
+                    MASKED.clear()
+                for operand, g in zip(node.operands, results):
+                    if id(operand) in wanted and g is not None:
+                        _accumulate(operand, g)
+                _free(node)
+            self.stash = []
+            rt.dispatcher.backward_done()
+
+
+def backward_inputs(root: Any, gradient: Any, now: Sequence[Any]) -> Later:
+    """The first half of ``root.backward(gradient)``: the gradients of what precedes the
+    graph's leaves, and of the leaves in ``now``, computed now; the others' (the weights') by
+    the returned Later's run()."""
+    later = Later(now)
+    with no_grad(), runtime().sites_here():
+        _run([(root, _seed(root, gradient, 0))], False, later=later)
+    return later
+
+
+def _free(node: Node) -> None:
+    """What a node's rule read, dropped once its gradients are made, as torch does."""
+    node.freed = True
+    node.saved = None
+    node.operands = tuple(Ghost(a) if isinstance(a, Tensor) else a for a in node.operands)
+    if node.op == "function":  # its backward's closure holds what it runs again
+        node.kw = None
+
+
+def _run(roots: list[tuple[Any, Any]], retain_graph: bool, inputs: list | None = None,
+         later: Later | None = None):
     """Backward from each (root, its gradient). With ``inputs`` (leaves), their gradients are
     collected and returned, and no leaf's .grad changes (torch.autograd.grad); else every leaf
     reached accumulates its gradient, and each completed one is handed to the dispatcher (its
-    sum across data-parallel replicas starts while backward goes on)."""
+    sum across data-parallel replicas starts while backward goes on). With ``later``, the
+    leaves' gradients but those it wants now are left to it."""
     rt = runtime()
     collected = None if inputs is None else {id(t): None for t in inputs}
     pending: dict[int, list] = {}
@@ -221,11 +277,22 @@ def _run(roots: list[tuple[Any, Any]], retain_graph: bool, inputs: list | None =
             raise RuntimeError("Trying to backward through the graph a second time (or directly "
                                "access saved tensors after they have already been freed). "
                                "Specify retain_graph=True if you need to backward a second time.")
+        grads = grads if node.outputs > 1 else grads[0]
+        weights = later.deferred(node) if later is not None else ()
+        if weights:
+            later.stash.append((node, grads))
+            if not any(getattr(a, "requires_grad", False) and id(a) not in weights
+                       for a in node.operands):
+                continue  # it feeds weights alone: all of it later
+            MASKED.update(weights)
         # backward= on the signal of its forward: its gradient ops run there
-        with nullcontext() if node.backward is None else book.scope(node.backward):
-            results = GRADS[node.op](node, grads if node.outputs > 1 else grads[0])
+        try:
+            with nullcontext() if node.backward is None else book.scope(node.backward):
+                results = GRADS[node.op](node, grads)
+        finally:
+            MASKED.clear()
         for operand, g in zip(node.operands, results):
-            if not getattr(operand, "requires_grad", False):
+            if not getattr(operand, "requires_grad", False) or id(operand) in weights:
                 continue
             if g is not None and g.dtype != operand.dtype:
                 # an operand promoted by the op (bf16 + float32 under autocast) gets its
@@ -254,13 +321,8 @@ def _run(roots: list[tuple[Any, Any]], retain_graph: bool, inputs: list | None =
                 prev = slots[operand._slot]
                 slots[operand._slot] = g if prev is None else prev + g
         grads = results = g = prev = None  # gradients of non-leaves die once passed on
-        if not retain_graph:  # what the rule read is dropped now, as torch does
-            node.freed = True
-            node.saved = None
-            if node.op == "function":  # its backward's closure holds what it runs again
-                node.kw = None
-            node.operands = tuple(Ghost(a) if isinstance(a, Tensor) else a
-                                  for a in node.operands)
+        if not retain_graph and not weights:
+            _free(node)
     if collected is not None:
         return [None if collected[id(t)] is None else _as_grad(t, collected[id(t)])
                 for t in inputs]

@@ -68,9 +68,14 @@ def sum_to(g: Tensor, shape) -> Tensor:
     return g
 
 
+# operands whose gradients a rule is not asked for now: the other half of a backward split
+# into the inputs' gradients and, later, the weights' (zero-bubble pipelines; engine.py)
+MASKED: set[int] = set()
+
+
 def _t(x: Any) -> bool:
     """Whether operand x (a tensor or its Ghost; constants never) wants a gradient."""
-    return getattr(x, "requires_grad", False)
+    return getattr(x, "requires_grad", False) and id(x) not in MASKED
 
 
 def _each(node: Node, *grads: Any) -> tuple:
