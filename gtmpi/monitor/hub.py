@@ -12,6 +12,7 @@ of file descriptors), ends the hub's thread: it logs and goes on listening.
 """
 from __future__ import annotations
 
+import os
 import queue
 import selectors
 import socket
@@ -23,7 +24,8 @@ from typing import Any, Callable
 
 from ..transport.rendezvous import LOOPBACK, Lines, listen, token_matches, write_port_file
 
-INTERVAL_S = 1.0  # how often workers push and monitors are sent the figures
+# how often workers push and monitors are sent the figures
+INTERVAL_S = float(os.environ.get("GTMPI_MONITOR_INTERVAL_S", "1"))
 HELLO_S = 5.0  # a peer that has not presented the token by then is dropped
 ACCEPT_RETRY_S = 0.1  # after a failed accept (no file descriptor left): the backlog waits
 
