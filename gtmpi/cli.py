@@ -106,11 +106,14 @@ def idle(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None
     pipeline = trace.meta["pipeline"]
     print(f"\npipeline: {len(bubbles)} stages, {pipeline.get('micro_batches')} micro-batches, "
           f"{pipeline.get('schedule')}; bubble fraction per stage (idle share of the window "
-          "from the first op to the last) against the schedule's (p-1)/(m+p-1)", file=out)
+          "from the first op to the last) against the schedule's with stages of equal cost; "
+          "each stage's share of the compute, and how far from the mean it is (+: more than "
+          "a balanced split gives it)", file=out)
     for b in bubbles:
         b["ranks_txt"] = ",".join(map(str, b["ranks"]))
     _table(bubbles, [("stage", "stage", ""), ("ranks_txt", "ranks", ""),
-                     ("bubble", "bubble", ".3f"), ("ideal", "ideal", ".3f")], out)
+                     ("bubble", "bubble", ".3f"), ("ideal", "ideal", ".3f"),
+                     ("share", "compute", ".3f"), ("over", "vs mean", "+.3f")], out)
 
 
 def comms(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:

@@ -112,9 +112,29 @@ def _zero_bubble_h1(p: int, m: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def bubble(stages: int, micro_batches: int) -> float:
-    """The idle fraction of a stage in GPipe's and 1F1B's schedules: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def makespan(order: list[tuple[str, int, int]], stages: int, cost: dict[str, float]) -> float:
+    """When the last action of ``order`` ends, each stage running its actions in the issued
+    order, each as soon as its stage is free and what it needs has ended (``cost`` per kind:
+    "F", "B", and "W" where the schedule splits the backward)."""
+    free, end = [0.0] * stages, {}
+    for kind, s, i in order:
+        if kind == "F":
+            need = [("F", s - 1, i)] if s else []
+        elif kind == "B":
+            need = [("F", s, i)] + ([("B", s + 1, i)] if s < stages - 1 else [])
+        else:
+            need = [("B", s, i)]
+        start = max([free[s]] + [end[n] for n in need])
+        end[(kind, s, i)] = free[s] = start + cost[kind]
+    return max(free)
+
+
+def bubble(stages: int, micro_batches: int, schedule: str = "1f1b") -> float:
+    """The idle fraction of a stage in the schedule, its forward, input-gradient and weight-
+    gradient passes of equal cost: GPipe's and 1F1B's (p - 1) / (m + p - 1), ZB-H1's less."""
+    order = issue_order(schedule, stages, micro_batches)
+    cost = {"F": 1, "B": 1, "W": 1} if schedule == "zbh1" else {"F": 1, "B": 2}
+    return 1 - 3 * micro_batches / makespan(order, stages, cost)
 
 
 class Pipeline:
@@ -178,7 +198,8 @@ class Pipeline:
         rt.tracing.pipeline = {
             "stages": [list(book.placement(book.signals[name]).mesh) if name in book.signals
                        else [] for name in self.signals],
-            "micro_batches": self.micro_batches, "schedule": self.schedule}
+            "micro_batches": self.micro_batches, "schedule": self.schedule,
+            "ideal_bubble": bubble(len(self.stages), self.micro_batches, self.schedule)}
 
     def evaluate(self, inputs: Any, targets: Any) -> Tensor:
         """The mean loss of the batch, forward only (no graph is kept)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gtmpi
-from gtmpi.pipeline import Pipeline, bubble, issue_order
+from gtmpi.pipeline import Pipeline, bubble, issue_order, makespan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.gpt.model import SIZES, build, stages  # noqa: E402
@@ -48,22 +48,6 @@ def test_schedule_orders_every_action_once_after_what_it_needs(name, p, m):
             assert peak == min(p - s, m)
 
 
-def _makespan(order: list, p: int, cost: dict) -> float:
-    """When the last action ends, each stage running its actions in the issued order, each
-    as soon as its stage is free and what it needs has ended (``cost`` per kind)."""
-    free, end = [0.0] * p, {}
-    for kind, s, i in order:
-        if kind == "F":
-            need = [("F", s - 1, i)] if s else []
-        elif kind == "B":
-            need = [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else [])
-        else:
-            need = [("B", s, i)]
-        start = max([free[s]] + [end[n] for n in need])
-        end[(kind, s, i)] = free[s] = start + cost[kind]
-    return max(free)
-
-
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (4, 8), (4, 3), (8, 16)])
 def test_zero_bubble_h1_orders_b_and_w_apart_and_fills_the_bubble(p, m):
     """ZB-H1: every forward, input-gradient (B) and weight-gradient (W) action once, after what
@@ -87,16 +71,17 @@ def test_zero_bubble_h1_orders_b_and_w_apart_and_fills_the_bubble(p, m):
                 alive += 1 if k == "F" else -1
                 peak = max(peak, alive)
         assert peak <= min(p - s, m)
-    zb = _makespan(order, p, {"F": 1, "B": 1, "W": 1})
-    one = _makespan(issue_order("1f1b", p, m), p, {"F": 1, "B": 2})
+    zb = makespan(order, p, {"F": 1, "B": 1, "W": 1})
+    one = makespan(issue_order("1f1b", p, m), p, {"F": 1, "B": 2})
     ideal = 3 * m
     if p > 1 and m >= p:  # the bubble (time idle per stage) at most half 1F1B's
         assert zb - ideal <= (one - ideal) / 2, (zb, one, ideal)
-    assert zb <= one
+    assert zb <= one and bubble(p, m, "zbh1") == pytest.approx(1 - ideal / zb)
 
 
 def test_bubble_and_bad_arguments():
-    assert bubble(4, 8) == pytest.approx(3 / 11)
+    assert bubble(4, 8) == bubble(4, 8, "gpipe") == pytest.approx(3 / 11)
+    assert bubble(4, 8, "zbh1") == pytest.approx(1 / 9)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
         issue_order("zb", 2, 2)
     with pytest.raises(ValueError, match="2 stages need as many signals, got 1"):

@@ -273,13 +273,13 @@ SAVE_LOOP = """
 def test_a_job_killed_while_saving_leaves_a_whole_checkpoint(tmp_path):
     """A job (2 workers) saving an 8 MB checkpoint over and over, SIGKILLed at random moments:
     the file at the path is always a whole checkpoint, the last one saved or the next.
-    GTMPI_KILL_TRIALS sets the number of kills (5 by default)."""
+    GTMPI_KILL_TRIALS sets the number of kills (3 by default)."""
     import random
     script, path = tmp_path / "prog.py", tmp_path / "ck.pt"
     script.write_text(textwrap.dedent(SAVE_LOOP))
     env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu"}
     rng = random.Random(0)
-    for trial in range(int(os.environ.get("GTMPI_KILL_TRIALS", "5"))):
+    for trial in range(int(os.environ.get("GTMPI_KILL_TRIALS", "3"))):
         proc = subprocess.Popen([mpiexec(), "-n", "3", sys.executable, str(script), str(path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 env=env, start_new_session=True)

@@ -473,9 +473,13 @@ def test_idle_reports_a_pipelines_stages_against_the_schedules_bubble(tmp_path, 
     rows = analysis.bubble_rows(trace)
     assert [r["ranks"] for r in rows] == [[WORKERS[0]], [WORKERS[1]]]
     assert all(r["ideal"] == pytest.approx(1 / 5) and 0 <= r["bubble"] < 1 for r in rows)
+    # each stage's share of the compute, and how far from the mean: the shares make the whole
+    assert sum(r["share"] for r in rows) == pytest.approx(1)
+    assert sum(r["over"] for r in rows) == pytest.approx(0, abs=1e-9)
     code, out, _ = cli(capsys, "idle", path)
     assert code == 0 and "2 stages, 4 micro-batches, 1f1b" in out
-    assert re.search(r"^\s*0\s+%d\s+0\.\d{3}\s+0\.200$" % WORKERS[0], out, re.M), out
+    assert re.search(r"^\s*0\s+%d\s+0\.\d{3}\s+0\.200\s+0\.\d{3}\s+[+-]\d\.\d{3}$" % WORKERS[0],
+                     out, re.M), out
 
 
 def test_kernel_profile_splits_a_step_into_compute_nccl_and_idle(tmp_path, capsys):

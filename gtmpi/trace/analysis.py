@@ -185,7 +185,10 @@ def gap_rows(trace: Trace, min_gap_ns: int, top: int = 5) -> list[dict[str, Any]
 def bubble_rows(trace: Trace) -> list[dict[str, Any]]:
     """Per pipeline stage (from the trace's metadata, written by gtmpi.pipeline): the share of
     the busy window (first op of any stage to the last) that the stage spent idle, beside the
-    schedule's ideal (p-1)/(m+p-1). No rows for a run without a pipeline."""
+    schedule's ideal (GPipe's and 1F1B's (p-1)/(m+p-1)); its share of all stages' compute, and
+    how far its compute is from the stages' mean (``over``: +0.25 is a quarter more than the
+    mean: work to move to the others for a balanced split). No rows for a run without a
+    pipeline."""
     pipeline = trace.meta.get("pipeline") or {}
     stages = pipeline.get("stages") or []
     spans = {r: select(t, BUSY[Lane.WORKER], Lane.WORKER) for r, t in trace.events.items() if r}
@@ -196,7 +199,7 @@ def bubble_rows(trace: Trace) -> list[dict[str, Any]]:
     end = max(int(s["t1"].max()) for s in execs)
     window = max(end - start, 1)
     p, m = len(stages), int(pipeline.get("micro_batches", 0))
-    ideal = (p - 1) / (m + p - 1) if m else float("nan")
+    ideal = pipeline.get("ideal_bubble", (p - 1) / (m + p - 1) if m else float("nan"))
     rows = []
     for i, ranks in enumerate(stages):
         parts = [spans[r] for r in ranks if r in spans]
@@ -205,6 +208,10 @@ def bubble_rows(trace: Trace) -> list[dict[str, Any]]:
         busy = union_ns(np.clip(t0, start, end), np.clip(t1, start, end))
         rows.append({"stage": i, "ranks": list(ranks), "busy_ns": busy,
                      "bubble": 1 - busy / window, "ideal": ideal})
+    total = sum(r["busy_ns"] for r in rows) or 1
+    for r in rows:
+        r["share"] = r["busy_ns"] / total
+        r["over"] = r["share"] * len(rows) - 1
     return rows
 
 
