@@ -279,18 +279,25 @@ def test_gpu_ops_timed_with_cuda_events(tmp_path):
 def test_snapshots_while_running_lose_and_repeat_nothing(tmp_path, monkeypatch):
     """Parts sent mid-batch and mid-run join into exactly the program's events."""
     import time
+    from gtmpi.client.runtime import runtime
     monkeypatch.setenv("GTMPI_TRACE_SNAPSHOT_S", "0.005")
     path = str(tmp_path / "parts.h5")
-    gtmpi.trace.start(path)
-    x = gtmpi.ones(4, 4, device="cuda")
-    ids = []
-    for i in range(200):
-        x = x * 0.5 + 1.0
-        ids += [x.id]
-        if i % 20 == 0:
-            time.sleep(0.01)
-            x.sum().item()
-    gtmpi.trace.stop()
+    # each op as written: a replayed run's ops carry its program's ids, not the client's
+    auto = runtime().dispatcher.repeats is not None
+    gtmpi.debug.auto_replay(False)
+    try:
+        gtmpi.trace.start(path)
+        x = gtmpi.ones(4, 4, device="cuda")
+        ids = []
+        for i in range(200):
+            x = x * 0.5 + 1.0
+            ids += [x.id]
+            if i % 20 == 0:
+                time.sleep(0.01)
+                x.sum().item()
+        gtmpi.trace.stop()
+    finally:
+        gtmpi.debug.auto_replay(auto)
     trace = fileformat.read(path)
     execs = of(trace.events[HOME], Kind.EXEC)
     adds = execs[np.array(names(trace, execs)) == "add"]
