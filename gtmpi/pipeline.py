@@ -1,5 +1,6 @@
 """Pipeline parallelism: a model cut into stages, each on its own workers, trained on
-micro-batches with GPipe's, 1F1B's or ZB-H1's (zero bubble) schedule.
+micro-batches with GPipe's, 1F1B's, Megatron's interleaved 1F1B or ZB-H1's (zero bubble)
+schedule.
 
     pipe = gtmpi.pipeline.Pipeline([first, last], ["stage0", "stage1"], micro_batches=8)
     loss = pipe.step(x, y)      # forward and backward of the whole batch; gradients accumulate
@@ -30,54 +31,91 @@ from .autograd import engine, no_grad
 from .client.runtime import runtime
 from .client.tensor import Tensor
 
-SCHEDULES = ("gpipe", "1f1b", "zbh1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 
 
-def issue_order(name: str, stages: int, micro_batches: int) -> list[tuple[str, int, int]]:
+def issue_order(name: str, stages: int, micro_batches: int,
+                virtual: int = 1) -> list[tuple[str, int, int]]:
     """The order of issuing: (``"F"`` or ``"B"``, stage, micro-batch) for every forward and
-    backward of every stage, a valid order of the dependencies (F(s, i) after F(s-1, i);
-    B(s, i) after F(s, i) and B(s+1, i)) in which each stage meets its own actions in the
-    schedule's order: GPipe, every forward then every backward; 1F1B, p - s - 1 forwards to
-    fill the pipeline, then one forward and one backward in turn, then the remaining
-    backwards."""
+    backward of every stage (and ``"W"``, a weight-gradient pass, for ZB-H1), a valid order of
+    the dependencies (F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i)) in which
+    each stage meets its own actions in the schedule's order: GPipe, every forward then every
+    backward; 1F1B, p - s - 1 forwards to fill the pipeline, then one forward and one backward
+    in turn, then the remaining backwards. "interleaved" (Megatron's interleaved 1F1B): each
+    of the ``stages`` workers holds ``virtual`` chunks of the model, chunk j of worker r being
+    stage j * p + r of p * v, and runs them in Megatron's order (forwards p micro-batches per
+    chunk at a time, a longer warm-up, then one forward and one backward in turn)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}: one of {', '.join(SCHEDULES)}")
     p, m = stages, micro_batches
     if name == "zbh1":
         return _zero_bubble_h1(p, m)
+    if name == "interleaved":
+        return _in_ticks(_interleaved(p, m, virtual), p * virtual, m)
     per_stage = []
     for s in range(p):
         if name == "gpipe":
-            order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+            order = [("F", s, i) for i in range(m)] + [("B", s, i) for i in range(m)]
         else:
             warm = min(p - s - 1, m)
-            order = [("F", i) for i in range(warm)]
+            order = [("F", s, i) for i in range(warm)]
             for i in range(m - warm):
-                order += [("F", warm + i), ("B", i)]
-            order += [("B", i) for i in range(m - warm, m)]
+                order += [("F", s, warm + i), ("B", s, i)]
+            order += [("B", s, i) for i in range(m - warm, m)]
         per_stage.append(order)
-    # tick by tick, each stage takes its next action once what it needs was done in an
-    # earlier tick: the order of a real run's timeline, and so a valid one
+    return _in_ticks(per_stage, p, m)
+
+
+def _interleaved(p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """Each worker's actions in Megatron's interleaved 1F1B (its
+    forward_backward_pipelining_with_interleaving): the k-th forward is of chunk (k // p) % v
+    and micro-batch (k // pv) p + k % p, the k-th backward the same with the chunks taken
+    last first; (p - r - 1) * 2 + (v - 1) * p forwards warm worker r up."""
+    if v < 1 or m % p:
+        raise ValueError(f"interleaved 1F1B needs micro-batches ({m}) a multiple of the stages "
+                         f"({p}) and one chunk or more per stage (got {v})")
+    total = m * v
+
+    def micro_batch(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    out = []
+    for r in range(p):
+        forwards = [("F", (k // p) % v * p + r, micro_batch(k)) for k in range(total)]
+        backwards = [("B", (v - 1 - (k // p) % v) * p + r, micro_batch(k)) for k in range(total)]
+        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+        order = forwards[:warm]
+        for k in range(total - warm):
+            order += [forwards[warm + k], backwards[k]]
+        out.append(order + backwards[total - warm:])
+    return out
+
+
+def _in_ticks(per_worker: list[list[tuple[str, int, int]]], stages: int,
+              m: int) -> list[tuple[str, int, int]]:
+    """Each worker's actions merged tick by tick: each worker takes its next action once what
+    it needs was done in an earlier tick, the order of a real run's timeline, and so a valid
+    one."""
     done: set[tuple[str, int, int]] = set()
-    nxt = [0] * p
+    nxt = [0] * len(per_worker)
     out: list[tuple[str, int, int]] = []
-    while len(out) < 2 * p * m:
+    while len(out) < 2 * stages * m:
         ready = []
-        for s in range(p):
-            if nxt[s] == len(per_stage[s]):
+        for w, actions in enumerate(per_worker):
+            if nxt[w] == len(actions):
                 continue
-            kind, i = per_stage[s][nxt[s]]
+            kind, s, i = actions[nxt[w]]
             need = [("F", s - 1, i)] if kind == "F" and s else []
             if kind == "B":
-                need = [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else [])
+                need = [("F", s, i)] + ([("B", s + 1, i)] if s < stages - 1 else [])
             if all(n in done for n in need):
-                ready.append((kind, s, i))
+                ready.append((w, (kind, s, i)))
         if not ready:
             raise AssertionError("pipeline schedule stalled")  # a bug in the orders above
-        for action in ready:
-            nxt[action[1]] += 1
+        for w, action in ready:
+            nxt[w] += 1
             out.append(action)
-        done.update(ready)
+        done.update(action for _, action in ready)
     return out
 
 
@@ -112,11 +150,14 @@ def _zero_bubble_h1(p: int, m: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def makespan(order: list[tuple[str, int, int]], stages: int, cost: dict[str, float]) -> float:
-    """When the last action of ``order`` ends, each stage running its actions in the issued
-    order, each as soon as its stage is free and what it needs has ended (``cost`` per kind:
-    "F", "B", and "W" where the schedule splits the backward)."""
-    free, end = [0.0] * stages, {}
+def makespan(order: list[tuple[str, int, int]], stages: int, cost: dict[str, float],
+             workers: int | None = None) -> float:
+    """When the last action of ``order`` ends, each worker running its actions in the issued
+    order, each as soon as its worker is free and what it needs has ended (``cost`` per kind:
+    "F", "B", and "W" where the schedule splits the backward). Stage s runs on worker
+    s % ``workers`` (interleaved chunks), by default on its own."""
+    workers = workers or stages
+    free, end = [0.0] * workers, {}
     for kind, s, i in order:
         if kind == "F":
             need = [("F", s - 1, i)] if s else []
@@ -124,16 +165,20 @@ def makespan(order: list[tuple[str, int, int]], stages: int, cost: dict[str, flo
             need = [("F", s, i)] + ([("B", s + 1, i)] if s < stages - 1 else [])
         else:
             need = [("B", s, i)]
-        start = max([free[s]] + [end[n] for n in need])
-        end[(kind, s, i)] = free[s] = start + cost[kind]
+        start = max([free[s % workers]] + [end[n] for n in need])
+        end[(kind, s, i)] = free[s % workers] = start + cost[kind]
     return max(free)
 
 
-def bubble(stages: int, micro_batches: int, schedule: str = "1f1b") -> float:
-    """The idle fraction of a stage in the schedule, its forward, input-gradient and weight-
-    gradient passes of equal cost: GPipe's and 1F1B's (p - 1) / (m + p - 1), ZB-H1's less."""
-    order = issue_order(schedule, stages, micro_batches)
+def bubble(stages: int, micro_batches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """The idle fraction of a worker in the schedule, its forward, input-gradient and weight-
+    gradient passes of equal cost: GPipe's and 1F1B's (p - 1) / (m + p - 1), ZB-H1's and
+    interleaved 1F1B's less (a chunk of ``virtual`` costs 1/v of a stage)."""
+    order = issue_order(schedule, stages, micro_batches, virtual)
     cost = {"F": 1, "B": 1, "W": 1} if schedule == "zbh1" else {"F": 1, "B": 2}
+    if schedule == "interleaved":
+        cost = {k: c / virtual for k, c in cost.items()}
+        return 1 - 3 * micro_batches / makespan(order, stages * virtual, cost, stages)
     return 1 - 3 * micro_batches / makespan(order, stages, cost)
 
 
@@ -146,7 +191,17 @@ class Pipeline:
             raise ValueError(f"micro_batches must be positive, got {micro_batches}")
         self.stages, self.signals = list(stages), list(signals_)
         self.micro_batches = micro_batches
-        self.order = issue_order(schedule, len(stages), micro_batches)
+        # interleaved: stage c (a chunk of the model, in order) on the workers of the c % p-th
+        # of the p signals, which each hold len(stages) / p chunks
+        self.workers = list(dict.fromkeys(self.signals)) if schedule == "interleaved" \
+            else self.signals
+        p = len(self.workers)
+        self.virtual = len(self.stages) // p
+        if len(self.stages) != p * self.virtual or \
+                any(name != self.workers[c % p] for c, name in enumerate(self.signals)):
+            raise ValueError(f"interleaved stages: chunk c goes to the (c % p)-th of the p "
+                             f"signals, got {self.signals}")
+        self.order = issue_order(schedule, p, micro_batches, self.virtual)
         self.schedule = schedule
 
     def step(self, inputs: Any, targets: Any) -> Tensor:
@@ -197,9 +252,10 @@ class Pipeline:
         book = rt.signals
         rt.tracing.pipeline = {
             "stages": [list(book.placement(book.signals[name]).mesh) if name in book.signals
-                       else [] for name in self.signals],
+                       else [] for name in self.workers],
             "micro_batches": self.micro_batches, "schedule": self.schedule,
-            "ideal_bubble": bubble(len(self.stages), self.micro_batches, self.schedule)}
+            "ideal_bubble": bubble(len(self.workers), self.micro_batches, self.schedule,
+                                   self.virtual)}
 
     def evaluate(self, inputs: Any, targets: Any) -> Tensor:
         """The mean loss of the batch, forward only (no graph is kept)."""

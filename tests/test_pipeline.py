@@ -1,8 +1,9 @@
-"""Pipeline parallelism (gtmpi.pipeline): the schedules' orders, and the GPT cut into two stages
-on two workers giving the full batch's loss and gradients, with exactly one transfer per
-micro-batch each way and nothing else, in strict placement."""
+"""Pipeline parallelism (gtmpi.pipeline): the schedules' orders, and the GPT cut into stages on
+two workers (two each, interleaved) giving the full batch's loss and gradients, with exactly
+one transfer per micro-batch and crossing each way and nothing else, in strict placement."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -79,6 +80,30 @@ def test_zero_bubble_h1_orders_b_and_w_apart_and_fills_the_bubble(p, m):
     assert zb <= one and bubble(p, m, "zbh1") == pytest.approx(1 - ideal / zb)
 
 
+@pytest.mark.parametrize("p, m, v", [(2, 2, 2), (2, 4, 2), (4, 8, 2), (4, 8, 4), (3, 6, 3)])
+def test_interleaved_orders_chunks_megatrons_way_and_shrinks_the_bubble(p, m, v):
+    """Megatron's interleaved 1F1B: stage j * p + r is chunk j of worker r; every action once
+    after what it needs; worker r warms up with (p - r - 1) * 2 + (v - 1) * p forwards; and
+    the bubble is Megatron's (p - 1) / (v m + p - 1), 1F1B's over v."""
+    order = issue_order("interleaved", p, m, v)
+    n = p * v
+    assert sorted(order) == sorted((k, s, i) for k in "FB" for s in range(n) for i in range(m))
+    seen = set()
+    for kind, s, i in order:
+        if kind == "F" and s:
+            assert ("F", s - 1, i) in seen
+        if kind == "B":
+            assert ("F", s, i) in seen and (s == n - 1 or ("B", s + 1, i) in seen)
+        seen.add((kind, s, i))
+    for r in range(p):
+        mine = [k for k, s, _ in order if s % p == r]
+        warm = min((p - r - 1) * 2 + (v - 1) * p, m * v)
+        assert mine[:warm] == ["F"] * warm and (warm == m * v or mine[warm:warm + 2] == ["F", "B"])
+    assert bubble(p, m, "interleaved", v) == pytest.approx((p - 1) / (v * m + p - 1))
+    with pytest.raises(ValueError, match="a multiple of the stages"):
+        issue_order("interleaved", 4, 6, 2)
+
+
 def test_bubble_and_bad_arguments():
     assert bubble(4, 8) == bubble(4, 8, "gpipe") == pytest.approx(3 / 11)
     assert bubble(4, 8, "zbh1") == pytest.approx(1 / 9)
@@ -93,9 +118,12 @@ def test_bubble_and_bad_arguments():
 
 
 @spread
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbh1"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbh1", "interleaved"])
 def test_two_stage_gpt_gives_the_full_batch_loss_and_gradients(name):
-    c = SIZES["tiny"]
+    """Two workers; interleaved: each holds two chunks of the model (chunks 0 and 2 the first,
+    1 and 3 the second), so every micro-batch crosses between them three times each way."""
+    chunks = 4 if name == "interleaved" else 2
+    c = dataclasses.replace(SIZES["tiny"], layers=4)
     gtmpi.load_config({"stage0": {"shard": {"workers": [0]}},
                        "stage1": {"shard": {"workers": [1]}}})
     torch.manual_seed(0)
@@ -104,12 +132,12 @@ def test_two_stage_gpt_gives_the_full_batch_loss_and_gradients(name):
     m = 4
     model = build(gtmpi)(c)
     model.load_state_dict(ref.state_dict())
-    parts = stages(model, 2)
+    parts = stages(model, chunks)
     for s, (owned, _) in enumerate(parts):
         for module in owned:
-            gtmpi.signal.place(module, f"stage{s}")
-    pipe = Pipeline([run for _, run in parts], ["stage0", "stage1"], micro_batches=m,
-                    schedule=name)
+            gtmpi.signal.place(module, f"stage{s % 2}")
+    pipe = Pipeline([run for _, run in parts], [f"stage{s % 2}" for s in range(chunks)],
+                    micro_batches=m, schedule=name)
     opt, topt = gtmpi.optim.AdamW(model.parameters()), torch.optim.AdamW(ref.parameters())
     gtmpi.debug.strict_placement()
     try:
@@ -131,9 +159,13 @@ def test_two_stage_gpt_gives_the_full_batch_loss_and_gradients(name):
             moved = {r: {k: v[0] - before[r].get(k, (0, 0))[0] for k, v in s["collectives"].items()
                          if v[0] != before[r].get(k, (0, 0))[0]} for r, s in after.items()}
             first, second = WORKERS[:2]
-            # one activation forward and one gradient back per micro-batch, nothing else
-            assert moved[first] == {"send": m, "recv": m}, moved
-            assert moved[second] == {"send": m, "recv": m}, moved
+            # an activation forward and a gradient back per micro-batch and crossing, nothing
+            # else (interleaved: the first sends chunks 0 and 2's outputs and chunk 2's input's
+            # gradient; the second chunk 1's output and chunks 1 and 3's inputs' gradients)
+            crossings = (chunks - 1) * m
+            assert moved[first]["send"] + moved[second]["send"] == 2 * crossings, moved
+            assert moved[first] == {"send": m * chunks // 2 + m * (chunks // 2 - 1),
+                                    "recv": m * chunks // 2 + m * (chunks // 2 - 1)}, moved
             opt.step()
             topt.step()
     finally:

@@ -59,7 +59,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's)")
     p.add_argument("--layers", type=int, default=None, help="blocks (default: the size's)")
     p.add_argument("--micro-batches", type=int, default=4, help="per step, with pipeline stages")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zbh1"], default="1f1b")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zbh1"],
+                   default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=2,
+                   help="interleaved: model chunks per pipeline stage")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default by size)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps/10)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
@@ -127,21 +130,24 @@ def main() -> None:
         for name, role in tensor_parallel(model, vocab="vocab" in names).items():
             gtmpi.signal.place(tensors[name], role)
     pipe = None
+    # interleaved 1F1B: each stage's workers hold --virtual-stages chunks of the model, chunk
+    # c on stage c % n_stages (Megatron's virtual pipeline)
+    chunks = n_stages * (args.virtual_stages if args.schedule == "interleaved" else 1)
     if n_stages:
-        parts = stages(model, n_stages)
+        parts = stages(model, chunks)
         name_of = {id(t): name for name, t in tensors.items()}
         stage_of = {name: 0 for name, _ in model.named_buffers()}  # used by the first stage
-        for s, (owned, _) in enumerate(parts):
+        for chunk, (owned, _) in enumerate(parts):
             for module in owned:
                 for t in [*module.parameters(), *module.buffers()]:
-                    stage_of[name_of[id(t)]] = s
+                    stage_of[name_of[id(t)]] = chunk % n_stages
         roles = tensor_parallel(model, vocab=all(f"stage{s}.vocab" in names
                                                   for s in range(n_stages)))
         for name, s in stage_of.items():
             gtmpi.signal.place(tensors[name], f"stage{s}.{roles[name]}" if staged_tp
                                else f"stage{s}")
         pipe = gtmpi.pipeline.Pipeline([run for _, run in parts],
-                                       [f"stage{s}" for s in range(n_stages)],
+                                       [f"stage{chunk % n_stages}" for chunk in range(chunks)],
                                        args.micro_batches, args.schedule)
     # sequence parallelism (Megatron-SP): a 'seq' signal (or 'stageS.seq' per stage) splits
     # the sequence between the tensor-parallel layers: each block's input and the final norm's
@@ -184,9 +190,10 @@ def main() -> None:
     flops = flops_per_token(c, seq)
     card = torch.cuda.get_device_name(0) if gpu and torch.cuda.is_available() else ""
     peak = next((v for k, v in PEAK_FLOPS.items() if k in card), None)
-    cuts = balanced_bounds(c, n_stages) if n_stages else []
+    cuts = balanced_bounds(c, chunks) if n_stages else []
     mode = (f"{n_stages} pipeline stages ({args.schedule}, {args.micro_batches} micro-batches"
-            f"{', tensor parallel in each' if staged_tp else ''}; blocks per stage "
+            f"{', tensor parallel in each' if staged_tp else ''}; blocks per "
+            f"{'chunk' if chunks > n_stages else 'stage'} "
             f"{'/'.join(str(b - a) for a, b in zip(cuts, cuts[1:]))}, by their modeled cost "
             "with the embedding and the head)"
             if n_stages else "data parallel" if data_parallel else
