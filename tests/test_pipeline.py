@@ -20,18 +20,26 @@ WORKERS = sorted(gtmpi.info()["workers"])
 spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (4, 8), (4, 3)])
-def test_schedule_orders_every_action_once_after_what_it_needs(name, p, m):
-    order = issue_order(name, p, m)
-    assert sorted(order) == sorted((k, s, i) for k in "FB" for s in range(p) for i in range(m))
+def _every_action_once_after_what_it_needs(order: list, stages: int, m: int,
+                                            kinds: str = "FB") -> None:
+    assert sorted(order) == sorted((k, s, i) for k in kinds for s in range(stages)
+                                   for i in range(m))
     seen = set()
     for kind, s, i in order:
         if kind == "F" and s:
             assert ("F", s - 1, i) in seen
         if kind == "B":
-            assert ("F", s, i) in seen and (s == p - 1 or ("B", s + 1, i) in seen)
+            assert ("F", s, i) in seen and (s == stages - 1 or ("B", s + 1, i) in seen)
+        if kind == "W":
+            assert ("B", s, i) in seen
         seen.add((kind, s, i))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (4, 8), (4, 3)])
+def test_schedule_orders_every_action_once_after_what_it_needs(name, p, m):
+    order = issue_order(name, p, m)
+    _every_action_once_after_what_it_needs(order, p, m)
     for s in range(p):
         mine = [(k, i) for k, t, i in order if t == s]
         alive = peak = 0  # micro-batches whose forward ran and backward has not
@@ -55,16 +63,7 @@ def test_zero_bubble_h1_orders_b_and_w_apart_and_fills_the_bubble(p, m):
     it needs; at most p - s micro-batches in flight on stage s (1F1B's memory); and with F, B
     and W of equal cost a shorter step than 1F1B's (whose backward is B and W together)."""
     order = issue_order("zbh1", p, m)
-    assert sorted(order) == sorted((k, s, i) for k in "FBW" for s in range(p) for i in range(m))
-    seen = set()
-    for kind, s, i in order:
-        if kind == "F" and s:
-            assert ("F", s - 1, i) in seen
-        if kind == "B":
-            assert ("F", s, i) in seen and (s == p - 1 or ("B", s + 1, i) in seen)
-        if kind == "W":
-            assert ("B", s, i) in seen
-        seen.add((kind, s, i))
+    _every_action_once_after_what_it_needs(order, p, m, "FBW")
     for s in range(p):
         alive = peak = 0
         for k, t, _ in order:
@@ -86,15 +85,7 @@ def test_interleaved_orders_chunks_megatrons_way_and_shrinks_the_bubble(p, m, v)
     after what it needs; worker r warms up with (p - r - 1) * 2 + (v - 1) * p forwards; and
     the bubble is Megatron's (p - 1) / (v m + p - 1), 1F1B's over v."""
     order = issue_order("interleaved", p, m, v)
-    n = p * v
-    assert sorted(order) == sorted((k, s, i) for k in "FB" for s in range(n) for i in range(m))
-    seen = set()
-    for kind, s, i in order:
-        if kind == "F" and s:
-            assert ("F", s - 1, i) in seen
-        if kind == "B":
-            assert ("F", s, i) in seen and (s == n - 1 or ("B", s + 1, i) in seen)
-        seen.add((kind, s, i))
+    _every_action_once_after_what_it_needs(order, p * v, m)
     for r in range(p):
         mine = [k for k, s, _ in order if s % p == r]
         warm = min((p - r - 1) * 2 + (v - 1) * p, m * v)
