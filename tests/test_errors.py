@@ -143,7 +143,7 @@ def test_the_index_guard_names_the_line_and_keeps_the_worker(tmp_path):
     IndexError naming the op and the program's line that issued it; the worker goes on."""
     proc, _ = run_job(tmp_path, """
         import gtmpi
-        emb = gtmpi.nn.Embedding(10, 4).to("cuda")
+        emb = gtmpi.nn.Embedding(10, 4, device="cuda")
         ids = gtmpi.tensor([1, 12, 3], device="cuda")
         out = emb(ids).sum()  # line 5
         ok = gtmpi.ones(3, device="cuda") * 2

@@ -319,3 +319,21 @@ def test_module_to_dtype_keeps_its_parameters_and_converts_their_gradients():
     topt.step()
     gopt.step()
     torch.testing.assert_close(m.weight.cpu_torch(), ref.weight.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_layers_take_torchs_device_and_dtype_keywords(dtype):
+    """nn.Linear(4, 3, device="cuda", dtype=...) as torch writes it: the parameters made and
+    drawn in that dtype (torch's numbers under the same seed), on the workers at once."""
+    made = {}
+    for lib in (torch, gtmpi):
+        torch.manual_seed(0)
+        made[lib] = [lib.nn.Linear(4, 3, device="cpu" if lib is torch else "cuda", dtype=dtype),
+                     lib.nn.Embedding(5, 2, dtype=dtype), lib.nn.LayerNorm(3, dtype=dtype),
+                     lib.nn.Conv1d(2, 2, 3, dtype=dtype), lib.nn.BatchNorm1d(2, dtype=dtype)]
+    for t, g in zip(made[torch], made[gtmpi]):
+        for (name, tp), gp in zip(t.state_dict().items(), g.state_dict().values()):
+            assert gp.dtype == tp.dtype, name
+            assert torch.equal(gp.cpu_torch(), tp), name
+    assert made[gtmpi][0].weight._host is None  # a GPU device: on the workers now
+    assert torch.get_default_dtype() == torch.float32

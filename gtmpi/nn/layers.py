@@ -1,7 +1,9 @@
 """Layers with torch's parameter names, shapes and default initialisations."""
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 
@@ -12,6 +14,27 @@ from . import functional as F
 from . import init
 from .module import Module
 from .parameter import Parameter
+
+
+def _factory_keywords(cls: type) -> type:
+    """torch's factory keywords on a layer's constructor, ``device=`` and ``dtype=``: its
+    floating parameters and buffers made (and drawn) in that dtype, and on a GPU device handed
+    to the workers at once (Module.to)."""
+    made = cls.__init__
+
+    @functools.wraps(made)
+    def __init__(self, *args: Any, device: Any = None, dtype: Any = None, **kwargs: Any) -> None:
+        before = torch.get_default_dtype()
+        if dtype is not None:  # made and drawn in it, as torch draws them (not cast after)
+            torch.set_default_dtype(dtype)
+        try:
+            made(self, *args, **kwargs)
+        finally:
+            torch.set_default_dtype(before)
+        if device is not None:
+            self.to(device)
+    cls.__init__ = __init__
+    return cls
 
 
 def _kaiming(weight_shape: tuple, bias: bool, fan_in: int) -> tuple[Parameter, Parameter | None]:
@@ -27,6 +50,7 @@ def _kaiming(weight_shape: tuple, bias: bool, fan_in: int) -> tuple[Parameter, P
     return weight, b
 
 
+@_factory_keywords
 class Linear(Module):
     """y = x Wᵀ + b; W and b ~ U(-1/√in, 1/√in), torch's default (kaiming_uniform, a=√5)."""
 
@@ -42,6 +66,7 @@ class Linear(Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@_factory_keywords
 class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: int | None = None) -> None:
@@ -63,6 +88,7 @@ class Embedding(Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
+@_factory_keywords
 class LayerNorm(Module):
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True) -> None:
@@ -76,6 +102,7 @@ class LayerNorm(Module):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
+@_factory_keywords
 class RMSNorm(Module):
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True) -> None:
         super().__init__()
@@ -124,6 +151,7 @@ class Softmax(Module):
         return F.softmax(x, self.dim)
 
 
+@_factory_keywords
 class MultiheadSelfAttention(Module):
     """Self-attention over (batch, sequence, embed): one fused q/k/v projection, n_heads heads
     of scaled dot-product attention (causal by default), an output projection."""
@@ -213,6 +241,7 @@ class NLLLoss(Module):
         return F.nll_loss(input, target, self.ignore_index, self.reduction)
 
 
+@_factory_keywords
 class MultiheadAttention(Module):
     """torch.nn.MultiheadAttention's API, parameters and state-dict keys (``in_proj_weight``,
     ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``), for query, key and value of the
@@ -286,6 +315,7 @@ def _additive(attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_caus
     return mask
 
 
+@_factory_keywords
 class _ConvNd(Module):
     """torch's Conv1d/Conv2d: weight (out, in/groups, *kernel) and bias ~ U(-1/√fan_in,
     1/√fan_in) (kaiming_uniform with a=√5), padding by zeros."""
@@ -323,6 +353,7 @@ class Conv2d(_ConvNd):
     dims = 2
 
 
+@_factory_keywords
 class _BatchNorm(Module):
     """torch's BatchNorm: affine weight and bias, running mean and variance with momentum and
     a count of batches seen, all in the state dict under torch's names."""
