@@ -12,7 +12,7 @@ import torch
 import gtmpi
 import gtmpi.nn as gnn
 import gtmpi.nn.functional as GF
-from conftest import HOME_DEVICE, assert_same
+from conftest import assert_same
 from test_autograd import grad_check, r
 
 TF = torch.nn.functional
