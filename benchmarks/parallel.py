@@ -10,6 +10,8 @@ way to run it, in one run:
 | TP=2           | configs/gpt_tp2.yaml (Megatron)          | DTensor's Megatron plan             |
 | TP=2 serial    | the same, GTMPI_OVERLAP=0                | (the overlap's baseline)            |
 | PP=2           | configs/pipeline.yaml, 1F1B              | torch.distributed.pipelining 1F1B   |
+| PP=2 interleaved | the same, 2 chunks per stage           | (none: the 1F1B row is the peer)    |
+| PP=2 ZB-H1     | the same, zero bubble's ZB-H1            | (none: the 1F1B row is the peer)    |
 | TP=2 x PP=2    | configs/gpt_tp2_pp2.yaml, 1F1B           | (none here: Megatron-core is not    |
 |                |                                          |  installed, and torch has no recipe)|
 
@@ -33,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from gtmpi.pipeline import bubble  # noqa: E402
 from gtmpi.trace import kernels  # noqa: E402
 
 
@@ -61,20 +64,22 @@ def main() -> None:
 
     def layout(name: str, n: int, batch: int, config: str | None, peer: str | None,
                one_batch: int, pipeline: tuple[int, int] | None = None,
-               env: dict | None = None) -> None:
+               env: dict | None = None, schedule: tuple[str, int] = ("1f1b", 1)) -> None:
         if n > gpus or (only is not None and name not in only):
             return
-        g = _gtmpi(name, n, batch, config, args, logs, env=env)
+        extra = ("--schedule", schedule[0], "--virtual-stages", str(schedule[1]))
+        g = _gtmpi(name, n, batch, config, args, logs, env=env, extra=extra)
         t = _torch(name, peer, n, batch, args, logs) if peer else None
         row = {"layout": name, "gpus": n, "batch": batch, "gtmpi": g, "torch": t,
                "one_batch": one_batch}
         if pipeline and g:
             profile = os.path.join(logs, f"kernels-{name}")
             _gtmpi(f"{name}-profiled", n, batch, config, args, logs, steps=16,
-                   env={"GTMPI_PROFILE": profile, "GTMPI_PROFILE_REPLAYS": "8:4"})
+                   env={"GTMPI_PROFILE": profile, "GTMPI_PROFILE_REPLAYS": "8:4"}, extra=extra)
             row["bubble"] = _bubble(profile)
             p_, m = pipeline
-            row["bubble_expected"] = round((p_ - 1) / (m + p_ - 1), 3)
+            # the schedule's own, its forward, input-gradient and weight-gradient passes alike
+            row["bubble_expected"] = round(bubble(p_, m, *schedule), 3)
         rows.append(row)
 
     dp_configs = _write_dp_configs(logs, gpus)
@@ -88,6 +93,10 @@ def main() -> None:
            args.batch, env={"GTMPI_OVERLAP": "0"})
     layout("PP=2", 2, args.batch, os.path.join(ROOT, "configs/pipeline.yaml"), "pp", args.batch,
            (2, args.micro_batches))
+    layout("PP=2 interleaved", 2, args.batch, os.path.join(ROOT, "configs/pipeline.yaml"), None,
+           args.batch, (2, args.micro_batches), schedule=("interleaved", 2))
+    layout("PP=2 ZB-H1", 2, args.batch, os.path.join(ROOT, "configs/pipeline.yaml"), None,
+           args.batch, (2, args.micro_batches), schedule=("zbh1", 1))
     layout("TP=2 x PP=2", 4, args.batch, os.path.join(ROOT, "configs/gpt_tp2_pp2.yaml"), None,
            args.batch, (2, args.micro_batches))
     _report(rows, args)
@@ -132,11 +141,11 @@ def _run(name: str, cmd: list[str], env: dict, logs: str, timeout: int = 300) ->
 
 
 def _gtmpi(name: str, n: int, batch: int, config: str | None, args, logs: str,
-           steps: int | None = None, env: dict | None = None) -> dict | None:
+           steps: int | None = None, env: dict | None = None, extra: tuple = ()) -> dict | None:
     cmd = ["mpiexec", "--bind-to", "none", "-n", str(n + 1), sys.executable,
            os.path.join(ROOT, "examples/gpt/train.py"), "--size", args.size, "--batch",
            str(batch), "--steps", str(steps or args.steps), "--log-every", "100",
-           "--micro-batches", str(args.micro_batches)]
+           "--micro-batches", str(args.micro_batches), *extra]
     return _run(f"gtmpi {name} {batch}", cmd, {"GTMPI_PLACEMENT": "strict", **(env or {}),
                                                **({"GTMPI_CONFIG": config} if config else {})},
                 logs)
