@@ -136,8 +136,7 @@ def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: bool
         raise NotImplementedError("gtmpi.autograd.grad(create_graph=True): gradients of "
                                   "gradients are not recorded")
     outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    single = isinstance(inputs, Tensor)
-    inputs = [inputs] if single else list(inputs)
+    inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
     given = [None] * len(outputs) if grad_outputs is None else \
         ([grad_outputs] if isinstance(grad_outputs, Tensor) else list(grad_outputs))
     with no_grad(), runtime().sites_here():
@@ -199,13 +198,8 @@ class Later:
         with no_grad(), rt.sites_here():
             for node, grads in self.stash:
                 wanted = self.deferred(node)
-                MASKED.update(id(a) for a in node.operands if id(a) not in wanted)
-                try:
-                    with nullcontext() if node.backward is None else \
-                            rt.signals.scope(node.backward):
-                        results = GRADS[node.op](node, grads)
-                finally:
-                    MASKED.clear()
+                results = _rule(node, grads, {id(a) for a in node.operands
+                                              if id(a) not in wanted}, rt.signals)
                 for operand, g in zip(node.operands, results):
                     if id(operand) in wanted and g is not None:
                         _accumulate(operand, g)
@@ -222,6 +216,17 @@ def backward_inputs(root: Any, gradient: Any, now: Sequence[Any]) -> Later:
     with no_grad(), runtime().sites_here():
         _run([(root, _seed(root, gradient, 0))], False, later=later)
     return later
+
+
+def _rule(node: Node, grads: Any, masked: Any, book: Any) -> tuple:
+    """``node``'s gradient rule on its incoming ``grads``, not asked for the gradients of the
+    operands in ``masked`` (ids), under the signal its forward named for its backward."""
+    MASKED.update(masked)
+    try:
+        with nullcontext() if node.backward is None else book.scope(node.backward):
+            return GRADS[node.op](node, grads)
+    finally:
+        MASKED.clear()
 
 
 def _free(node: Node) -> None:
@@ -284,13 +289,7 @@ def _run(roots: list[tuple[Any, Any]], retain_graph: bool, inputs: list | None =
             if not any(getattr(a, "requires_grad", False) and id(a) not in weights
                        for a in node.operands):
                 continue  # it feeds weights alone: all of it later
-            MASKED.update(weights)
-        # backward= on the signal of its forward: its gradient ops run there
-        try:
-            with nullcontext() if node.backward is None else book.scope(node.backward):
-                results = GRADS[node.op](node, grads)
-        finally:
-            MASKED.clear()
+        results = _rule(node, grads, weights, book)
         for operand, g in zip(node.operands, results):
             if not getattr(operand, "requires_grad", False) or id(operand) in weights:
                 continue

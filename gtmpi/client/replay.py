@@ -312,10 +312,11 @@ class _Walk:
     def note(self, where: str | None, what: Any) -> None:
         self.found.append((where, what) if self.named else what)
 
-    def reach(self, value: Any, path: str | None, depth: int, inside_library: bool = False) -> None:
-        """What ``value`` (found at ``path``; None in a walk that names nothing) holds. ``inside_library``: reached through
-        gtmpi's own objects, whose numbers are no reason to record again (an optimizer's
-        per-step counts: keep its step outside)."""
+    def reach(self, value: Any, path: str | None, depth: int,
+              inside_library: bool = False) -> None:
+        """What ``value`` (found at ``path``; None in a walk that names nothing) holds.
+        ``inside_library``: reached through gtmpi's own objects, whose numbers are no reason
+        to record again (an optimizer's per-step counts: keep its step outside)."""
         if isinstance(value, _PLAIN):
             self.note(path, value)
             return

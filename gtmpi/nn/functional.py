@@ -16,7 +16,8 @@ __all__ = ["linear", "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "s
            "log_softmax", "dropout", "layer_norm", "rms_norm", "embedding",
            "scaled_dot_product_attention", "one_hot", "pad", "normalize", "conv1d", "conv2d",
            "batch_norm", "mse_loss", "nll_loss",
-           "cross_entropy", "linear_cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits"]
+           "cross_entropy", "linear_cross_entropy", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits"]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -664,7 +664,7 @@ def _getitem(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """x[key] with a basic key that takes the split dim whole (x[:, -1], x[..., :3]): each
     member indexes its piece."""
     x = kinds[0]
-    if x.kind == "P" or x.kind != "S":
+    if x.kind != "S":
         return _partial(name, mesh, kinds)
     whole = _basic(kw["key"], len(sigs[0][0]))
     if whole is None or len(kinds) > 1 or whole[x.dim] is None:
@@ -676,7 +676,7 @@ def _getitem_grad(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """The gradient of x[key] with such a key: each member's piece scattered into its own
     rows of x."""
     g = kinds[0]
-    if g.kind == "P" or g.kind != "S":
+    if g.kind != "S":
         return _partial(name, mesh, kinds)
     whole = _basic(kw["key"], len(kw["shape"]))
     if whole is None or len(kinds) > 1 or g.dim not in whole:
@@ -688,7 +688,7 @@ def _setitem(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """x[key] = value with such a key on a split x: each member writes its rows, the value cut
     alike where it spans them, whole where it broadcasts along them."""
     x = kinds[0]
-    if x.kind == "P" or x.kind != "S":
+    if x.kind != "S":
         return _partial(name, mesh, kinds)
     shape = tuple(sigs[0][0])
     whole = _basic(kw["key"], len(shape))
