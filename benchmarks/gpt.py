@@ -111,6 +111,12 @@ def main() -> None:
     p.add_argument("--no-replay", action="store_true",
                    help="gtmpi issues every step's ops (by default the second step's are "
                         "recorded and later steps replay them: gtmpi.replayable)")
+    p.add_argument("--checkpoint-activations", choices=["none", "full"], default="none",
+                   help="full: each block's activations recomputed in backward, on both sides "
+                        "(torch.utils.checkpoint for torch)")
+    p.add_argument("--loss-chunk-rows", type=int, default=0, metavar="N",
+                   help="gtmpi's head and loss N rows at a time (F.linear_cross_entropy); "
+                        "torch's side keeps its whole logits, having no such function")
     p.add_argument("--data-parallel", action="store_true",
                    help="gtmpi splits each batch over all its workers (weights replicated, "
                         "gradients all-reduced); torch runs the same batch on one GPU")
@@ -152,6 +158,7 @@ def main() -> None:
         model = build(torch)(c).to(device=device)
         model.load_state_dict(init)
         model.to(dtype)
+        model.checkpointing = args.checkpoint_activations == "full"
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                 **({"fused": True} if fused else {}))
         step_model = torch.compile(model) if compiled else model
@@ -189,6 +196,8 @@ def main() -> None:
     with gtmpi.signal.context("dp_weights") if parallel else contextlib.nullcontext():
         model = build(gtmpi)(c)
     model.load_state_dict(init)
+    model.checkpointing = args.checkpoint_activations == "full"
+    model.loss_chunk_rows = args.loss_chunk_rows or None
     if args.tensor_parallel:
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         for key, signal in tensor_parallel(model).items():
@@ -222,7 +231,9 @@ def main() -> None:
     flops = flops_per_token(c, c.seq) * tokens
     print(f"GPT {args.size} ({parameters(c) / 1e6:.1f}M parameters: {c.layers} layers, dim {c.dim}, "
           f"{c.heads} heads, seq {c.seq}, vocab {c.vocab}), batch {args.batch}, {str(dtype)[6:]}, "
-          f"AdamW; {steps} steps timed after {warmup}")
+          f"AdamW; {steps} steps timed after {warmup}; activations checkpointed: "
+          f"{args.checkpoint_activations}; gtmpi's loss in chunks of "
+          f"{args.loss_chunk_rows or 'all'} rows")
     print(f"device {device} ({name}, {platform.node()}); gtmpi: {len(world['workers'])} worker(s)"
           f"{' (embedded)' if world['embedded'] else ' (mpiexec)'}; torch {torch.__version__}")
     print(f"{'':<10} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'peak GB':>9} {'reserved GB':>12} "
@@ -245,7 +256,8 @@ def main() -> None:
     print(f"gtmpi: collectives and transfers per step on the first worker, (count, MB): "
           f"{inserted or 'none'}")
     out = {"benchmark": "gpt", "size": args.size, "batch": args.batch, "dtype": str(dtype)[6:],
-           "replay": not args.no_replay,
+           "replay": not args.no_replay, "checkpoint_activations": args.checkpoint_activations,
+           "loss_chunk_rows": args.loss_chunk_rows,
            "data_parallel": parallel, "tensor_parallel": args.tensor_parallel,
            "device": name, "host": platform.node(), "workers": len(world["workers"]),
            "embedded": world["embedded"], "steps": steps, "warmup": warmup,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import gtmpi
 from gtmpi.ops.table import OPS
-from gtmpi.worker.bounds import IndexGuard
+from gtmpi.worker.bounds import IndexGuard, everywhere
 
 X = torch.arange(60.0).reshape(3, 4, 5)
 
@@ -41,6 +41,18 @@ GOOD = [
     ("getitem", (X, torch.ones(3, 4, dtype=torch.bool), torch.tensor([4])),
      {"key": ("T", "T")}),
 ]
+
+
+@pytest.mark.parametrize("setting,cuda,cpu", [(None, True, False), ("0", False, False),
+                                               ("1", True, True)])
+def test_gpu_workers_guard_by_default_and_the_setting_turns_it(monkeypatch, setting, cuda, cpu):
+    if setting is None:
+        monkeypatch.delenv("GTMPI_INDEX_GUARD", raising=False)
+    else:
+        monkeypatch.setenv("GTMPI_INDEX_GUARD", setting)
+    assert everywhere(torch.device("cuda")) is cuda
+    assert everywhere(torch.device("cpu")) is cpu
+    assert everywhere(torch.device("meta")) is False  # a dry run has no values to check
 
 
 @pytest.mark.parametrize("case", GOOD, ids=lambda c: c[0])

@@ -94,10 +94,9 @@ class Executor:
         self.client_quota: int | None = None  # under a server: bytes each client may hold
         self.quota: int | None = None  # this executor's, if it is a client's under a quota
         self.slot = 0  # a server's client's slot (worker/loop.py), 0 for an ordinary session
-        # a server's client on a GPU, or every worker with GTMPI_INDEX_GUARD=1: its ops'
-        # indices checked on the device (worker/bounds.py)
+        # a GPU worker's ops' indices checked on the device (worker/bounds.py)
         self.index_guard: bounds.IndexGuard | None = \
-            bounds.IndexGuard(device) if bounds.everywhere() and device.type != "meta" else None
+            bounds.IndexGuard(device) if bounds.everywhere(device) else None
         self.plane = None  # the worker's DataPlane (worker.dataplane), under MPI
         # what traces are stamped with: a dry run's worker keeps a modeled clock instead
         self.now: Callable[[], int] = time.perf_counter_ns
@@ -331,7 +330,10 @@ class Executor:
         (tid,) = args
         if self.waits:
             self._settle(args, 1)
-        fault = self.poison.get(tid) or self._index_fault(tid)
+        # on a GPU, what the value waits for (the point it was made at, not the whole queue)
+        made = self.ready.get(tid)
+        event = made[0] if made is not None and made[1] is self.env.get(tid) else None
+        fault = self.poison.get(tid) or self._index_fault(tid, event)
         skipped = self.take_skipped(fault)
         if fault is not None or skipped is not None:
             self.link.send_read_fault(fault or skipped)
@@ -342,9 +344,7 @@ class Executor:
                 _say_once("gtmpi: dry run: a value was read; it is zeros (the workers are "
                           "simulated, no data exists)")
                 t = torch.zeros(t.shape, dtype=t.dtype)
-            made = self.ready.get(tid)
-            host = self._read_after(t, made[0]) if made is not None and made[1] is t else \
-                t.contiguous().cpu()
+            host = self._read_after(t, event) if event is not None else t.contiguous().cpu()
         except Exception as e:
             self.link.send_read_fault(self._fault(tid, "read", e))
             return
@@ -353,11 +353,15 @@ class Executor:
         if self.trace is not None:
             self.trace.annotate(nbytes=host.nbytes, peer=0, id=tid)
 
-    def _read_after(self, t: torch.Tensor, event: Any) -> torch.Tensor:
-        """``t`` copied to the host once ``event`` has passed, on a stream of its own."""
+    def _reader(self) -> Any:
+        """The stream reads copy on, beside the work still queued."""
         if self._read_stream is None:
             self._read_stream = torch.cuda.Stream(self.device)
-        stream = self._read_stream
+        return self._read_stream
+
+    def _read_after(self, t: torch.Tensor, event: Any) -> torch.Tensor:
+        """``t`` copied to the host once ``event`` has passed, on a stream of its own."""
+        stream = self._reader()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         with torch.cuda.stream(stream):
             stream.wait_event(event)
@@ -699,9 +703,11 @@ class Executor:
         fault = self._index_fault(-1)
         self.link.reply(Tag.SYNC, fault if fault is not None else self.take_skipped())
 
-    def _index_fault(self, tid: int) -> Fault | None:
-        """The fault of every read and sync once an index of this client was out of range."""
-        if self.index_guard is None or not self.index_guard.raised():
+    def _index_fault(self, tid: int, event: Any = None) -> Fault | None:
+        """The fault of every read and sync once an index of this client was out of range (in
+        an op issued before ``event`` where given: a read waits for no more than its value)."""
+        if self.index_guard is None or not self.index_guard.raised(
+                event, self._reader() if event is not None else None):
             return None
         if self.slot:
             return Fault(tid, "index", self.rank, bounds.MESSAGE)

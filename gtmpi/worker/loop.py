@@ -47,7 +47,8 @@ class Slots:
         ex.plane = DataPlane(self.rank, self.device, self.workers_comm, self.link.take_waiting)
         if slot:
             ex.slot, ex.quota = slot, self.executors[0].client_quota
-            if self.device.type == "cuda":  # one client's bad index must not end the worker
+            # one client's bad index must not end the worker, whatever GTMPI_INDEX_GUARD says
+            if self.device.type == "cuda" and ex.index_guard is None:
                 ex.index_guard = IndexGuard(self.device)
         self.seq[slot] = 0
         return ex
