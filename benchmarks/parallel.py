@@ -12,6 +12,7 @@ way to run it, in one run:
 | PP=2           | configs/pipeline.yaml, 1F1B              | torch.distributed.pipelining 1F1B   |
 | PP=2 interleaved | the same, 2 chunks per stage           | (none: the 1F1B row is the peer)    |
 | PP=2 ZB-H1     | the same, zero bubble's ZB-H1            | (none: the 1F1B row is the peer)    |
+| PP=2 ZB-V      | the same, ZB-V (2 chunks per stage, a V) | (none: the 1F1B row is the peer)    |
 | TP=2 x PP=2    | configs/gpt_tp2_pp2.yaml, 1F1B           | (none here: Megatron-core is not    |
 |                |                                          |  installed, and torch has no recipe)|
 
@@ -97,6 +98,8 @@ def main() -> None:
            args.batch, (2, args.micro_batches), schedule=("interleaved", 2))
     layout("PP=2 ZB-H1", 2, args.batch, os.path.join(ROOT, "configs/pipeline.yaml"), None,
            args.batch, (2, args.micro_batches), schedule=("zbh1", 1))
+    layout("PP=2 ZB-V", 2, args.batch, os.path.join(ROOT, "configs/pipeline.yaml"), None,
+           args.batch, (2, args.micro_batches), schedule=("zbv", 2))
     layout("TP=2 x PP=2", 4, args.batch, os.path.join(ROOT, "configs/gpt_tp2_pp2.yaml"), None,
            args.batch, (2, args.micro_batches))
     _report(rows, args)

@@ -1,6 +1,6 @@
 """Pipeline parallelism: a model cut into stages, each on its own workers, trained on
-micro-batches with GPipe's, 1F1B's, Megatron's interleaved 1F1B or ZB-H1's (zero bubble)
-schedule.
+micro-batches with GPipe's, 1F1B's, Megatron's interleaved 1F1B, ZB-H1's or ZB-V's (zero
+bubble) schedule.
 
     pipe = gtmpi.pipeline.Pipeline([first, last], ["stage0", "stage1"], micro_batches=8)
     loss = pipe.step(x, y)      # forward and backward of the whole batch; gradients accumulate
@@ -31,25 +31,29 @@ from .autograd import engine, no_grad
 from .client.runtime import runtime
 from .client.tensor import Tensor
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 
 
 def issue_order(name: str, stages: int, micro_batches: int,
                 virtual: int = 1) -> list[tuple[str, int, int]]:
     """The order of issuing: (``"F"`` or ``"B"``, stage, micro-batch) for every forward and
-    backward of every stage (and ``"W"``, a weight-gradient pass, for ZB-H1), a valid order of
+    backward of every stage (and ``"W"``, a weight-gradient pass, for ZB-H1 and ZB-V), a valid order of
     the dependencies (F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i)) in which
     each stage meets its own actions in the schedule's order: GPipe, every forward then every
     backward; 1F1B, p - s - 1 forwards to fill the pipeline, then one forward and one backward
     in turn, then the remaining backwards. "interleaved" (Megatron's interleaved 1F1B): each
     of the ``stages`` workers holds ``virtual`` chunks of the model, chunk j of worker r being
     stage j * p + r of p * v, and runs them in Megatron's order (forwards p micro-batches per
-    chunk at a time, a longer warm-up, then one forward and one backward in turn)."""
+    chunk at a time, a longer warm-up, then one forward and one backward in turn). "zbh1" and
+    "zbv" split each backward in B and W (_zero_bubble); ZB-V's 2p stages are two chunks per
+    worker laid out in a V (worker_of), whatever ``virtual`` says."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}: one of {', '.join(SCHEDULES)}")
     p, m = stages, micro_batches
-    if name == "zbh1":
-        return _zero_bubble_h1(p, m)
+    if name == "zbh1":  # at most p - s micro-batches in flight on stage s, as in 1F1B
+        return _zero_bubble(p, m, p, lambda c: c, lambda w: p - w)
+    if name == "zbv":  # 2p chunks' worth on every worker: 1F1B's first stage's memory
+        return _zero_bubble(p, m, 2 * p, lambda c: worker_of(name, c, p), lambda w: 2 * p)
     if name == "interleaved":
         return _in_ticks(_interleaved(p, m, virtual), p * virtual, m)
     per_stage = []
@@ -126,30 +130,51 @@ def _in_ticks(per_worker: list[list[tuple[str, int, int]]], stages: int,
     return out
 
 
-def _zero_bubble_h1(p: int, m: int) -> list[tuple[str, int, int]]:
-    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): each backward split into
-    B, the input's gradient (which the previous stage waits for), and W, the weights' (which
-    nobody waits for); tick by tick each stage takes a ready B first, else a forward (at most
-    p - s micro-batches in flight, 1F1B's memory), else a W it owes, oldest first: the W's
-    fill what would be 1F1B's bubbles. With F, B and W of equal cost the bubble is 0.111 of
-    the step at p=4, m=8 (1F1B's 0.273; bubble() gives it for any p and m)."""
+def worker_of(schedule: str, chunk: int, stages: int) -> int:
+    """Which of the ``stages`` workers (pipeline ranks) holds ``chunk`` of the model: chunk c
+    on worker c % p (interleaved: Megatron's round robin), or in a V for ZB-V (chunks 0 and
+    2p - 1 on worker 0, 1 and 2p - 2 on worker 1, ...: each worker's two chunks are its
+    forward's way down and back, so the last chunk, with the head, sits beside the first)."""
+    if schedule == "zbv" and chunk >= stages:
+        return 2 * stages - 1 - chunk
+    return chunk % stages
+
+
+def _zero_bubble(p: int, m: int, chunks: int, where: Callable[[int], int],
+                 in_flight: Callable[[int], int]) -> list[tuple[str, int, int]]:
+    """Zero-bubble orders (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): each backward
+    split into B, the input's gradient (which the previous stage waits for), and W, the
+    weights' (which nobody waits for). Tick by tick each worker takes a ready B first (of its
+    deepest chunk), else a ready forward (of its deepest chunk) while fewer than
+    ``in_flight(worker)`` micro-batches' chunks wait for their B (the memory bound), else a W
+    it owes, oldest first: the W's fill what would be 1F1B's bubbles. ``chunks`` stages of the
+    model, chunk c on worker ``where(c)``."""
     done: set[tuple[str, int, int]] = set()
-    nf, nb = [0] * p, [0] * p  # per stage: forwards and B's issued
-    owed: list[list[int]] = [[] for _ in range(p)]  # per stage: micro-batches whose W waits
+    nf, nb = [0] * chunks, [0] * chunks  # per chunk: forwards and B's issued
+    mine = [[c for c in range(chunks) if where(c) == w] for w in range(p)]
+    alive = [0] * p  # per worker: chunks' forwards whose B has not been issued
+    owed: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # per worker: W's to issue
     out: list[tuple[str, int, int]] = []
-    while len(out) < 3 * p * m:
+    while len(out) < 3 * chunks * m:
         tick = []
-        for s in range(p):
-            i = nb[s]
-            if i < nf[s] and (s == p - 1 or ("B", s + 1, i) in done):
-                tick.append(("B", s, i))
-                nb[s] += 1
-                owed[s].append(i)
-            elif nf[s] < m and nf[s] - nb[s] < p - s and (s == 0 or ("F", s - 1, nf[s]) in done):
-                tick.append(("F", s, nf[s]))
-                nf[s] += 1
-            elif owed[s]:
-                tick.append(("W", s, owed[s].pop(0)))
+        for w in range(p):
+            bs = [c for c in mine[w] if nb[c] < nf[c] and
+                  (c == chunks - 1 or ("B", c + 1, nb[c]) in done)]
+            fs = [c for c in mine[w] if nf[c] < m and (c == 0 or ("F", c - 1, nf[c]) in done)]
+            if bs:
+                c = max(bs)
+                tick.append(("B", c, nb[c]))
+                owed[w].append((c, nb[c]))
+                nb[c] += 1
+                alive[w] -= 1
+            elif fs and alive[w] < in_flight(w):
+                c = max(fs)
+                tick.append(("F", c, nf[c]))
+                nf[c] += 1
+                alive[w] += 1
+            elif owed[w]:
+                c, i = owed[w].pop(0)
+                tick.append(("W", c, i))
         if not tick:
             raise AssertionError("pipeline schedule stalled")  # a bug in the rule above
         out += tick
@@ -158,29 +183,32 @@ def _zero_bubble_h1(p: int, m: int) -> list[tuple[str, int, int]]:
 
 
 def makespan(order: list[tuple[str, int, int]], stages: int, cost: dict[str, float],
-             workers: int | None = None) -> float:
+             workers: int | None = None, schedule: str = "1f1b") -> float:
     """When the last action of ``order`` ends, each worker running its actions in the issued
     order, each as soon as its worker is free and what it needs has ended (``cost`` per kind:
     "F", "B", and "W" where the schedule splits the backward). Stage s runs on worker
-    s % ``workers`` (interleaved chunks), by default on its own."""
+    worker_of(schedule, s, ``workers``) (chunks of interleaved or ZB-V), by default on its
+    own."""
     workers = workers or stages
     free, end = [0.0] * workers, {}
     for kind, s, i in order:
-        start = max([free[s % workers]] + [end[n] for n in _needs(kind, s, i, stages)])
-        end[(kind, s, i)] = free[s % workers] = start + cost[kind]
+        w = worker_of(schedule, s, workers)
+        start = max([free[w]] + [end[n] for n in _needs(kind, s, i, stages)])
+        end[(kind, s, i)] = free[w] = start + cost[kind]
     return max(free)
 
 
 def bubble(stages: int, micro_batches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
     """The idle fraction of a worker in the schedule, its forward, input-gradient and weight-
-    gradient passes of equal cost: GPipe's and 1F1B's (p - 1) / (m + p - 1), ZB-H1's and
-    interleaved 1F1B's less (a chunk of ``virtual`` costs 1/v of a stage)."""
+    gradient passes of equal cost: GPipe's and 1F1B's (p - 1) / (m + p - 1), ZB-H1's, ZB-V's
+    and interleaved 1F1B's less (a chunk of ``virtual``, or of ZB-V's 2, costs 1/v of a
+    stage)."""
     order = issue_order(schedule, stages, micro_batches, virtual)
-    cost = {"F": 1, "B": 1, "W": 1} if schedule == "zbh1" else {"F": 1, "B": 2}
-    if schedule == "interleaved":
-        cost = {k: c / virtual for k, c in cost.items()}
-        return 1 - 3 * micro_batches / makespan(order, stages * virtual, cost, stages)
-    return 1 - 3 * micro_batches / makespan(order, stages, cost)
+    split = schedule in ("zbh1", "zbv")
+    cost = {"F": 1, "B": 1, "W": 1} if split else {"F": 1, "B": 2}
+    v = 2 if schedule == "zbv" else virtual if schedule == "interleaved" else 1
+    cost = {k: c / v for k, c in cost.items()}
+    return 1 - 3 * micro_batches / makespan(order, stages * v, cost, stages, schedule)
 
 
 class Pipeline:
@@ -192,16 +220,18 @@ class Pipeline:
             raise ValueError(f"micro_batches must be positive, got {micro_batches}")
         self.stages, self.signals = list(stages), list(signals_)
         self.micro_batches = micro_batches
-        # interleaved: stage c (a chunk of the model, in order) on the workers of the c % p-th
-        # of the p signals, which each hold len(stages) / p chunks
-        self.workers = list(dict.fromkeys(self.signals)) if schedule == "interleaved" \
-            else self.signals
+        # interleaved and ZB-V: stage c (a chunk of the model, in order) on the workers of the
+        # worker_of(c)-th of the p signals, which each hold len(stages) / p chunks (ZB-V: 2)
+        chunked = schedule in ("interleaved", "zbv")
+        self.workers = list(dict.fromkeys(self.signals)) if chunked else self.signals
         p = len(self.workers)
         self.virtual = len(self.stages) // p
-        if len(self.stages) != p * self.virtual or \
-                any(name != self.workers[c % p] for c, name in enumerate(self.signals)):
-            raise ValueError(f"interleaved stages: chunk c goes to the (c % p)-th of the p "
-                             f"signals, got {self.signals}")
+        if len(self.stages) != p * self.virtual or (schedule == "zbv" and self.virtual != 2) or \
+                any(name != self.workers[worker_of(schedule, c, p)]
+                    for c, name in enumerate(self.signals)):
+            where = "in a V, two per signal (0 1 .. p-1 p-1 .. 1 0)" if schedule == "zbv" \
+                else "to the (c % p)-th of the p signals"
+            raise ValueError(f"{schedule} stages: chunk c goes {where}, got {self.signals}")
         self.order = issue_order(schedule, p, micro_batches, self.virtual)
         self.schedule = schedule
 
@@ -233,7 +263,7 @@ class Pipeline:
                     later.pop((s, i)).run()
             else:
                 with signals.context(self.signals[s]):
-                    if self.schedule == "zbh1":  # B: the input's gradient; W later
+                    if self.schedule in ("zbh1", "zbv"):  # B: the input's gradient; W later
                         later[(s, i)] = engine.backward_inputs(
                             outputs.pop((s, i)), grads.pop((s, i), None),
                             [received[(s, i)]] if s else [])

@@ -59,8 +59,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's)")
     p.add_argument("--layers", type=int, default=None, help="blocks (default: the size's)")
     p.add_argument("--micro-batches", type=int, default=4, help="per step, with pipeline stages")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zbh1"],
-                   default="1f1b")
+    p.add_argument("--schedule", choices=list(gtmpi.pipeline.SCHEDULES), default="1f1b",
+                   help="zbh1 and zbv: zero bubble (each backward's weight gradients later); "
+                   "zbv: two chunks per stage in a V")
     p.add_argument("--virtual-stages", type=int, default=2,
                    help="interleaved: model chunks per pipeline stage")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default by size)")
@@ -131,8 +132,13 @@ def main() -> None:
             gtmpi.signal.place(tensors[name], role)
     pipe = None
     # interleaved 1F1B: each stage's workers hold --virtual-stages chunks of the model, chunk
-    # c on stage c % n_stages (Megatron's virtual pipeline)
-    chunks = n_stages * (args.virtual_stages if args.schedule == "interleaved" else 1)
+    # c on stage c % n_stages (Megatron's virtual pipeline); ZB-V: two, in a V
+    per_stage = {"interleaved": args.virtual_stages, "zbv": 2}.get(args.schedule, 1)
+    chunks = n_stages * per_stage
+
+    def stage_holding(chunk: int) -> int:
+        return gtmpi.pipeline.worker_of(args.schedule, chunk, n_stages)
+
     if n_stages:
         parts = stages(model, chunks)
         name_of = {id(t): name for name, t in tensors.items()}
@@ -140,21 +146,22 @@ def main() -> None:
         for chunk, (owned, _) in enumerate(parts):
             for module in owned:
                 for t in [*module.parameters(), *module.buffers()]:
-                    stage_of[name_of[id(t)]] = chunk % n_stages
+                    stage_of[name_of[id(t)]] = stage_holding(chunk)
         roles = tensor_parallel(model, vocab=all(f"stage{s}.vocab" in names
                                                   for s in range(n_stages)))
         for name, s in stage_of.items():
             gtmpi.signal.place(tensors[name], f"stage{s}.{roles[name]}" if staged_tp
                                else f"stage{s}")
         pipe = gtmpi.pipeline.Pipeline([run for _, run in parts],
-                                       [f"stage{chunk % n_stages}" for chunk in range(chunks)],
+                                       [f"stage{stage_holding(chunk)}" for chunk in range(chunks)],
                                        args.micro_batches, args.schedule)
     # sequence parallelism (Megatron-SP): a 'seq' signal (or 'stageS.seq' per stage) splits
     # the sequence between the tensor-parallel layers: each block's input and the final norm's
     # input are cut along the sequence, so norms, residual adds and the head's input run on
     # pieces; the placement rules then gather the sequence before each column-parallel layer
     # and reduce-scatter each row-parallel layer's output into pieces (no code in the model)
-    seq_signal = {id(m): f"stage{s}.seq" for s, (owned, _) in enumerate(parts) for m in owned} \
+    seq_signal = {id(m): f"stage{stage_holding(s)}.seq" for s, (owned, _) in enumerate(parts)
+                  for m in owned} \
         if n_stages and all(f"stage{s}.seq" in names for s in range(n_stages)) else \
         {} if tensor_par and "seq" in names else None
     if seq_signal is not None:
@@ -210,7 +217,7 @@ def main() -> None:
     def put_batch(x: torch.Tensor, y: torch.Tensor):
         """Inputs where the model's first ops run, targets where its loss is computed."""
         if pipe is not None:
-            return put(x, "stage0"), put(y, f"stage{n_stages - 1}")
+            return put(x, "stage0"), put(y, f"stage{stage_holding(chunks - 1)}")
         return put(x), put(y)
 
     # rank 0 issues the step's ops (hundreds, many more with micro-batches) on its first
