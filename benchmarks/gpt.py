@@ -111,9 +111,11 @@ def main() -> None:
     p.add_argument("--no-replay", action="store_true",
                    help="gtmpi issues every step's ops (by default the second step's are "
                         "recorded and later steps replay them: gtmpi.replayable)")
-    p.add_argument("--checkpoint-activations", choices=["none", "full"], default="none",
+    p.add_argument("--checkpoint-activations", choices=["none", "full", "selective"],
+                   default="none",
                    help="full: each block's activations recomputed in backward, on both sides "
-                        "(torch.utils.checkpoint for torch)")
+                        "(torch.utils.checkpoint for torch); selective: the matmuls' and "
+                        "attention's outputs kept (torch's selective checkpoint contexts)")
     p.add_argument("--loss-chunk-rows", type=int, default=0, metavar="N",
                    help="gtmpi's head and loss N rows at a time (F.linear_cross_entropy); "
                         "torch's side keeps its whole logits, having no such function")
@@ -158,7 +160,8 @@ def main() -> None:
         model = build(torch)(c).to(device=device)
         model.load_state_dict(init)
         model.to(dtype)
-        model.checkpointing = args.checkpoint_activations == "full"
+        model.checkpointing = None if args.checkpoint_activations == "none" else \
+        args.checkpoint_activations
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                 **({"fused": True} if fused else {}))
         step_model = torch.compile(model) if compiled else model
@@ -196,7 +199,8 @@ def main() -> None:
     with gtmpi.signal.context("dp_weights") if parallel else contextlib.nullcontext():
         model = build(gtmpi)(c)
     model.load_state_dict(init)
-    model.checkpointing = args.checkpoint_activations == "full"
+    model.checkpointing = None if args.checkpoint_activations == "none" else \
+        args.checkpoint_activations
     model.loss_chunk_rows = args.loss_chunk_rows or None
     if args.tensor_parallel:
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())

@@ -4,12 +4,15 @@ and replayed, on one worker and data parallel; between forward and backward the 
 only the blocks' inputs; and gtmpi.autograd.grad, which its recompute uses, is torch's."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import gtmpi
 from conftest import assert_same
-from gtmpi.utils.checkpoint import checkpoint, checkpoint_sequential
+from gtmpi.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
+                                    create_selective_checkpoint_contexts)
 
 WORKERS = sorted(gtmpi.info()["workers"])
 
@@ -167,6 +170,75 @@ def test_data_parallel_checkpointed_blocks_reduce_gradients_in_strict_placement(
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def _normed(lib):
+    (torch.manual_seed if lib is torch else gtmpi.manual_seed)(0)
+    nn = lib.nn
+    return [nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+            for _ in range(2)], nn.Linear(8, 1)
+
+
+def _issued(monkeypatch) -> list[str]:
+    """The names of the instructions the client issues from now on."""
+    from gtmpi.client.runtime import runtime
+    dispatcher, names = runtime().dispatcher, []
+    submit = dispatcher.submit
+
+    def noting(ins, *args, **kwargs):
+        names.append(ins[0])
+        return submit(ins, *args, **kwargs)
+    monkeypatch.setattr(dispatcher, "submit", noting)
+    return names
+
+
+@pytest.mark.parametrize("policy", ["list", "function"])
+def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest(monkeypatch, policy):
+    """torch's selective checkpointing API (Megatron's selective recompute): the outputs of the
+    ops the policy saves are kept from the forward, and the recompute runs every other op of
+    the block (norm, GELU) but none of those; the gradients are torch's without checkpointing."""
+    def keep_linears(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == "linear" else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+    context = functools.partial(create_selective_checkpoint_contexts,
+                                ["linear"] if policy == "list" else keep_linears)
+    host = torch.randn(6, 8, generator=torch.Generator().manual_seed(8))
+    t_blocks, t_head = _normed(torch)
+    g_blocks, g_head = _normed(gtmpi)
+    for t, g in zip([*t_blocks, t_head], [*g_blocks, g_head]):
+        g.load_state_dict(t.state_dict())
+    tx, gx = host.clone().requires_grad_(), gtmpi.tensor(host, requires_grad=True)
+    h = tx
+    for b in t_blocks:
+        h = b(h)
+    t_head(h).square().mean().backward()
+    h = gx
+    for b in g_blocks:
+        h = checkpoint(b, h, use_reentrant=False, context_fn=context)
+    loss = g_head(h).square().mean()
+    issued = _issued(monkeypatch)
+    loss.backward()
+    assert issued.count("layer_norm") == 2 and issued.count("gelu") == 2, issued
+    assert "linear" not in issued, issued  # kept: only their gradients' matmuls run
+    for t, g in zip([*t_blocks, t_head], [*g_blocks, g_head]):
+        for tp, gp in zip(t.parameters(), g.parameters()):
+            assert_same(gp.grad, tp.grad, rtol=1e-5, atol=1e-6)
+    assert_same(gx.grad, tx.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_selective_recompute_that_runs_other_ops_is_an_error():
+    w = gtmpi.ones(4, requires_grad=True)
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        return x @ w[:, None] if len(runs) > 1 else gtmpi.nn.functional.linear(x, w[None])
+
+    out = checkpoint(f, gtmpi.ones(2, 4), use_reentrant=False,
+                     context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                  [gtmpi.nn.functional.linear]))
+    with pytest.raises(RuntimeError, match="must run the same ops again"):
+        out.sum().backward()
+
+
 def test_autograd_grad_is_torchs_and_leaves_grad_alone():
     host = torch.randn(3, 4, generator=torch.Generator().manual_seed(6))
     tx, gx = host.clone().requires_grad_(), gtmpi.tensor(host, requires_grad=True)
@@ -185,8 +257,9 @@ def test_autograd_grad_is_torchs_and_leaves_grad_alone():
 
 
 def test_the_gpt_examples_checkpointed_blocks_give_its_losses_and_gradients():
-    """examples/gpt's model with --checkpoint-activations full (model.checkpointing), as
-    written and replayed, against the same model keeping its activations."""
+    """examples/gpt's model with --checkpoint-activations full and selective
+    (model.checkpointing), as written and replayed, against the same model keeping its
+    activations."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -194,7 +267,7 @@ def test_the_gpt_examples_checkpointed_blocks_give_its_losses_and_gradients():
     c = SIZES["tiny"]
     data = torch.randint(0, c.vocab, (2, 4, c.seq + 1), generator=torch.Generator().manual_seed(7))
     runs = []
-    for checkpointing in (False, True):
+    for checkpointing in (None, "full", "selective"):
         gtmpi.manual_seed(0)
         model = build(gtmpi)(c)
         model.checkpointing = checkpointing
@@ -211,9 +284,10 @@ def test_the_gpt_examples_checkpointed_blocks_give_its_losses_and_gradients():
             d = data[i % 2]
             losses.append(step(gtmpi.tensor(d[:, :-1]), gtmpi.tensor(d[:, 1:])).item())
         runs.append((losses, [p.grad.cpu_torch() for p in model.parameters()]))
-    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-6)
-    for g, w in zip(runs[1][1], runs[0][1]):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for losses, grads in runs[1:]:
+        assert losses == pytest.approx(runs[0][0], rel=1e-6)
+        for g, w in zip(grads, runs[0][1]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("reduction, smoothing", [("mean", 0.0), ("sum", 0.0), ("none", 0.0),

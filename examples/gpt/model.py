@@ -5,6 +5,7 @@ on gtmpi. The two have the same parameter names, so one's state_dict loads into 
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -31,7 +32,17 @@ SIZES = {
 def build(lib: ModuleType) -> type:
     """The GPT class on ``lib`` (torch or gtmpi)."""
     nn, F = lib.nn, lib.nn.functional
-    checkpoint = importlib.import_module(f"{lib.__name__}.utils.checkpoint").checkpoint
+    checkpointing = importlib.import_module(f"{lib.__name__}.utils.checkpoint")
+    checkpoint = checkpointing.checkpoint
+    # --checkpoint-activations selective (Megatron's): the matmuls' and attention's outputs
+    # kept, the norms, GELU and adds recomputed; torch names the kernels these ops run
+    aten = getattr(getattr(lib, "ops", None), "aten", None)
+    kept = ["linear", "matmul", "scaled_dot_product_attention"] if aten is None else \
+        [getattr(aten, name).default for name in
+         ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+          "_scaled_dot_product_flash_attention_for_cpu")]
+    selective = functools.partial(checkpointing.create_selective_checkpoint_contexts, kept)
 
     class Attention(nn.Module):
         def __init__(self, c: Config) -> None:
@@ -75,8 +86,9 @@ def build(lib: ModuleType) -> type:
             self.head = nn.Linear(c.dim, c.vocab, bias=False)
             self.register_buffer("position_ids", lib.arange(c.seq))
             # --checkpoint-activations full: each block's activations recomputed in backward
-            # instead of kept (its input alone is), one more forward per block
-            self.checkpointing = False
+            # instead of kept (its input alone is), one more forward per block; "selective":
+            # the matmuls' outputs kept, what is cheap to make again recomputed
+            self.checkpointing: str | None = None
             # --loss-chunk-rows N (gtmpi): the head and its loss N rows at a time, the whole
             # logits never held (nn.functional.linear_cross_entropy)
             self.loss_chunk_rows = None
@@ -89,7 +101,8 @@ def build(lib: ModuleType) -> type:
 
         def run(self, block, x):
             if self.checkpointing and self.training:
-                return checkpoint(block, x, use_reentrant=False)
+                keep = {"context_fn": selective} if self.checkpointing == "selective" else {}
+                return checkpoint(block, x, use_reentrant=False, **keep)
             return block(x)
 
         def embed(self, idx):

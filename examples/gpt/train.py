@@ -72,8 +72,10 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=0, help="0: only at the end")
     p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--checkpoint-activations", choices=["none", "full"], default="none",
-                   help="full: each block's activations recomputed in backward, not kept")
+    p.add_argument("--checkpoint-activations", choices=["none", "full", "selective"],
+                   default="none",
+                   help="full: each block's activations recomputed in backward, not kept; "
+                   "selective: the matmuls' and attention's outputs kept, the rest recomputed")
     p.add_argument("--loss-chunk-rows", type=int, default=0,
                    help="the head and loss this many rows at a time, the logits never whole "
                    "(0: all at once)")
@@ -124,7 +126,8 @@ def main() -> None:
     with gtmpi.signal.context("weights") if data_parallel else contextlib.nullcontext():
         gtmpi.manual_seed(args.seed)
         model = build(gtmpi)(c)
-    model.checkpointing = args.checkpoint_activations == "full"
+    model.checkpointing = None if args.checkpoint_activations == "none" else \
+        args.checkpoint_activations
     model.loss_chunk_rows = args.loss_chunk_rows or None
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     if tensor_par:  # Megatron's layout: each weight to its signal

@@ -71,6 +71,10 @@ class Runtime:
         self.tracing = None  # a recording.session.TraceRun while a trace records
         self.monitor = None  # a monitor.hub.Hub while GTMPI_MONITOR is set
         self.autocast = None  # an amp.Region while gtmpi.autocast is on
+        # selective activation checkpointing (utils/checkpoint.py): while a checkpointed
+        # function runs, what keeps (first run) or hands back (recompute) the outputs of the
+        # ops its policy saves
+        self.selective = None
         # while a replayable call is recorded (client/replay.py): id(leaf) -> (leaf, the
         # gradient it had before backward gave it one)
         self.leaves: dict[int, tuple] | None = None

@@ -676,6 +676,10 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         kw["grads"] = tuple(i for i, a in enumerate(operands)
                             if isinstance(a, Tensor) and a.requires_grad)
     kw = kw or None
+    saving = rt.selective if recording and rt.selective is not None and \
+        rt.selective.saves(name) else None
+    if saving is not None and saving.recompute:  # kept by the first run: not computed again
+        return saving.reuse(name, operands, kw)
     key = None  # the signature's cache key, for shape inference and the placer alike
     if shape_as is None:
         try:
@@ -707,6 +711,8 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
             result, graph = result
             if recording:
                 gradmode.autograd().record(name, operands, kw, result, graph)
+            if saving is not None:
+                saving.keep(name, result, graph)
             return result
     else:
         strides = None
@@ -724,6 +730,8 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         result._strides = strides
     if recording:
         gradmode.autograd().record(name, operands, kw, result)
+    if saving is not None:
+        saving.keep(name, result)
     return result
 
 

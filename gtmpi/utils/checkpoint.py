@@ -11,15 +11,19 @@ recorded and replayed (and captured in CUDA graphs) with the rest.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import enum
+from typing import Any, Callable, Iterator
 
 from ..autograd.engine import function as _function
 from ..autograd.engine import grad
-from ..client.gradmode import enable_grad, is_grad_enabled
+from ..autograd.engine import record as _record
+from ..client.gradmode import enable_grad, is_grad_enabled, no_grad
 from ..client.runtime import runtime
 from ..client.tensor import Tensor
 
-__all__ = ["checkpoint", "checkpoint_sequential"]
+__all__ = ["checkpoint", "checkpoint_sequential", "create_selective_checkpoint_contexts",
+           "CheckpointPolicy"]
 
 
 def checkpoint(function: Callable, *args: Any, use_reentrant: bool | None = None,
@@ -30,15 +34,14 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool | None = None
     gradients here (no hooks are involved); ``preserve_rng_state=False`` lets the recompute
     draw anew, as torch's does. Its outputs: a tensor, or a tuple or list of them (and other
     values)."""
-    if context_fn is not None:
-        raise NotImplementedError("gtmpi checkpoint: context_fn (selective checkpointing "
-                                  "policies) is not supported")
     if not is_grad_enabled():
         return function(*args, **kwargs)
+    forward_ctx, recompute_ctx = (context_fn or _nothing)()
     rt = runtime()
     drawn = rt.draws()
     first = _inputs(args)
-    out = function(*first, **kwargs)
+    with forward_ctx:
+        out = function(*first, **kwargs)
     outs = _tensors(out)
     if not any(o.requires_grad for o in outs):
         return out
@@ -57,7 +60,8 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool | None = None
                 rt.draw_from(drawn)
             try:
                 inputs = _inputs(args)
-                again = _tensors(function(*inputs, **kwargs))
+                with recompute_ctx:
+                    again = _tensors(function(*inputs, **kwargs))
             finally:
                 rt.draw_from(now)
             roots = [(o, g) for o, g in zip(again, grads) if g is not None and o.requires_grad]
@@ -69,6 +73,113 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool | None = None
 
     _function([*given, *leaves], tuple(kept), backward_fn)
     return out
+
+
+class CheckpointPolicy(enum.Enum):
+    """torch's: what a selective checkpoint's policy says of an op's output (saved between
+    forward and backward, or made again by the recompute)."""
+    MUST_SAVE = 0
+    PREFER_SAVE = 1
+    MUST_RECOMPUTE = 2
+    PREFER_RECOMPUTE = 3
+
+
+class SelectiveCheckpointContext:
+    """What a policy function is given first, as torch's: whether this is the recompute."""
+
+    def __init__(self, is_recompute: bool) -> None:
+        self.is_recompute = is_recompute
+
+
+def create_selective_checkpoint_contexts(policy_fn_or_list: Any,
+                                         allow_cache_entry_mutation: bool = False
+                                         ) -> tuple[Any, Any]:
+    """torch.utils.checkpoint.create_selective_checkpoint_contexts: the forward's and the
+    recompute's contexts for one call of ``checkpoint`` (pass
+    ``context_fn=functools.partial(create_selective_checkpoint_contexts, ops)``, as with torch),
+    under which the outputs of the ops the policy saves are kept from the first run and handed
+    back to the recompute instead of computed again, and every other op is recomputed. ``policy_fn_or_list``: op names of gtmpi's table (``"linear"``, ``"matmul"``,
+    ``"scaled_dot_product_attention"``; or gtmpi's functions, by name), or
+    ``policy(ctx, op_name, *args, **kwargs) -> CheckpointPolicy``. Megatron's selective
+    recompute keeps the matmuls' outputs and recomputes norms, GELU and the like, which cost
+    little to run again and as much memory to keep."""
+    if callable(policy_fn_or_list):
+        policy = policy_fn_or_list
+    else:
+        names = {getattr(op, "__name__", op) for op in policy_fn_or_list}
+        unknown = [n for n in names if not isinstance(n, str)]
+        if unknown:
+            raise TypeError(f"gtmpi checkpoint: ops to save are names of gtmpi's ops or its "
+                            f"functions, got {unknown[0]!r}")
+
+        def policy(ctx: SelectiveCheckpointContext, op: str, *args: Any,
+                   **kwargs: Any) -> CheckpointPolicy:
+            return CheckpointPolicy.MUST_SAVE if op in names else \
+                CheckpointPolicy.PREFER_RECOMPUTE
+
+    kept: list[tuple[str, Any, Any]] = []
+    return _Selective(policy, kept, False), _Selective(policy, kept, True)
+
+
+class _Selective:
+    """One checkpointed function's saved outputs, in the order its ops made them: kept by the
+    first run, handed back in the same order by the recompute (runtime.selective, which apply
+    asks of every op recorded on a graph while it is set)."""
+
+    def __init__(self, policy: Callable, kept: list, recompute: bool) -> None:
+        self.policy, self.kept, self.recompute = policy, kept, recompute
+        self.ctx = SelectiveCheckpointContext(recompute)
+        self.taken = 0
+        self.outer = None
+
+    def __enter__(self) -> "_Selective":
+        rt = runtime()
+        self.outer, rt.selective = rt.selective, self
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        runtime().selective = self.outer
+        if kind is None and self.recompute and self.taken < len(self.kept):
+            self._differs(None)
+
+    def saves(self, name: str) -> bool:
+        return self.policy(self.ctx, name) in (CheckpointPolicy.MUST_SAVE,
+                                                CheckpointPolicy.PREFER_SAVE)
+
+    def keep(self, name: str, result: Any, graph: Any = None) -> None:
+        with no_grad():  # the first run's graph is not kept with it: an alias outside it
+            out = tuple(r.detach() for r in result) if isinstance(result, tuple) else \
+                result.detach()
+        self.kept.append((name, out, graph))
+
+    def reuse(self, name: str, operands: list, kw: dict | None) -> Any:
+        """The first run's output of this op, linked into the recompute's graph as if made
+        here (the gradient reads the recomputed operands, and the kept output)."""
+        if self.taken >= len(self.kept) or self.kept[self.taken][0] != name:
+            self._differs(name)
+        _, out, graph = self.kept[self.taken]
+        self.kept[self.taken] = (name, None, None)  # handed over: held by the graph alone now
+        self.taken += 1
+        _record(name, operands, kw, out, graph)
+        return out
+
+
+    def _differs(self, ran: str | None) -> None:
+        had = self.kept[self.taken][0] if self.taken < len(self.kept) else None
+        def said(op: str | None) -> str:
+            return repr(op) if op else "nothing more"
+        raise RuntimeError(f"gtmpi checkpoint: the recompute ran {said(ran)} where the "
+                           f"forward had run {said(had)} (an op the "
+                           "policy saves): a checkpointed function must run the same ops again")
+
+
+@contextlib.contextmanager
+def _nothing_ctx() -> Iterator[None]:
+    yield
+
+
+def _nothing() -> tuple[Any, Any]:
+    return _nothing_ctx(), _nothing_ctx()
 
 
 def checkpoint_sequential(functions: Any, segments: int, input: Any,
