@@ -106,16 +106,21 @@ def main() -> None:
                                  for r in ("col", "row", "rep"))
     tensor_par = {"act", "col", "row", "rep"} <= names
     data_parallel = not tensor_par and {"data", "weights"} <= names
-    if bool(n_stages) + tensor_par + data_parallel > 1:
+    # data parallel by the config alone, as for a script with no signals in it
+    # (configs/ddp.yaml, zero1.yaml, zero2.yaml): the model's parameters and the batches the
+    # script uploads are placed by the 'parameters' and 'uploads' signals
+    by_config = not (tensor_par or data_parallel) and {"parameters", "uploads"} <= names
+    if bool(n_stages) + tensor_par + data_parallel + by_config > 1:
         sys.exit("this script runs one of data parallel, tensor parallel (with data parallel in "
                  "its mesh) and pipeline stages (with tensor parallel in each), not several")
-    if names and not (n_stages or tensor_par or data_parallel):
+    if names and not (n_stages or tensor_par or data_parallel or by_config):
         # a config this script does not understand would otherwise train on one worker
         known = ["data", "weights", "act", "col", "row", "rep", "vocab", "stage0", "stage1"]
         hints = [f"'{n}' (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(n, known, 1))
                  else f"'{n}'" for n in sorted(names)]
         sys.exit(f"train.py: the config's signals {', '.join(hints)} name no layout this script "
-                 "runs: 'data' and 'weights' (data parallel); 'act', 'col', 'row' and 'rep' "
+                 "runs: 'data' and 'weights', or 'parameters' and 'uploads' (data parallel); "
+                 "'act', 'col', 'row' and 'rep' "
                  "(tensor parallel, 'vocab' too for the embedding and head); 'stage0', "
                  "'stage1', ... (pipeline stages, each tensor parallel with 'stageS.col', ...)")
     batch_signal = "data" if data_parallel else "act" if tensor_par else None
@@ -207,6 +212,7 @@ def main() -> None:
             f"{'/'.join(str(b - a) for a, b in zip(cuts, cuts[1:]))}, by their modeled cost "
             "with the embedding and the head)"
             if n_stages else "data parallel" if data_parallel else
+            "data parallel by 'parameters' and 'uploads'" if by_config else
             "tensor parallel (Megatron)" if tensor_par else "one worker") + \
         (", sequence parallel" if seq_signal is not None else "")
     print(f"GPT {args.size}: {n_params:,} parameters ({c.layers} layers, dim {c.dim}, {c.heads} "

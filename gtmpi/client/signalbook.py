@@ -42,6 +42,7 @@ class SignalBook:
                                       f"launch {needed + 1} ranks (mpiexec -n {needed + 1}: rank "
                                       "0 runs the program)")
         self.signals.update(signals)
+        self._zero(signals)
         idle = sorted(set(range(len(self.ranks))) -
                       {w for s in self.signals.values() for w in s.workers})
         if idle and len(self.ranks) > 1 and not self._said_idle:
@@ -52,6 +53,25 @@ class SignalBook:
         if not self._reporting:
             self._reporting = True
             atexit.register(self.report)
+
+    def _zero(self, signals: dict[str, Signal]) -> None:
+        """ZeRO by mesh: what is replicated over a signal's workers is data-parallel copies at
+        its ``zero`` level (a config loaded later says it anew for its workers)."""
+        levels: dict[tuple[int, ...], Signal] = {}
+        for s in signals.values():
+            if s.axis is not None or s.grid:
+                continue
+            mesh = self.placement(s).mesh
+            other = levels.setdefault(mesh, s)
+            if other.zero != s.zero:
+                raise ConfigError(f"{s.where('zero')}: signal '{other.name}' replicates over "
+                                  f"the same workers with zero: {other.zero}, and one level "
+                                  "holds for what is replicated over them")
+        for mesh, s in levels.items():
+            if s.zero:
+                self.placer.zero[mesh] = s.zero
+            else:
+                self.placer.zero.pop(mesh, None)
 
     def placement(self, s: Signal) -> Placement:
         mesh = tuple(self.ranks[w] for w in s.workers)

@@ -58,6 +58,9 @@ class Placer:
         # every collective and transfer inserted, by (where the program issued it, kind,
         # whether a signal or a read asked for it): [count, bytes]; see explain()
         self.inserted: dict[tuple[str, str, bool], list[int]] = {}
+        # ZeRO level by mesh (signals' 'zero'): at 2 its gradients are reduce-scattered into
+        # pieces as backward completes them, not all-reduced (optim/zero.py)
+        self.zero: dict[tuple[int, ...], int] = {}
         self.strict = False  # raise rather than gather or move what no signal asked to
         # sum a column-parallel layer's input gradient inside its kernel, beside the weight's
         # gradient (GTMPI_OVERLAP=0: at its first use, after the kernel)
@@ -333,6 +336,11 @@ class Placer:
         if p.kind != "P" or tid in self.viewed:
             return
         shape, dtype = sig
+        if self.zero.get(p.mesh, 0) >= 2 and len(shape) and shape[0] >= len(p.mesh):
+            # ZeRO-2: reduce-scattered into each worker's piece now, the whole partial sum
+            # freed as backward goes on (optim/zero.py)
+            self.replace(tid, sig, Placement(p.mesh, "S", 0))
+            return
         size, bucket = self._buckets.setdefault((p.mesh, dtype), ([0], []))
         bucket.append((tid, sig))
         size[0] += _numel(shape) * dtype.itemsize
@@ -473,8 +481,16 @@ class Placer:
 
     def _free_on(self, mesh: tuple[int, ...], tid: int) -> None:
         """A copy the dispatcher made is no longer needed on any member of ``mesh``."""
+        self._agreed.pop(tid, None)
         for rank in mesh:
             self._emit(rank, ("free", None, (tid,), 0, None))
+
+    def _agreed_as(self, source: int, out: int, mesh: tuple[int, ...]) -> None:
+        """``out``, a collective's result over ``mesh`` from ``source``, is agreed there if
+        ``source`` was: its members failed all together or none did, so each member's result
+        is poisoned alike (ZeRO's gathers of the updated pieces need no agreement each)."""
+        if mesh in self._agreed.get(source, ()):
+            self._agreed.setdefault(out, set()).add(mesh)
 
     def _convert(self, tid: int, sig: tuple, have: Placement, want: Placement) -> int:
         """A new id holding ``tid``'s value with placement ``want`` (instructions emitted)."""
@@ -578,6 +594,7 @@ class Placer:
             self._emit(rank, ("all_reduce", out, (tid,), 1, like) if kind == "P" else
                        ("all_gather", out, (tid,), 1,
                         {**like, "dim": dim, "sizes": p.sizes(tuple(shape), axis)}))
+        self._agreed_as(tid, out, p.mesh)
         return out
 
     def _reshard_along(self, tid: int, sig: tuple, have: Placement, want: Placement,

@@ -13,6 +13,9 @@ from ..autograd import no_grad, zero_grads
 from ..client.creation import beside, tensor, zeros_like
 from ..client.runtime import runtime
 from ..client.tensor import Tensor, apply
+from .zero import gather as zero_gather
+from .zero import level as zero_level
+from .zero import pieces as zero_pieces
 
 
 class Optimizer:
@@ -52,9 +55,16 @@ class Optimizer:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             states = [self.state[p] for p in params]
+            zero = [zero_level(p) for p in params]
             for bucket in runtime().alike([p.id for p in params],
-                                          [self.bucket_key(s) for s in states]):
-                self.update([params[i] for i in bucket], [states[i] for i in bucket], group)
+                                          [(self.bucket_key(s), z) for s, z in zip(states, zero)]):
+                mine, theirs = [params[i] for i in bucket], [states[i] for i in bucket]
+                if not zero[bucket[0]]:
+                    self.update(mine, theirs, group)
+                    continue
+                shards = zero_pieces(mine)  # ZeRO: each worker updates its piece (optim/zero.py)
+                self.update(shards, theirs, group)
+                zero_gather(mine, shards, zero[bucket[0]])
 
     def bucket_key(self, state: dict) -> Any:
         """What parameters updated by one instruction must share besides their placement."""

@@ -10,6 +10,8 @@ GT's keys, as GT's users wrote them:
       compile: false           # ask workers to compile repeated sequences (hot paths)
     weights:
       shard: {workers: [0, 1], replicated: true}   # R: a whole copy on each
+      zero: 1                  # ZeRO-1: each keeps 1/n of the optimizer's state of what this
+                               # signal places (2: of the gradients too)
 
 Beyond GT, a named mesh of several axes with a placement per axis (R, S(i) or P), so that
 data and tensor parallelism are one config:
@@ -30,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-_SIGNAL_KEYS = {"shard", "backward", "compile", "mesh", "placement"}
+_SIGNAL_KEYS = {"shard", "backward", "compile", "mesh", "placement", "zero"}
 _SHARD_KEYS = {"axis", "workers", "replicated"}
 
 
@@ -49,6 +51,9 @@ class Signal:
     grid: tuple[int, ...] = ()  # a named mesh: its axis sizes ...
     axes: tuple[tuple[str, int], ...] = ()  # ... and (kind, dim) per axis
     axis_names: tuple[str, ...] = ()
+    # data parallelism that shards what the replicas would each keep whole (ZeRO): 1, the
+    # optimizer's state; 2, the gradients too (0: every replica keeps everything)
+    zero: int = 0
 
     def where(self, key: str) -> str:
         return f"{self.source}: signal '{self.name}', key '{key}'"
@@ -103,8 +108,17 @@ def _signal(name: str, body: Any, source: str) -> Signal:
     compile_ = body.get("compile", False)
     if not isinstance(compile_, bool):
         raise ConfigError(f"{where}, key 'compile': expected true or false")
+    zero = body.get("zero", 0)
+    if zero == 3:
+        raise ConfigError(f"{where}, key 'zero': 3 (weights sharded too, FSDP) is not built yet: "
+                          "1 (the optimizer's state sharded) and 2 (its gradients too) are")
+    if zero not in (0, 1, 2) or isinstance(zero, bool):
+        raise ConfigError(f"{where}, key 'zero': expected 0, 1 or 2, got {zero!r}")
     mesh = body.get("mesh")
     if mesh is not None:
+        if zero:
+            raise ConfigError(f"{where}, key 'zero': a signal with a mesh cannot say it yet (a "
+                              "replicated signal over its data-parallel workers can)")
         return _named_mesh(name, body, shard, mesh, where, source, backward, compile_)
     workers = shard.get("workers", [0])
     every = workers == "all"  # every worker of the job, counted when the config is loaded
@@ -123,8 +137,11 @@ def _signal(name: str, body: Any, source: str) -> Signal:
     if not replicated and axis is None and (every or len(workers) > 1):
         raise ConfigError(f"{where}, key 'shard.axis': several workers need an axis to shard "
                           "along, or replicated: true")
+    if zero and not replicated:
+        raise ConfigError(f"{where}, key 'zero': ZeRO shards what replicas keep: the signal must "
+                          "be replicated (shard: {workers: ..., replicated: true})")
     return Signal(name, source, () if every else tuple(workers), None if replicated else axis,
-                  backward, compile_)
+                  backward, compile_, zero=zero)
 
 
 def _named_mesh(name: str, body: dict, shard: dict, mesh: Any, where: str, source: str,

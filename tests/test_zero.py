@@ -1,0 +1,153 @@
+"""ZeRO-1 and ZeRO-2 by a config's ``zero`` key (gtmpi/optim/zero.py): the GPT trained data
+parallel on 2 workers gives the replicated run's losses and weights, with the optimizer's state
+(and at level 2 the gradients) in pieces along dim 0, half on each worker, and the collectives
+each level should run: level 1 the replicated run's all-reduces plus one all-gather per
+parameter, level 2 one reduce-scatter per gradient instead of its all-reduce."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gtmpi
+from gtmpi.signals.config import ConfigError, parse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples.gpt.model import SIZES, build  # noqa: E402
+
+WORKERS = sorted(gtmpi.info()["workers"])
+spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+C = dataclasses.replace(SIZES["tiny"], layers=2)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"shard": {"workers": [0, 1], "replicated": True}, "zero": 3},
+     "key 'zero': 3 (weights sharded too, FSDP) is not built yet"),
+    ({"shard": {"workers": [0, 1], "replicated": True}, "zero": "yes"},
+     "key 'zero': expected 0, 1 or 2"),
+    ({"shard": {"workers": [0, 1], "axis": 0}, "zero": 1},
+     "key 'zero': ZeRO shards what replicas keep"),
+    ({"mesh": {"dp": 2}, "placement": {"dp": "R"}, "zero": 1}, "key 'zero': a signal with a mesh"),
+])
+def test_bad_zero_keys_name_the_signal(body, message):
+    with pytest.raises(ConfigError, match=re.escape(f"<dict>: signal 'w', {message}")):
+        parse({"w": body}, "<dict>")
+
+
+def test_two_replicated_signals_over_the_same_workers_agree_on_zero():
+    with pytest.raises(ConfigError, match="signal 'a' replicates over the same workers with "
+                                          "zero: 1, and one level holds"):
+        gtmpi.load_config({"a": {"shard": {"workers": [0], "replicated": True}, "zero": 1},
+                           "b": {"shard": {"workers": [0], "replicated": True}}})
+
+
+def test_the_zero_configs_load():
+    root = Path(__file__).resolve().parent.parent / "configs"
+    for level in (1, 2):
+        from gtmpi.signals.config import load
+        signals = load(str(root / f"zero{level}.yaml"))
+        assert signals["parameters"].zero == level and signals["uploads"].zero == 0
+
+
+def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
+           accumulate: int = 1) -> dict:
+    """The tiny GPT on 2 workers, data parallel by signals whose weights have ``zero``."""
+    torch.manual_seed(0)
+    ref = build(torch)(C)
+    data = torch.randint(0, C.vocab, (steps, accumulate, 8, C.seq + 1),
+                         generator=torch.Generator().manual_seed(1))
+    gtmpi.load_config({f"w{zero}": {"shard": {"workers": [0, 1], "replicated": True},
+                                    "zero": zero},
+                       "zd": {"shard": {"axis": 0, "workers": [0, 1]}}})
+    model = build(gtmpi)(C)
+    model.load_state_dict(ref.state_dict())
+    gtmpi.signal.place(model, f"w{zero}")
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw" else \
+        gtmpi.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    first = WORKERS[0]
+    before = dict(gtmpi.debug.worker_stats()[first]["collectives"])
+    losses = []
+    gtmpi.debug.strict_placement()
+    try:
+        for step in range(steps):
+            opt.zero_grad()
+            for d in data[step]:
+                x, y = gtmpi.signal.tensor(d[:, :-1], "zd"), gtmpi.signal.tensor(d[:, 1:], "zd")
+                loss = model(x, y) / accumulate
+                loss.backward()
+            if clip is not None:
+                gtmpi.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            grads = {n: gtmpi.debug.placement(p.grad)["type"] for n, p in model.named_parameters()}
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        gtmpi.debug.strict_placement(False)
+    after = gtmpi.debug.worker_stats()[first]["collectives"]
+    ran = {k: v[0] - before.get(k, (0, 0))[0] for k, v in after.items()
+           if v[0] != before.get(k, (0, 0))[0]}
+    state = opt.state[model.tokens.weight]
+    return {"losses": losses, "weights": [p.cpu_torch() for p in model.parameters()],
+            "ran": ran, "grads": grads, "model": model, "opt": opt,
+            "state": {k: gtmpi.debug.placement(v) for k, v in state.items()
+                      if isinstance(v, gtmpi.Tensor)}}
+
+
+@spread
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer):
+    runs = {zero: _train(zero, optimizer) for zero in (0, 1, 2)}
+    params = len(runs[0]["weights"])
+    for zero in (1, 2):
+        assert runs[zero]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
+        for got, want in zip(runs[zero]["weights"], runs[0]["weights"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # the embedding's optimizer state: half its rows on each worker, nowhere whole
+        for where in runs[zero]["state"].values():
+            assert where["type"] == "S(0)" and where["mesh"] == WORKERS[:2]
+            assert [s[0] for s in where["shards"].values()] == [C.vocab // 2] * 2
+        assert runs[zero]["ran"]["all_gather"] == 3 * params  # each parameter, each step
+    for where in runs[0]["state"].values():
+        assert where["type"] == "R"
+    # level 1 all-reduces the gradients as the replicated run does; level 2 reduce-scatters
+    # each into its pieces instead and all-reduces nothing but the loss's own sums
+    assert runs[1]["ran"]["all_reduce"] == runs[0]["ran"]["all_reduce"]
+    assert "reduce_scatter" not in runs[0]["ran"] and "reduce_scatter" not in runs[1]["ran"]
+    # (the position table's gradient comes whole out of backward: its rows are summed over
+    # the batch by the add that broadcast them, before the embedding's gradient)
+    pieces = [name for name, where in runs[2]["grads"].items() if where == "S(0)"]
+    assert set(runs[2]["grads"]) - set(pieces) == {"positions.weight"}
+    assert runs[2]["ran"]["reduce_scatter"] == 3 * len(pieces)
+    assert runs[2]["ran"].get("all_reduce", 0) < runs[0]["ran"]["all_reduce"]
+    assert set(runs[1]["grads"].values()) == {"R"}
+
+
+@spread
+def test_zero2_with_clipping_and_accumulation_gives_the_replicated_weights():
+    """Clipping reads the gradients' pieces (a partial sum of squares per worker, no gradient
+    gathered), and a second micro-batch's gradient is reduce-scattered into the pieces the
+    first left. (SGD: the two runs add the micro-batches' partial sums in another order, and
+    Adam would magnify those last digits where a gradient is near 0.)"""
+    runs = {zero: _train(zero, "sgd", steps=2, clip=0.5, accumulate=2) for zero in (0, 2)}
+    assert runs[2]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
+    for got, want in zip(runs[2]["weights"], runs[0]["weights"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert "all_gather" in runs[2]["ran"] and runs[2]["ran"]["reduce_scatter"] > 0
+
+
+@spread
+def test_a_zero_optimizers_state_dict_is_the_replicated_ones():
+    runs = {zero: _train(zero, "adamw", steps=2) for zero in (0, 1)}
+    want, got = (runs[z]["opt"].state_dict() for z in (0, 1))
+    assert want["param_groups"] == got["param_groups"]
+    for i, state in want["state"].items():
+        for key, value in state.items():
+            other = got["state"][i][key]
+            if isinstance(value, gtmpi.Tensor):
+                torch.testing.assert_close(other.cpu_torch(), value.cpu_torch(),
+                                           rtol=1e-5, atol=1e-7)
+            else:
+                assert float(other) == float(value)
