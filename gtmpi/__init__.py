@@ -18,6 +18,7 @@ from .amp import autocast
 from .backends import get_float32_matmul_precision, set_float32_matmul_precision
 from . import signals as signal
 from .checkpoint import load, save
+from .sharded import load_sharded, save_sharded
 from .autograd import (enable_grad, inference_mode, is_grad_enabled, no_grad,
                        set_grad_enabled)
 from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, full_like,

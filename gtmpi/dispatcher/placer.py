@@ -32,6 +32,7 @@ from ..recording.events import Flag, Kind, Lane
 _COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
 _SHAPED = {"view", "reshape", "expand"}  # ops whose argument is the result's (global) shape
 _SHAPED_KW = {"getitem_grad": "shape"}  # ops whose keyword is the result's (global) shape
+_RANKED = {"save_pieces", "load_piece_"}  # ops told their worker's rank (its own file)
 # per-member values that may be read another way, with no data moved
 _RELABEL = {("R", "V"), ("I", "V"), ("P", "V"), ("V", "P")}
 
@@ -254,6 +255,8 @@ class Placer:
             whole = tuple(outs[0][0])
             local = [{"whole": whole, "piece": tuple(p.out.piece(whole, m))}
                      for m in range(len(mesh))]
+        elif name in _RANKED:
+            local = [{"rank": rank} for rank in mesh]
         elif name in _SHAPED_KW and p.out.kind != "R":
             local = [{_SHAPED_KW[name]: p.out.local_shape(tuple(outs[0][0]), m)}
                      for m in range(len(mesh))]

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import files
+
 from . import fused_rows
 
 
@@ -869,6 +871,10 @@ _ops = [
     Op("adam_steps", Kind.GENERAL, _adam_steps,
        sigs=lambda sigs: ((torch.Size([len(sigs)]), torch.int64),)),
     Op("zero_foreach", Kind.INPLACE, _zero_foreach, sigs=_first_operand),
+    # a sharded checkpoint (gtmpi/sharded.py, ops/files.py): each worker its own file
+    Op("save_pieces", Kind.GENERAL, files.save_pieces,
+       sigs=lambda sigs: ((torch.Size([1]), torch.int64),)),
+    Op("load_piece_", Kind.INPLACE, files.load_piece_, sigs=_first_operand),
     Op("mul_foreach", Kind.INPLACE, _mul_foreach, sigs=_first_operand),
     Op("add_foreach", Kind.ELEMENTWISE, _add_foreach, sigs=_first_half),
 ]

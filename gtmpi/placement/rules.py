@@ -761,6 +761,15 @@ def _scale_foreach(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return Plan((p,) * (len(kinds) - 1) + (Placement(mesh, "R"),), p)
 
 
+def _where_they_lie(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Each member works on the pieces it holds, all laid out alike (a sharded checkpoint's
+    files): nothing moves; the result is each member's own count."""
+    p = kinds[0]
+    if any(k is not None and k != p for k in kinds):
+        return None
+    return Plan(tuple(kinds), Placement(mesh, "R"))
+
+
 _KIND_RULES = {Kind.ELEMENTWISE: _elementwise, Kind.REDUCE: _reduction, Kind.SHAPE: _dim_map,
                Kind.INPLACE: _inplace}
 RULES.update({"matmul": _matmul, "einsum": _einsum, "linear": _linear,
@@ -769,7 +778,8 @@ RULES.update({"matmul": _matmul, "einsum": _einsum, "linear": _linear,
               "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
               "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach,
               "norm_foreach": _power_sum, "add_foreach": _sum_alike,
-              "adam_steps": _same_everywhere, "vjp": _vjp})
+              "adam_steps": _same_everywhere, "vjp": _vjp, "save_pieces": _where_they_lie,
+              "load_piece_": _where_they_lie})
 RULES.update({_name: _rows for _name in ROWS})
 # gradient ops placed by dual() from their forward op's plan, in the dispatcher's placer
 DUAL = {"linear_grad", *(f"{name}_grad" for name in FUSED_FNS)}
