@@ -54,7 +54,7 @@ def test_the_zero_configs_load():
 
 
 def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
-           accumulate: int = 1) -> dict:
+           accumulate: int = 1, replay: bool = False) -> dict:
     """The tiny GPT on 2 workers, data parallel by signals whose weights have ``zero``."""
     torch.manual_seed(0)
     ref = build(torch)(C)
@@ -71,16 +71,22 @@ def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
     first = WORKERS[0]
     before = dict(gtmpi.debug.worker_stats()[first]["collectives"])
     losses = []
+
+    def forward_backward(batches):  # what a training loop replays (its step as written)
+        for x, y in batches:
+            loss = model(x, y) / accumulate
+            loss.backward()
+        if clip is not None:
+            gtmpi.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        return loss
+
+    run = gtmpi.replayable(forward_backward) if replay else forward_backward
     gtmpi.debug.strict_placement()
     try:
-        for step in range(steps):
+        for i in range(steps):
             opt.zero_grad()
-            for d in data[step]:
-                x, y = gtmpi.signal.tensor(d[:, :-1], "zd"), gtmpi.signal.tensor(d[:, 1:], "zd")
-                loss = model(x, y) / accumulate
-                loss.backward()
-            if clip is not None:
-                gtmpi.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            loss = run([(gtmpi.signal.tensor(d[:, :-1], "zd"), gtmpi.signal.tensor(d[:, 1:], "zd"))
+                        for d in data[i]])
             grads = {n: gtmpi.debug.placement(p.grad)["type"] for n, p in model.named_parameters()}
             opt.step()
             losses.append(loss.item())
@@ -90,6 +96,8 @@ def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
     ran = {k: v[0] - before.get(k, (0, 0))[0] for k, v in after.items()
            if v[0] != before.get(k, (0, 0))[0]}
     state = opt.state[model.tokens.weight]
+    if replay:
+        assert run.replays == steps - 2, run.replays
     return {"losses": losses, "weights": [p.cpu_torch() for p in model.parameters()],
             "ran": ran, "grads": grads, "model": model, "opt": opt,
             "state": {k: gtmpi.debug.placement(v) for k, v in state.items()
@@ -136,6 +144,15 @@ def test_zero2_with_clipping_and_accumulation_gives_the_replicated_weights():
     for got, want in zip(runs[2]["weights"], runs[0]["weights"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert "all_gather" in runs[2]["ran"] and runs[2]["ran"]["reduce_scatter"] > 0
+
+
+@spread
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_replayed_zero_step_gives_the_steps_as_written(zero):
+    runs = [_train(zero, "adamw", steps=4, replay=replay) for replay in (False, True)]
+    assert runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
+    for got, want in zip(runs[1]["weights"], runs[0]["weights"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @spread
