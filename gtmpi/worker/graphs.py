@@ -75,18 +75,24 @@ class CudaBackend:
         self.stream.synchronize()
 
     def capture(self, program: list[tuple], execute: Callable[[list[tuple]], None]) -> "_Graph":
-        where = seeded(program)
-        offsets = sorted({seed.offset for seed in seeds_in(program, where)})
-        gens = {offset: torch.Generator(device=self.device) for offset in offsets}
+        # a generator per random op, not per seed: two ops of one seed (a checkpointed
+        # block's dropout and its recompute's) draw the same mask as written, where one
+        # graph-safe generator would move on between them
+        gens: list[tuple[int, torch.Generator]] = []
+
+        def fresh(seed: Seed) -> torch.Generator:
+            gens.append((seed.offset, torch.Generator(device=self.device)))
+            return gens[-1][1]
+        seeded_program = with_seeds(program, seeded(program), fresh)
         graph = torch.cuda.CUDAGraph()
-        for gen in gens.values():
+        for _, gen in gens:
             graph.register_generator_state(gen)
         pool = self.pool or torch.cuda.graph_pool_handle()
         before = _blocks(pool)
         # thread_local: the process group's watchdog thread may query events meanwhile
         with torch.cuda.graph(graph, pool=pool, stream=self.stream,
                               capture_error_mode="thread_local"):
-            execute(with_seeds(program, where, lambda s: gens[s.offset]))
+            execute(seeded_program)
         after = _blocks(pool)
         held = {block for block, active in before.items() if active}
         return _Graph(graph, gens, scratch=[b for b, active in after.items() if not active],
@@ -102,10 +108,10 @@ def _blocks(pool: Any) -> dict[tuple[int, int], bool]:
 
 
 class _Graph:
-    def __init__(self, graph: Any, gens: dict[int, torch.Generator],
+    def __init__(self, graph: Any, gens: list[tuple[int, torch.Generator]],
                  scratch: list[tuple[int, int]], kept: list[tuple[int, int]]) -> None:
         self.graph = graph
-        self.gens = gens  # offset of a random op among the call's -> its generator
+        self.gens = gens  # each random op's offset among the call's, and its generator
         # the pool's free blocks after capture, which its launches may write (a superset of
         # its scratch), and the blocks it holds from then on (outputs, saved tensors, inputs)
         self.scratch = scratch
@@ -114,7 +120,7 @@ class _Graph:
     def seed(self, seeds: tuple[int, int] | None) -> None:
         if seeds is not None:
             session, base = seeds
-            for offset, gen in self.gens.items():
+            for offset, gen in self.gens:
                 gen.manual_seed(derive_seed(session, base + offset))
 
     def replay(self, env: dict[int, Any], outputs: tuple[int, ...]) -> None:
@@ -384,14 +390,6 @@ def seeded(program: list[tuple]) -> list[tuple[int, tuple[int, ...], tuple[str, 
         keys = tuple(k for k, v in kw.items() if type(v) is Seed) if kw else ()
         if at or keys:
             found.append((i, at, keys))
-    return found
-
-
-def seeds_in(program: list[tuple], where: list) -> list[Seed]:
-    found = []
-    for i, at, keys in where:
-        _, _, args, _, kw = program[i]
-        found += [args[j] for j in at] + [kw[k] for k in keys]
     return found
 
 
