@@ -7,6 +7,7 @@ way to run it, in one run:
 | layout         | gtmpi (examples/gpt/train.py + a config) | PyTorch (benchmarks/torch_peers.py) |
 | one GPU        | one worker                               | eager                               |
 | DP=n           | configs' data/weights signals            | DistributedDataParallel             |
+| DP=n ZeRO-1/2  | the same with the weights' zero: 1 or 2  | (none: the DP=n row's DDP is the peer) |
 | TP=2           | configs/gpt_tp2.yaml (Megatron)          | DTensor's Megatron plan             |
 | TP=2 serial    | the same, GTMPI_OVERLAP=0                | (the overlap's baseline)            |
 | PP=2           | configs/pipeline.yaml, 1F1B              | torch.distributed.pipelining 1F1B   |
@@ -88,6 +89,9 @@ def main() -> None:
     layout("one GPU", 1, args.batch, None, "one", args.batch)
     for n in (2, 4, 8):
         layout(f"DP={n}", n, per_gpu * n, dp_configs.get(n), "ddp", per_gpu)
+        for zero in (1, 2):  # ZeRO-1 and -2: DDP's row, in the same run, is the peer
+            layout(f"DP={n} ZeRO-{zero}", n, per_gpu * n, dp_configs.get((n, zero)), None,
+                   per_gpu)
     layout("TP=2", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), "tp", args.batch)
     # the same without the input gradients' all-reduces run beside the weights' gradients
     layout("TP=2 serial", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), None,
@@ -113,17 +117,20 @@ def _gpus() -> int:
         return 2  # CPUs: workers as processes
 
 
-def _write_dp_configs(folder: str, gpus: int) -> dict[int, str]:
-    """configs/data_parallel.yaml's signals over n workers, for each n the GPUs allow."""
-    out = {}
+def _write_dp_configs(folder: str, gpus: int) -> dict:
+    """configs/data_parallel.yaml's signals over n workers, for each n the GPUs allow (by n),
+    and with the weights' ZeRO level (by (n, level))."""
+    out: dict = {}
     for n in (2, 4, 8):
-        if n <= gpus:
-            path = os.path.join(folder, f"data_parallel{n}.yaml")
-            workers = list(range(n))
-            with open(path, "w") as f:
-                f.write(f"data:\n  shard: {{axis: 0, workers: {workers}}}\n"
-                        f"weights:\n  shard: {{workers: {workers}, replicated: true}}\n")
-            out[n] = path
+        for zero in (0, 1, 2):
+            if n <= gpus:
+                path = os.path.join(folder, f"data_parallel{n}-zero{zero}.yaml")
+                workers = list(range(n))
+                with open(path, "w") as f:
+                    f.write(f"data:\n  shard: {{axis: 0, workers: {workers}}}\n"
+                            f"weights:\n  shard: {{workers: {workers}, replicated: true}}\n"
+                            f"  zero: {zero}\n")
+                out[(n, zero) if zero else n] = path
     return out
 
 
