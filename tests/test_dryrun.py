@@ -100,7 +100,12 @@ CONFIGS = ("ddp", "data_parallel", "gpt_tp2", "gpt_tp2_sp", "tensor_parallel", "
     ("gpt_tp2_pp2", 4, ()), ("gpt_tp2_pp4", 8, ("--layers", "4"))])
 def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, extra):
     """Every config in configs/: the GPT (the MLP for tensor_parallel.yaml, nanoGPT's loop for
-    ddp.yaml and zero2.yaml; zero1.yaml differs from zero2.yaml only in the gradients' sums)."""
+    ddp.yaml and zero2.yaml; zero1.yaml differs from zero2.yaml only in the gradients' sums).
+    gpt_tp2_pp4.yaml's real run on 8 workers, with host-held tensors (the default: every
+    parameter uploaded to the first stage and sent on from there), is also the case that once
+    hung about one run in two: a stage waiting in a gloo send stopped receiving rank 0's
+    messages, whose shared-memory cells then kept rank 0's batches from the stage that had the
+    receive."""
     assert {p.stem for p in (ROOT / "configs").glob("*.yaml")} == set(CONFIGS)
     program = MLP if extra is None else NANO if extra == "nano" else gpt(*extra)
     env = {"GTMPI_CONFIG": str(ROOT / "configs" / f"{config}.yaml")}
@@ -123,18 +128,6 @@ def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, ex
     assert f"gtmpi dry run on {workers} simulated H100(s) of 80 GiB" in err
     assert all(f"  worker {r}: " in err for r in range(1, workers + 1))
     assert "DOES NOT FIT" not in err
-
-
-@serial
-@pytest.mark.timeout(300)
-def test_an_8_worker_pipeline_with_host_held_tensors_never_hangs(tmp_path):
-    """With GTMPI_HOST_TENSORS=1 every parameter is uploaded to the first stage and sent on
-    from there; a stage waiting in a gloo send once stopped receiving rank 0's messages, whose
-    shared-memory cells then kept rank 0's batches from the stage that had the receive
-    (configs/gpt_tp2_pp4.yaml hung about one run in two)."""
-    env = {"GTMPI_CONFIG": str(ROOT / "configs" / "gpt_tp2_pp4.yaml"), "GTMPI_HOST_TENSORS": "1"}
-    real, _ = run_job(tmp_path, gpt("--layers", "4"), 240, n=9, env=env)
-    assert any(_collectives(real).values())
 
 
 @serial
