@@ -37,10 +37,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 def issue_order(name: str, stages: int, micro_batches: int,
                 virtual: int = 1) -> list[tuple[str, int, int]]:
     """The order of issuing: (``"F"`` or ``"B"``, stage, micro-batch) for every forward and
-    backward of every stage (and ``"W"``, a weight-gradient pass, for ZB-H1 and ZB-V), a valid order of
-    the dependencies (F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i)) in which
-    each stage meets its own actions in the schedule's order: GPipe, every forward then every
-    backward; 1F1B, p - s - 1 forwards to fill the pipeline, then one forward and one backward
+    backward of every stage (and ``"W"``, a weight-gradient pass, for ZB-H1 and ZB-V), a valid
+    order of the dependencies (F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i))
+    in which each stage meets its own actions in the schedule's order: GPipe, every forward then
+    every backward; 1F1B, p - s - 1 forwards to fill the pipeline, then one forward and one backward
     in turn, then the remaining backwards. "interleaved" (Megatron's interleaved 1F1B): each
     of the ``stages`` workers holds ``virtual`` chunks of the model, chunk j of worker r being
     stage j * p + r of p * v, and runs them in Megatron's order (forwards p micro-batches per

@@ -57,7 +57,8 @@ def save_sharded(obj: Any, folder: str | os.PathLike) -> None:
             key, piece = pieces[i]
             shape = tuple(piece.shape)
             entries[key] = {"shape": list(shape), "dtype": str(piece.dtype).removeprefix("torch."),
-                            "pieces": _regions(where, shape, f"{tag}.{g}")}
+                            "pieces": [{**r, "file": f"{tag}.{g}.rank{r['rank']}.pt"}
+                                       for r in _regions(where, shape)]}
             files.update(p["file"] for p in entries[key]["pieces"])
     # every worker's file written and flushed (ops/files.py), or its error raised here: the
     # members agree, so the first member's count fails if any member's write did
@@ -108,8 +109,8 @@ def load_sharded(obj: Any, folder: str | os.PathLike) -> None:
                          tuple(p["shape"])) for p in entry["pieces"])
         where = placer.placement(t.id)
         shape = tuple(t.shape)
-        regions = tuple((rank, tuple(r["starts"]), tuple(r["shape"]))
-                        for rank, r in zip(where.mesh, _regions(where, shape, "")))
+        regions = tuple((r["rank"], tuple(r["starts"]), tuple(r["shape"]))
+                        for r in _regions(where, shape))
         with torch.no_grad():
             apply("load_piece_", t, sources=sources, regions=regions, rank=where.mesh[0])
     _restore(obj, index["layout"])
@@ -174,15 +175,14 @@ def _one_piece_each(t: Tensor) -> Tensor:
     return piece
 
 
-def _regions(where: Placement, shape: tuple[int, ...], file: str) -> list[dict]:
-    """Where each member's piece lies in the whole: its starts and shape per dim (and the file
-    it is saved in); replicas of one piece are listed once each."""
+def _regions(where: Placement, shape: tuple[int, ...]) -> list[dict]:
+    """Where each member's piece lies in the whole: its starts and shape per dim; replicas of
+    one piece are listed once each."""
     out = []
     for m, rank in enumerate(where.mesh):
         starts = [0] * len(shape)
         local = list(shape)
         for dim, start, length in where.piece(shape, m):
             starts[dim], local[dim] = start, length
-        out.append({"rank": rank, "starts": starts, "shape": local,
-                    "file": f"{file}.rank{rank}.pt"})
+        out.append({"rank": rank, "starts": starts, "shape": local})
     return out

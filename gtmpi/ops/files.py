@@ -37,7 +37,7 @@ def load_piece_(target: torch.Tensor, sources: tuple, regions: tuple, rank: int)
     for file, key, starts, shape in sources:
         lo = [max(a, b) for a, b in zip(starts, mine[0])]
         hi = [min(a + n, b + m) for a, n, b, m in zip(starts, shape, *mine)]
-        if any(h <= low for low, h in zip(lo, hi)) and target.dim():
+        if any(h <= low for low, h in zip(lo, hi)):
             continue  # no overlap
         src = _opened(file, os.path.getmtime(file))[key]
         dst = target
@@ -48,8 +48,9 @@ def load_piece_(target: torch.Tensor, sources: tuple, regions: tuple, rank: int)
     return target
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=64)
 def _opened(file: str, mtime: float) -> dict:
     """A saved file's tensors, memory-mapped (a load reads each file once for all the tensors
-    it fills; ``mtime`` keeps a file written again from being served stale)."""
+    it fills, a file per saving worker and group: as many as a large job writes; ``mtime``
+    keeps a file written again from being served stale)."""
     return torch.load(file, mmap=True, weights_only=True)

@@ -28,9 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import files
-
-from . import fused_rows
+from . import files, fused_rows
 
 
 class Kind(Enum):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ..autograd.engine import function as _function
 from ..autograd.engine import grad
@@ -36,7 +36,8 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool | None = None
     values)."""
     if not is_grad_enabled():
         return function(*args, **kwargs)
-    forward_ctx, recompute_ctx = (context_fn or _nothing)()
+    forward_ctx, recompute_ctx = context_fn() if context_fn is not None else \
+        (contextlib.nullcontext(), contextlib.nullcontext())
     rt = runtime()
     drawn = rt.draws()
     first = _inputs(args)
@@ -98,7 +99,8 @@ def create_selective_checkpoint_contexts(policy_fn_or_list: Any,
     recompute's contexts for one call of ``checkpoint`` (pass
     ``context_fn=functools.partial(create_selective_checkpoint_contexts, ops)``, as with torch),
     under which the outputs of the ops the policy saves are kept from the first run and handed
-    back to the recompute instead of computed again, and every other op is recomputed. ``policy_fn_or_list``: op names of gtmpi's table (``"linear"``, ``"matmul"``,
+    back to the recompute instead of computed again, and every other op is recomputed.
+    ``policy_fn_or_list``: op names of gtmpi's table (``"linear"``, ``"matmul"``,
     ``"scaled_dot_product_attention"``; or gtmpi's functions, by name), or
     ``policy(ctx, op_name, *args, **kwargs) -> CheckpointPolicy``. Megatron's selective
     recompute keeps the matmuls' outputs and recomputes norms, GELU and the like, which cost
@@ -171,15 +173,6 @@ class _Selective:
         raise RuntimeError(f"gtmpi checkpoint: the recompute ran {said(ran)} where the "
                            f"forward had run {said(had)} (an op the "
                            "policy saves): a checkpointed function must run the same ops again")
-
-
-@contextlib.contextmanager
-def _nothing_ctx() -> Iterator[None]:
-    yield
-
-
-def _nothing() -> tuple[Any, Any]:
-    return _nothing_ctx(), _nothing_ctx()
 
 
 def checkpoint_sequential(functions: Any, segments: int, input: Any,

@@ -2,18 +2,18 @@
 clients' always; an ordinary job's unless GTMPI_INDEX_GUARD=0).
 
 On a GPU, an index out of range (a token id past the embedding's rows, a bad class in a
-cross-entropy, a gather past a dim's end) is a device-side assert: the worker's CUDA context
-is lost, and with it every client of a server that uses the worker. So a worker serving a
-server's client checks every operand the op table marks as indices (``Op.indices``) on the
-device: a bad one is set to an index in range, in its own tensor (so that every later use,
-gradients included, is in range too), and the worker's flag for that client is raised. A
-read of a value made after that op, or a sync, sees the flag and fails with an IndexError (a
-read copies the flag as it stood when its value was made, beside the work queued since, so a
-loop that reads its loss every step never drains the GPU for the check); the flag stays
-raised, because what the client computed since is not what it asked for. Its other tensors, and every other client's, are untouched. In an ordinary
-job the guard also keeps the first bad op's id, so that the IndexError names the program's
-line that issued it, and the worker keeps its CUDA context (torch's device-side assert would
-end it, every later op failing).
+cross-entropy, a gather past a dim's end) is a device-side assert: the worker's CUDA context is
+lost, and with it every client of a server that uses the worker. So a worker serving a server's
+client checks every operand the op table marks as indices (``Op.indices``) on the device: a bad
+one is set to an index in range, in its own tensor (so that every later use, gradients included,
+is in range too), and the worker's flag for that client is raised. A read of a value made after
+that op, or a sync, sees the flag and fails with an IndexError (a read copies the flag as it
+stood when its value was made, beside the work queued since, so a loop that reads its loss every
+step never drains the GPU for the check); the flag stays raised, because what the client
+computed since is not what it asked for. Its other tensors, and every other client's, are
+untouched. In an ordinary job the guard also keeps the first bad op's id, so that the IndexError
+names the program's line that issued it, and the worker keeps its CUDA context (torch's
+device-side assert would end it, every later op failing).
 """
 from __future__ import annotations
 
