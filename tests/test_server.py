@@ -80,10 +80,19 @@ class Server:
         finally:
             lines.close()
 
-    def stop(self) -> str:
+    def stop(self, cli: bool = False) -> str:
+        """Asked as ``python -m gtmpi.server --stop`` would ask (``cli``: by running it)."""
         if self.proc.poll() is None:
-            subprocess.run([sys.executable, "-m", "gtmpi.server", "--stop", "--port-file",
-                            self.port_file], env=_env(), timeout=60, capture_output=True)
+            if cli:
+                asked = subprocess.run([sys.executable, "-m", "gtmpi.server", "--stop",
+                                        "--port-file", self.port_file], env=_env(), timeout=60,
+                                       capture_output=True, text=True)
+                assert asked.returncode == 0 and "stopping" in asked.stderr, asked.stderr
+            else:
+                from gtmpi.transport.rendezvous import dial, read_port_file
+                lines = dial(read_port_file(self.port_file), {"role": "stop"})
+                assert lines.recv(timeout_s=10) == {"stopping": True}
+                lines.close()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -93,19 +102,13 @@ class Server:
         return self.text()
 
 
-@pytest.fixture
-def server(tmp_path):
-    s = Server(tmp_path)
-    yield s
-    s.stop()
-
-
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """One server for the hostile cases one after another: each must leave it serving."""
+def server(tmp_path_factory):
+    """One server for the tests one after another, as a server lives: each test's clients,
+    hostile ones included, must leave it serving the next."""
     s = Server(tmp_path_factory.mktemp("shared"))
     yield s
-    s.stop()
+    s.stop(cli=True)
 
 
 def finish(proc: subprocess.Popen, limit_s: float = 150) -> str:
@@ -456,8 +459,7 @@ BAD_INDEX = """
 """
 
 
-def test_a_bad_index_fails_its_client_only(shared, tmp_path):
-    server = shared
+def test_a_bad_index_fails_its_client_only(server, tmp_path):
     # on GPU workers an index out of range would be a device-side assert, ending the worker
     # for every client: the worker checks a client's indices on the device (worker/bounds.py)
     other = server.client(tmp_path, "reads", READS, "4")
@@ -467,8 +469,7 @@ def test_a_bad_index_fails_its_client_only(shared, tmp_path):
     assert "reads 4800.0" in finish(server.client(tmp_path, "reads1", READS, "1"))
 
 
-def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(shared, tmp_path):
-    server = shared
+def test_a_batch_that_is_not_gtmpis_drops_its_client_not_the_server(server, tmp_path):
     out = finish(server.client(tmp_path, "hostile", """
         import gtmpi as t
         from gtmpi.client.runtime import runtime
@@ -530,30 +531,32 @@ HOSTILE = """
 """
 
 
-@pytest.mark.parametrize("case, said", [
-    ("code", "not a message of gtmpi's: a value of kind"),
-    ("garbage", "not a message of gtmpi's"), ("server word", "named 'serving'"),
-    ("round", "a round whose payload is not its count of uploads"),
-    ("upload never sent", f"the bytes of an upload did not come within {TIMEOUT_S} s"),
-    ("oversized", "a message of 83,886,080 bytes, over its limit of 67,108,864"),
-    ("torn", f"a message that stopped arriving (nothing more of it for {TIMEOUT_S} s)"),
-    ("not frames", "bytes, over its limit of")])
-def test_a_hostile_clients_message_runs_nothing_and_drops_it_alone(shared, tmp_path, case,
-                                                                    said):
+HOSTILE_CASES = {
+    "code": "not a message of gtmpi's: a value of kind",
+    "garbage": "not a message of gtmpi's", "server word": "named 'serving'",
+    "round": "a round whose payload is not its count of uploads",
+    "upload never sent": f"the bytes of an upload did not come within {TIMEOUT_S} s",
+    "oversized": "a message of 83,886,080 bytes, over its limit of 67,108,864",
+    "torn": f"a message that stopped arriving (nothing more of it for {TIMEOUT_S} s)",
+    "not frames": "bytes, over its limit of"}
+
+
+@pytest.mark.timeout(300)
+def test_hostile_clients_messages_run_nothing_and_drop_them_alone(server, tmp_path):
     """A message whose pickle calls a function as it loads, bytes that are no pickle, a control
     word only the server sends, a round count that is code, an upload whose bytes never come,
     a batch too large to take in, a message cut short, bytes on the connection that are no
-    message:
-    nothing of it runs, on a worker or on the server, and nothing waits for good; the client is
-    told why it was dropped; a client working beside it finishes right, and a new one joins
-    after (the cases share one server, each leaving it to the next)."""
-    server = shared
-    ran = tmp_path / "ran"
+    message, all sent at once by as many clients: nothing of it runs, on a worker or on the
+    server, and nothing waits for good; each client is told why it was dropped; a client
+    working beside them finishes right, and a new one joins after."""
     bystander = server.client(tmp_path, "reads", READS, "2")
-    out = finish(server.client(tmp_path, "hostile", HOSTILE, case, str(ran)))
-    assert "before [1.0, 1.0, 1.0]" in out and "told:" in out and said in out, out
-    assert "dropped the client" in out
-    assert not ran.exists()
+    hostile = {case: server.client(tmp_path, f"hostile{n}", HOSTILE, case, str(tmp_path / f"ran{n}"))
+               for n, case in enumerate(HOSTILE_CASES)}
+    for n, (case, proc) in enumerate(hostile.items()):
+        out = finish(proc)
+        assert "before [1.0, 1.0, 1.0]" in out and "told:" in out, (case, out)
+        assert HOSTILE_CASES[case] in out and "dropped the client" in out, (case, out)
+        assert not (tmp_path / f"ran{n}").exists(), case
     assert "reads 9600.0" in finish(bystander)
     assert "reads 4800.0" in finish(server.client(tmp_path, "late", READS, "1"))
 
@@ -614,14 +617,13 @@ FUZZ = """
 """
 
 
-def test_a_fuzzing_client_neither_ends_nor_stalls_the_server(shared, tmp_path):
+def test_a_fuzzing_client_neither_ends_nor_stalls_the_server(server, tmp_path):
     """1,000 random and mutated messages, from four clients in turn: four in five on the tags
     that reach the workers, then on any tag (each client is dropped at the first message that
     is not gtmpi's, by a worker or the server, and told; what it sent after is drained into
     nothing, never unpickled: that once ended the server). A bystander working all along
     finishes right, a new client joins after, and the server (the hostile cases' too) logs no
     traceback."""
-    server = shared
     bystander = server.client(tmp_path, "reads", READS, "2")
     for seed in range(4):
         out = finish(server.client(tmp_path, f"fuzz{seed}", FUZZ, str(seed), "250"))
@@ -764,10 +766,9 @@ def test_the_listener_drops_what_is_not_a_token_and_survives_a_failed_accept(tmp
         hub.close()
 
 
-def test_garbage_on_a_servers_port_harms_no_client(shared, tmp_path):
+def test_garbage_on_a_servers_port_harms_no_client(server, tmp_path):
     """Bytes from any local process, with or without a token's place, leave the server taking
     and serving clients (a non-JSON line once ended its listener thread for good)."""
-    server = shared
     info = json.loads(open(server.port_file).read())
     for data in (b"\x00" * 20 + b"\n", b"GET / HTTP/1.0\r\n\r\n", b'{"role": "stop"}\n'):
         answer = _refused_by((info["host"], info["port"]), data)
