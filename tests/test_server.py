@@ -106,7 +106,7 @@ class Server:
 def server(tmp_path_factory):
     """One server for the tests one after another, as a server lives: each test's clients,
     hostile ones included, must leave it serving the next."""
-    s = Server(tmp_path_factory.mktemp("shared"))
+    s = Server(tmp_path_factory.mktemp("shared"), limit_s=900)  # the module's whole run
     yield s
     s.stop(cli=True)
 
