@@ -528,6 +528,14 @@ HOSTILE = """
         d.rounds.chan.sock.sendall(HEADER.pack(0, Tag.BATCH + link._o, 1000) + bytes(10))
     elif case == "not frames":  # bytes on the connection that are no frame at all
         d.rounds.chan.sock.sendall(bytes(range(256)) * 16)
+    elif case in ("lone collective", "lone receive"):  # a partner never sent its part would
+        import torch  # wait for it for good, and every client's work on that worker behind it
+        d.post("dist_init", ("gloo",), [1, 2])
+        like = {"shape": (3,), "dtype": torch.float32}
+        if case == "lone collective":
+            link.send([("all_reduce", 8, (x.id,), 1, {**like, "group": 0})], 99)
+        else:
+            d.links[2].send([("recv", 8, (), 0, {**like, "src": 1})], 99)
     d.rounds.end()
     try:
         (x + 1).numpy()
@@ -543,7 +551,11 @@ HOSTILE_CASES = {
     "upload never sent": f"the bytes of an upload did not come within {TIMEOUT_S} s",
     "oversized": "a message of 83,886,080 bytes, over its limit of 67,108,864",
     "torn": f"a message that stopped arriving (nothing more of it for {TIMEOUT_S} s)",
-    "not frames": "bytes, over its limit of"}
+    "not frames": "bytes, over its limit of",
+    "lone collective": "worker rank 1 waits at all_reduce(3, 'torch.float32'), which worker "
+                       "rank 2 was never sent",
+    "lone receive": "worker rank 2 waits at send((3,), 'torch.float32'), which worker rank 1 "
+                    "was never sent"}
 
 
 @pytest.mark.timeout(300)
@@ -551,9 +563,10 @@ def test_hostile_clients_messages_run_nothing_and_drop_them_alone(server, tmp_pa
     """A message whose pickle calls a function as it loads, bytes that are no pickle, a control
     word only the server sends, a round count that is code, an upload whose bytes never come,
     a batch too large to take in, a message cut short, bytes on the connection that are no
-    message, all sent at once by as many clients: nothing of it runs, on a worker or on the
-    server, and nothing waits for good; each client is told why it was dropped; a client
-    working beside them finishes right, and a new one joins after."""
+    message, a collective or a receive sent to one of its two workers only, all sent at once by
+    as many clients: nothing of it runs, on a worker or on the server, and nothing waits for
+    good; each client is told why it was dropped; a client working beside them finishes right,
+    and a new one joins after."""
     bystander = server.client(tmp_path, "reads", READS, "2")
     hostile = {case: server.client(tmp_path, f"hostile{n}", HOSTILE, case, str(tmp_path / f"ran{n}"))
                for n, case in enumerate(HOSTILE_CASES)}

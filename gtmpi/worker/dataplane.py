@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ..transport.mpi import ClientGone
 from ..transport.poll import wait_for
+from .meeting import Meeting
 
 
 # newer torch renamed these (its old names then warn with a FutureWarning on every call)
@@ -31,8 +33,14 @@ SENDS_IN_FLIGHT = 8  # unfinished sends a worker keeps before it waits for the o
 
 class DataPlane:
     def __init__(self, rank: int, device: torch.device, workers_comm: Any,
-                 take_waiting: Callable[[], None] = lambda: None) -> None:
+                 take_waiting: Callable[[], None] = lambda: None,
+                 client: tuple[Meeting, int, Callable[[], str | None]] | None = None) -> None:
+        """``client``: a server's client's plane (the workers' Meeting, its slot, and what
+        says the server dropped it, or None), whose collectives are met first and run in
+        groups of its own."""
         self.rank = rank
+        self._client = client
+        self.abandoned: list[Any] = []  # what a client dropped mid-wait left running
         self.device = device
         self.workers_comm = workers_comm  # an MPI communicator of the workers only
         self.groups: dict[int, Any] = {}
@@ -66,6 +74,8 @@ class DataPlane:
         """Collective over every worker: the first one hosts the rendezvous store. A server's
         second client finds the process group made and makes only its own groups."""
         comm = self.workers_comm
+        if self._client is not None:
+            self._meet(("dist_init", backend), None)
         if self.started:
             self._own_groups(dist.get_backend())
             return
@@ -93,12 +103,26 @@ class DataPlane:
     def _own_groups(self, backend: str) -> None:
         comm = self.workers_comm
         self.backend = backend
-        self.groups[0] = dist.group.WORLD
-        self.comms[0] = (comm, tuple(range(1, comm.Get_size() + 1)))
+        everyone = tuple(range(1, comm.Get_size() + 1))
+        if self._client is None:
+            self.groups[0] = dist.group.WORLD
+            self.comms[0] = (comm, everyone)
+        else:  # a server's client: a collective of its left unmet leaves others' groups whole
+            self.groups[0] = dist.new_group(list(range(comm.Get_size())))
+            self.comms[0] = (comm.Dup(), everyone)
         self._upward = dist.new_group(list(range(comm.Get_size())))
+
+    def _meet(self, what: tuple, group: int | None) -> None:
+        """A server's client's collective, said and heard by every member of ``group`` (None:
+        every worker) before any starts it (worker/meeting.py)."""
+        meeting, slot, dropped = self._client
+        members = self.comms[group][1] if group is not None else range(1, self.workers + 1)
+        meeting.meet(slot, ("c", group), members, what, dropped)
 
     def new_group(self, gid: int, ranks: tuple[int, ...]) -> None:
         """Every worker calls this for every group, in the same order (torch requires it)."""
+        if self._client is not None:
+            self._meet(("new_group", gid, tuple(ranks)), None)
         self.groups[gid] = dist.new_group([r - 1 for r in ranks])
         sub = self.workers_comm.Split(0 if self.rank in ranks else MPI.UNDEFINED, self.rank)
         if sub != MPI.COMM_NULL:
@@ -118,9 +142,27 @@ class DataPlane:
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(1, thread_name_prefix="gloo-wait")
         done = self._waiter.submit(work.wait)
-        take = self._take_waiting
-        wait_for(lambda: True if done.done() else take())
+        self._until(done.done, work)
         done.result()  # the collective's error, if it failed
+
+    def _until(self, test: Callable[[], bool], pending: Any) -> None:
+        """Take what rank 0 sends until ``test()``; a server's client dropped meanwhile (its
+        partner left the collective unmet) leaves ``pending`` to run into nothing."""
+        take = self._take_waiting
+        if self._client is None:
+            wait_for(lambda: True if test() else take())
+            return
+        dropped = self._client[2]  # which takes what rank 0 sent, too
+
+        def settled() -> bool | None:
+            if test():
+                return True
+            why = dropped()
+            if why is not None:
+                self.abandoned.append(pending)
+                raise ClientGone(why)
+            return None
+        wait_for(settled)
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         entry = self.stats[kind]
@@ -132,6 +174,8 @@ class DataPlane:
     def all_reduce(self, x: torch.Tensor, group: int, inplace: bool = False) -> torch.Tensor:
         """P -> R: the sum of every member's piece, on every member (in x itself, or in a
         copy where x may still be seen as the piece it was)."""
+        if self._client is not None:
+            self._meet(("all_reduce", x.numel(), str(x.dtype)), group)
         y = x if inplace else x.clone()
         self.wait(dist.all_reduce(y, group=self.groups[group], async_op=True))
         self._count("all_reduce", y)
@@ -140,6 +184,8 @@ class DataPlane:
     def all_reduce_async(self, x: torch.Tensor, group: int) -> None:
         """P -> R in x itself, not waited for: take_work() gives what to wait on before x is
         read (a kernel's own reduction, overlapping what the kernel computes next)."""
+        if self._client is not None:
+            self._meet(("all_reduce", x.numel(), str(x.dtype)), group)
         self._works.append(dist.all_reduce(x, group=self.groups[group], async_op=True))
         self._count("all_reduce", x)
 
@@ -147,6 +193,8 @@ class DataPlane:
         """P -> R for several tensors in one collective that is not waited for: the sums come
         back as views of one flat buffer, and take_work() gives what to wait on before any of
         them is read."""
+        if self._client is not None:
+            self._meet(("all_reduce", sum(x.numel() for x in xs), str(xs[0].dtype)), group)
         flat = torch.cat([x.reshape(-1) for x in xs])
         self._works.append(dist.all_reduce(flat, group=self.groups[group], async_op=True))
         self._count("all_reduce", flat)
@@ -160,6 +208,9 @@ class DataPlane:
 
     def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
         """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded."""
+        if self._client is not None:
+            self._meet(("all_gather", dim, sizes, x.shape[:dim] + x.shape[dim + 1:], str(x.dtype)),
+                       group)
         piece = _pad(x.contiguous(), dim, max(sizes))
         # into one buffer, members outermost: no copy out of a list of parts, and pieces of
         # one size along dim 0 are the whole already (a view); along another dim, one copy
@@ -175,6 +226,8 @@ class DataPlane:
                        index: int) -> torch.Tensor:
         """P -> S(dim): each member gets the sum of its piece only (half the bytes of an
         all-reduce); gloo has no reduce-scatter, so there it sums everything and cuts."""
+        if self._client is not None:
+            self._meet(("reduce_scatter", dim, sizes, tuple(x.shape), str(x.dtype)), group)
         if self.backend != "nccl":  # counted as what it stands for, as a dry run counts it
             whole = x.clone()
             self.wait(dist.all_reduce(whole, group=self.groups[group], async_op=True))
@@ -199,6 +252,8 @@ class DataPlane:
                    src_sizes: tuple[int, ...], dst_sizes: tuple[int, ...], index: int) -> torch.Tensor:
         """S(src) -> S(dst): each member sends every other the part of its piece that the other
         keeps, and keeps what it gets, joined along src (the fewest bytes for a reshard)."""
+        if self._client is not None:
+            self._meet(("all_to_all", src, dst, src_sizes, dst_sizes, str(x.dtype)), group)
         # uneven pieces travel padded to one size (gloo insists on it)
         parts = [_pad(_pad(p.contiguous(), dst, max(dst_sizes)), src, max(src_sizes))
                  for p in torch.split(x, list(dst_sizes), dst)]
@@ -213,12 +268,13 @@ class DataPlane:
         has), on every member, so that all of them skip what one of them cannot compute.
         Faults are known on the host when an op is issued, so the members agree over MPI
         without waiting for their GPUs."""
+        if self._client is not None:
+            self._meet(("agree",), group)
         comm, ranks = self.comms[group]
         mine = np.array([fault.rank if fault is not None else 0], dtype=np.int32)
         worst = np.zeros(1, dtype=np.int32)
         request = comm.Iallreduce(mine, worst, op=MPI.MAX)
-        take = self._take_waiting
-        wait_for(lambda: True if request.Test() else take())
+        self._until(request.Test, (request, mine, worst))
         self._count("agree", torch.from_numpy(mine))
         if not worst[0]:
             return None
@@ -227,6 +283,9 @@ class DataPlane:
     def send(self, x: torch.Tensor, dst: int) -> tuple:
         """Without waiting: the receiver takes it when its stream gets there. No results. A
         snapshot travels: later ops of this stream may change x in place before it has left."""
+        if self._client is not None:  # its receiver waits for this word (a sender waits for none)
+            meeting, slot, _ = self._client
+            meeting.say(slot, ("t", self.rank, dst), (dst,), ("send", tuple(x.shape), str(x.dtype)))
         x = x.clone(memory_format=torch.contiguous_format)
         group = self._upward if dst > self.rank else None
         if self._captured_sends is not None:  # no event may be queried while capturing
@@ -249,6 +308,10 @@ class DataPlane:
                 "send_bytes_held": sum(t.numel() * t.element_size() for _, t in self._sends)}
 
     def recv(self, shape: tuple, dtype: torch.dtype, src: int) -> torch.Tensor:
+        if self._client is not None:  # the sender's word first: a send it never made waits
+            meeting, slot, dropped = self._client  # here, not in torch
+            meeting.expect(slot, ("t", src, self.rank), src, ("send", tuple(shape), str(dtype)),
+                           dropped)
         x = torch.empty(shape, dtype=dtype, device=self.device)
         self.wait(dist.irecv(x, src - 1, group=self._upward if src < self.rank else None))
         self._count("recv", x)
@@ -274,13 +337,21 @@ class DataPlane:
 
     def finish(self, everything: bool = True) -> None:
         """Free this plane's groups and, with ``everything``, the process group (a server keeps
-        it for its other clients when one leaves)."""
-        self.settle_sends()
+        it for its other clients when one leaves). A client dropped while this plane waited
+        for its partners leaves its groups as they are: something still runs in them."""
+        try:
+            self.settle_sends()
+        except ClientGone:  # a send its receiver was never sent: abandoned
+            pass
+        if self.abandoned:
+            if self._waiter is not None:
+                self._waiter.shutdown(wait=False)
+            return
         if self._waiter is not None:
             self._waiter.shutdown()
             self._waiter = None
-        for gid, (comm, _) in self.comms.items():
-            if gid:
+        for comm, _ in self.comms.values():
+            if comm is not self.workers_comm:
                 comm.Free()
         self.comms.clear()
         if not self.started:
@@ -288,8 +359,8 @@ class DataPlane:
         if everything:
             dist.destroy_process_group()
             return
-        for group in [*(g for gid, g in self.groups.items() if gid), self._upward]:
-            if group is not None:
+        for group in [*self.groups.values(), self._upward]:
+            if group is not None and group is not dist.group.WORLD:
                 dist.destroy_process_group(group)
         self.groups.clear()
         self._upward = None

@@ -30,6 +30,7 @@ import torch
 from .devicequery import DeviceQueries
 from ..errors import Fault
 from ..transport.buffers import as_bytes
+from ..transport.mpi import ClientGone
 from ..ops.table import OPS, Graph, Kind, derive_seed, row_pieces
 from ..recording import events
 from ..recording.recorder import Recorder
@@ -190,6 +191,8 @@ class Executor:
                     res = op.kernel(*args, **kw) if kw else op.kernel(*args)
                     if start is not None:
                         rec.gpu_timed(start, _cuda_event())
+                except ClientGone:  # not the op's failure: its client's, which the server drops
+                    raise
                 except Exception as e:  # the op's own failure (bad index, out of memory, ...)
                     fault = self._fault(out if type(out) is int else (out or (-1,))[0], name, e)
                     if op.kind is Kind.INPLACE:

@@ -28,6 +28,7 @@ from ..transport.tags import ACK_EVERY, SLOT_STRIDE, Tag
 from .bounds import IndexGuard
 from .dataplane import DataPlane
 from .executor import Executor
+from .meeting import GRACE_S, Meeting
 
 
 class Slots:
@@ -40,11 +41,23 @@ class Slots:
         self.executors: dict[int, Executor] = {}
         self.seq: dict[int, int] = {}  # batches executed per slot (what its acks count)
         self.broken: set[int] = set()  # slots whose batches this worker could not run
+        self.meeting: Meeting | None = None  # a server's, made at its first client
+        self.dropping: set[int] = set()
+        self.current: int | None = None  # the slot whose batch runs now
+        self._waited: dict[int, float] = {}  # slot -> since when a partner waits for it here
+        self._next_judge = 0.0
         self._add(0, link).executors = self.executors  # slot 0's monitor reports every slot
 
     def _add(self, slot: int, link: HostLink) -> Executor:
         ex = self.executors[slot] = Executor(self.rank, self.device, link)
-        ex.plane = DataPlane(self.rank, self.device, self.workers_comm, self.link.take_waiting)
+        client = None
+        if slot:
+            if self.meeting is None:
+                self.meeting = Meeting(self.workers_comm, self.rank)
+            self.meeting.admit(slot)
+            client = (self.meeting, slot, lambda: self._dropped(slot))
+        ex.plane = DataPlane(self.rank, self.device, self.workers_comm, self.link.take_waiting,
+                             client)
         if slot:
             ex.slot, ex.quota = slot, self.executors[0].client_quota
             # one client's bad index must not end the worker, whatever GTMPI_INDEX_GUARD says
@@ -73,6 +86,40 @@ class Slots:
             self.link.reply(Tag.BROKEN, (slot, f"{type(e).__name__}: {e}"[:500]))
             return False
 
+    def judge(self) -> None:
+        """Break each client that a partner has waited for here for GRACE_S (a collective or
+        transfer of its, past this worker's count) while this worker held none of its work:
+        this worker was never sent its part (worker/meeting.py). Looked at every 0.1 s, idle
+        or waiting in another client's collective."""
+        now = time.monotonic()
+        if self.meeting is None or now < self._next_judge:
+            return
+        self._next_judge = now + 0.1
+        waited = self.meeting.waited_for()
+        self._waited = {slot: since for slot, since in self._waited.items() if slot in waited}
+        held = {m.tag // SLOT_STRIDE for m in self.link.inbox.ctrl}
+        for slot, what in waited.items():
+            if slot == self.current or slot in self.broken or slot not in self.executors or \
+                    slot in held:
+                self._waited.pop(slot, None)
+                continue
+            if now - self._waited.setdefault(slot, now) > GRACE_S:
+                self.broken.add(slot)
+                self.link.reply(Tag.BROKEN, (slot, f"{what}, which worker rank {self.rank} was "
+                                             "never sent: a collective or transfer sent to some "
+                                             "of its members only"))
+
+    def _dropped(self, slot: int) -> str | None:
+        """Why a client's collective waits no longer: the server dropped the client (or is
+        stopping), or its slot is being freed; None while neither. Takes what rank 0 sent, and
+        judges the other clients meanwhile."""
+        self.link.take_waiting()
+        self.judge()
+        if slot in self.dropping or any(
+                m.tag in (Tag.DROP + SLOT_STRIDE * slot, Tag.SHUTDOWN) for m in self.link.inbox.ctrl):
+            return "the server dropped the client while its workers waited for one another"
+        return None
+
     def drop(self, slot: int) -> None:
         """A server's client has gone: everything it had here goes too."""
         ex = self.executors.pop(slot, None)
@@ -80,7 +127,9 @@ class Slots:
         self.broken.discard(slot)
         if ex is not None:
             ex.close()
+            self.dropping.add(slot)
             ex.plane.finish(everything=False)
+            self.dropping.discard(slot)
             ex.env.clear()
             ex.poison.clear()
             ex.programs.clear()
@@ -93,6 +142,8 @@ class Slots:
         status, data = MPI.Status(), self.link.comms.data
         while (msg := data.improbe(0, Tag.UPLOAD + SLOT_STRIDE * slot, status)) is not None:
             msg.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+        if self.meeting is not None:
+            self.meeting.forget(slot)
         self.link.reply(Tag.DROPPED, slot)
 
 
@@ -108,8 +159,15 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
                            "device": str(device), "local_index": local_index, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None})
     watchdog = _exit_if_gone(host0[1], leaving) if host0[0] == socket.gethostname() else None
+
+    def next_message() -> Any:
+        msg = link.next_message()
+        if msg is None:
+            slots.judge()
+        return msg
+
     while True:
-        msg = wait_for(link.next_message, watchdog)
+        msg = wait_for(next_message, watchdog)
         slot, tag = divmod(msg.tag, SLOT_STRIDE)
         if tag == Tag.SHUTDOWN:
             for other in [s for s in slots.executors if s]:
@@ -136,8 +194,12 @@ def serve(comms: Comms, workers_comm: MPI.Intracomm, device: torch.device, local
             if isinstance(batch, wire.Refused):  # from this job's own rank 0: a bug of gtmpi's
                 raise RuntimeError(f"gtmpi: worker {rank} was sent {batch}")
             ex.run(batch)
-        elif not slots.run(slot, ex, batch):
-            continue
+        else:
+            slots.current = slot
+            ran = slots.run(slot, ex, batch)
+            slots.current = None
+            if not ran:
+                continue
         # a server's client is acknowledged every batch: the server paces each client by them
         if slot or seq % ACK_EVERY == 0 or not link.more_waiting():
             ex.link.ack(seq)
