@@ -539,6 +539,7 @@ HOSTILE = """
     d.rounds.end()
     try:
         (x + 1).numpy()
+        t.synchronize()  # every worker: the lone receive's is worker 2, which x is not on
     except RuntimeError as e:
         print("told:", e)
 """
