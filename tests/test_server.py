@@ -423,7 +423,7 @@ def test_eight_clients_of_five_thousand_ops_each(server, tmp_path):
 def test_the_monitor_shows_a_running_train_py_and_leaves_its_losses_alone(tmp_path):
     port = str(tmp_path / "run.port")
     cmd = ["timeout", "200", MPIEXEC, "-n", "3", sys.executable,
-           os.path.join(ROOT, "examples", "gpt", "train.py"), "--size", "tiny", "--steps", "150"]
+           os.path.join(ROOT, "examples", "gpt", "train.py"), "--size", "tiny", "--steps", "80"]
     env = _env(GTMPI_CONFIG=os.path.join(ROOT, "configs", "data_parallel.yaml"),
                GTMPI_MONITOR_INTERVAL_S="0.2")  # frames five times a second: a short run
     plain = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=220)

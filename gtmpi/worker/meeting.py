@@ -46,7 +46,7 @@ class Meeting:
         self.admitted = 0
         # what each partner said, in order: (slot, admission, channel, partner) -> (n, what)
         self.heard: dict[tuple, deque] = defaultdict(deque)
-        self.counts: dict[tuple, int] = defaultdict(int)  # (slot, channel) -> said here
+        self.counts: dict[tuple, int] = defaultdict(int)  # (slot, admission, channel) -> done
         self._sends = Sends()
 
     def admit(self, slot: int) -> None:
