@@ -1,4 +1,4 @@
-"""A worker's figures, pushed to rank 0's hub every interval by a thread of its own.
+"""A worker's figures, pushed to rank 0's hub every interval by a thread of its own (Pusher).
 
 The thread reads the executors' counters without locks (the worker's loop keeps writing them):
 a figure may be one batch old, never wrong by more. It costs the worker a wake-up and one small
@@ -14,27 +14,39 @@ from ..transport.rendezvous import dial
 from .hub import INTERVAL_S
 
 
-def start(address: tuple[str, int], token: str, rank: int,
-          figures: Callable[[], dict[str, Any]]) -> threading.Thread:
-    """Push ``figures()`` (plus the rank and the time) to the hub at ``address``."""
-    def run() -> None:
+class Pusher:
+    """The pushing thread, stopped before its worker exits: a thread still inside torch as the
+    interpreter finalizes aborts the process ("pure virtual method called", seen on a GPU
+    worker whose job ended while it read the device's memory)."""
+
+    def __init__(self, address: tuple[str, int], token: str, rank: int,
+                 figures: Callable[[], dict[str, Any]]) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address, token, rank, figures),
+                                        name="gtmpi-monitor-push", daemon=True)
+        self._thread.start()
+
+    def _run(self, address: tuple[str, int], token: str, rank: int,
+             figures: Callable[[], dict[str, Any]]) -> None:
         try:
             lines = dial({"host": address[0], "port": address[1], "token": token},
                          {"role": "worker", "rank": rank})
         except OSError:
             return  # no hub (it ended): nothing to report to
-        while True:
+        while not self._stopped.is_set():
             try:
                 body = figures()
             except RuntimeError:  # a table changed size while it was read: next time
-                time.sleep(INTERVAL_S)
+                self._stopped.wait(INTERVAL_S)
                 continue
             if not lines.send({"rank": rank, "time": time.time(), **body}):
                 return
-            time.sleep(INTERVAL_S)
-    thread = threading.Thread(target=run, name="gtmpi-monitor-push", daemon=True)
-    thread.start()
-    return thread
+            self._stopped.wait(INTERVAL_S)
+        lines.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=10)
 
 
 def figures(executors: dict[int, Any]) -> dict[str, Any]:

@@ -674,7 +674,11 @@ class Executor:
         return None
 
     def close(self) -> None:
-        """Graphs go before the process groups their collectives were captured on."""
+        """Graphs go before the process groups their collectives were captured on; the monitor's
+        pushing thread before anything it reads."""
+        if self._pusher is not None:
+            self._pusher.stop()
+            self._pusher = None
         if self.profiler is not None:
             self.profiler.close()
         self.graphs.clear()
@@ -766,8 +770,8 @@ class Executor:
         if self._pusher is None:
             from ..monitor import push
             executors = self.executors
-            self._pusher = push.start(tuple(args[0]), args[1], self.rank,
-                                      lambda: push.figures(executors))
+            self._pusher = push.Pusher(tuple(args[0]), args[1], self.rank,
+                                       lambda: push.figures(executors))
 
     def _dist_init(self, out, args: tuple) -> None:
         self.plane.init(*args)
