@@ -229,8 +229,7 @@ def test_a_killed_job_leaves_no_shared_memory_segment(tmp_path, how):
     """, 60, n=3 if how == "mpiexec" else None,
         env={"GTMPI_EMBEDDED_PROCESS": "1"} if how == "embedded worker process" else None)
     assert proc.returncode != 0 and "3.0" in proc.stdout, proc.stdout + proc.stderr
-    # the workers end once they see rank 0 gone; a job starting beside this test (the suite's
-    # other half) holds a segment of its own only until its ranks have attached
+    # the workers end once they see rank 0 gone: on a loaded host, some seconds later
     deadline = time.monotonic() + 10
     while (left := set(glob.glob("/dev/shm/mpich_shm_*")) - before) and \
             time.monotonic() < deadline:

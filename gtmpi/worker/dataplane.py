@@ -309,7 +309,7 @@ class DataPlane:
 
     def recv(self, shape: tuple, dtype: torch.dtype, src: int) -> torch.Tensor:
         if self._client is not None:  # the sender's word first: a send it never made waits
-            meeting, slot, dropped = self._client  # here, not in torch
+            meeting, slot, dropped = self._client  # in the meeting, not in torch
             meeting.expect(slot, ("t", src, self.rank), src, ("send", tuple(shape), str(dtype)),
                            dropped)
         x = torch.empty(shape, dtype=dtype, device=self.device)

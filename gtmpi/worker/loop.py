@@ -42,7 +42,7 @@ class Slots:
         self.seq: dict[int, int] = {}  # batches executed per slot (what its acks count)
         self.broken: set[int] = set()  # slots whose batches this worker could not run
         self.meeting: Meeting | None = None  # a server's, made at its first client
-        self.dropping: set[int] = set()
+        self.dropping: set[int] = set()  # slots being freed: their waits end at once
         self.current: int | None = None  # the slot whose batch runs now
         self._waited: dict[int, float] = {}  # slot -> since when a partner waits for it here
         self._next_judge = 0.0
