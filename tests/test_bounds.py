@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,6 +134,33 @@ def test_a_guarded_worker_fails_reads_after_a_bad_index_and_not_the_op():
             loss.item()
         with pytest.raises(gtmpi.WorkerError, match="not reliable"):
             emb(good).detach().numpy()  # the flag stays: the client's state since is not its own
+    finally:
+        ex.index_guard = None
+        emb.weight.grad = None
+
+
+def test_an_index_reused_before_its_backward_keeps_its_records():
+    """A pipeline's micro-batches (or gradient accumulation) run forwards that share one
+    positions tensor before the first backward: the guard's write must not make torch refuse
+    the saved index (a GPU pipeline failed in embedding_grad that way)."""
+    ex = _local_executor()
+    if ex is None:
+        pytest.skip("the worker runs in another process")
+    torch.manual_seed(0)
+    ids = torch.tensor([[1, 9, 3], [0, 2, 8]])
+    emb = gtmpi.nn.Embedding(10, 4)
+    ref = torch.nn.Embedding(10, 4)
+    ref.weight.data.copy_(torch.from_numpy(emb.weight.detach().numpy()))
+    ex.index_guard = IndexGuard(ex.device)
+    try:
+        positions = gtmpi.tensor(ids)
+        losses = [(emb(positions) * k).sum() for k in (1.0, 2.0, 3.0)]  # all forwards first
+        for loss in losses:
+            loss.backward()
+        for k in (1.0, 2.0, 3.0):
+            (ref(ids) * k).sum().backward()
+        np.testing.assert_allclose(emb.weight.grad.numpy(), ref.weight.grad.numpy(), rtol=1e-6)
+        assert not ex.index_guard.raised()
     finally:
         ex.index_guard = None
         emb.weight.grad = None

@@ -89,7 +89,10 @@ class IndexGuard:
         self.bad |= wrong
         safe = torch.where(ok, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
         try:
-            idx.copy_(safe)
+            # through .data: its version stays, as torch's records that saved this index (the
+            # positions of a micro-batch whose backward is still to come, reused by the next
+            # micro-batch's forward) would refuse it; in range, its values are unchanged
+            idx.data.copy_(safe)
             return idx
         except RuntimeError:  # an expanded view cannot be written: this use alone is safe
             return safe
