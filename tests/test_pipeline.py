@@ -14,7 +14,7 @@ import gtmpi
 from gtmpi.pipeline import Pipeline, bubble, issue_order, makespan, worker_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples.gpt.model import SIZES, build, stages  # noqa: E402
+from examples.gpt.model import SIZES, balanced_bounds, build, stages  # noqa: E402
 
 WORKERS = sorted(gtmpi.info()["workers"])
 spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
@@ -215,3 +215,23 @@ def test_a_split_backward_runs_a_fused_kernel_once(monkeypatch):
     torch.testing.assert_close(x.grad.cpu_torch(), tx.grad, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.cpu_torch(), q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_stages_are_cut_by_cost_per_worker():
+    """GPT-2 small's head and loss cost about 3.7 blocks (kernel profiles on H200s): PP=2 cuts
+    8/4, not 6/6 by count; with two chunks per worker the workers', not the chunks', costs are
+    evened (interleaved: chunks 0 and 2 on the first worker hold 8 blocks, 1 and 3 hold 4 and
+    the head; cut as four equal-cost chunks, 7 and 5)."""
+    c = SIZES["gpt2"]
+    assert balanced_bounds(c, 2) == [0, 8, 12]
+    assert balanced_bounds(c, 1) == [0, 12]
+    for name in ("interleaved", "zbv"):
+        bounds = balanced_bounds(c, 4, lambda k: worker_of(name, k, 2))
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        first = sum(n for k, n in enumerate(sizes) if worker_of(name, k, 2) == 0)
+        assert first == (8 if name == "interleaved" else 4), sizes  # ZB-V: the head is there
+    deep = dataclasses.replace(c, layers=48)  # past the exhaustive search's reach
+    bounds = balanced_bounds(deep, 16, lambda k: worker_of("interleaved", k, 8))
+    assert len(bounds) == 17 and all(b > a for a, b in zip(bounds, bounds[1:]))
+    with pytest.raises(ValueError, match="12 blocks cannot make 13 stages"):
+        balanced_bounds(c, 13)

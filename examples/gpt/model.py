@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -146,17 +148,18 @@ def tensor_parallel(model, vocab: bool = True) -> dict[str, str]:
     return out
 
 
-def stages(model, p: int) -> list[tuple[list, Callable]]:
+def stages(model, p: int,
+           owner: Callable[[int], int] | None = None) -> list[tuple[list, Callable]]:
     """The GPT cut into ``p`` pipeline stages of consecutive blocks: per stage, the modules
     whose weights it holds, and what it runs. The first embeds the tokens; the last ends with
     the final norm, the head and the loss, and is given the targets. A pipeline runs at the
     pace of its slowest stage, and the head of a large vocabulary costs as much as several
-    blocks (GPT-2 small: about 3), so the blocks are cut where the stages' costs come closest to
-    equal (Megatron's uneven first and last stages), each stage with one block at least."""
+    blocks (GPT-2 small: about 3.7), so the blocks are cut where the stages' costs come closest to
+    equal (Megatron's uneven first and last stages), each stage with one block at least;
+    with ``owner`` (chunk -> worker: interleaved and V schedules), where the workers' come
+    closest."""
     blocks = list(model.blocks)
-    if not 1 <= p <= len(blocks):
-        raise ValueError(f"{len(blocks)} blocks cannot make {p} stages")
-    bounds = balanced_bounds(model.config, p)
+    bounds = balanced_bounds(model.config, p, owner)
     out = []
     for s in range(p):
         mine = blocks[bounds[s]:bounds[s + 1]]
@@ -173,35 +176,46 @@ def stages(model, p: int) -> list[tuple[list, Callable]]:
     return out
 
 
-def balanced_bounds(c: Config, p: int) -> list[int]:
-    """Block indices cutting ``c.layers`` blocks into ``p`` consecutive stages (each at least
-    one block) whose largest cost is least, and among those the most even. Costs are per token
-    in FLOPs' worth of GPU time: a block's matmuls and attention, plus its memory-bound passes
-    over the activations (norms, residual adds, GELU, biases: about twenty, each worth some
-    1,000·dim FLOPs at a GPU's ratio of bf16 FLOPs to bytes); the head's matmul on the last
-    stage. Calibrated on GPT-2 small in 8 micro-batches on an H100 (kernel profile, 2026-11-27):
-    a block 3.2 ms a step, the head and its loss 9.8 ms, about 3 blocks; FLOPs alone say 4.5."""
+def balanced_bounds(c: Config, p: int, owner: Callable[[int], int] | None = None) -> list[int]:
+    """Block indices cutting ``c.layers`` blocks into ``p`` consecutive chunks (each at least
+    one block), chunk k held by worker ``owner(k)`` (default: worker k), whose busiest worker's
+    cost is least, and among those the most even. The first chunk also embeds, the last runs
+    the head and the loss. Costs are per token in FLOPs' worth of GPU time: a block's matmuls
+    and attention, plus its memory-bound passes over the activations (norms, residual adds,
+    GELU, biases: about twenty, each worth some 1,000·dim FLOPs at a GPU's ratio of bf16 FLOPs
+    to bytes); the head's matmul plus the float32 passes of the loss over every logit; the
+    embedding's lookups and gradient. Calibrated on GPT-2 small, micro-batches of 8, PP=2 on
+    two H200s (kernel profiles of 1F1B and ZB-V, 2026-11-29): a block 9.5 ms a step, the
+    head and its loss 35 ms (3.7 blocks; FLOPs alone say 2.4), the embedding 2.8 ms."""
     block = 24 * c.dim * c.dim + 4 * c.dim * c.seq + 20_000 * c.dim
-    head = 2 * c.dim * c.vocab
-    n = c.layers
-    best: dict[tuple[int, int], tuple[float, float, list[int]]] = {}
+    head = 2 * c.dim * c.vocab + 870 * c.vocab
+    embed = 12_000 * c.dim
+    owner = owner or (lambda k: k)
+    n, workers = c.layers, 1 + max(owner(k) for k in range(p))
+    if not 1 <= p <= n:
+        raise ValueError(f"{n} blocks cannot make {p} stages")
 
-    def cut(start: int, left: int) -> tuple[float, float, list[int]]:
-        """For blocks[start:] over ``left`` stages: the largest stage cost, the sum of the
-        squared costs, and the bounds, least first."""
-        if (start, left) not in best:
-            if left == 1:
-                cost = (n - start) * block + head
-                best[start, left] = (cost, cost * cost, [n])
-            else:
-                options = []
-                for end in range(start + 1, n - left + 2):
-                    top, squares, rest = cut(end, left - 1)
-                    cost = (end - start) * block
-                    options.append((max(cost, top), squares + cost * cost, [end, *rest]))
-                best[start, left] = min(options, key=lambda r: r[:2])
-        return best[start, left]
-    return [0, *cut(0, p)[2]]
+    def key(bounds: tuple[int, ...]) -> tuple[float, float, float]:
+        """(the busiest worker's cost, the sums of squared worker and chunk costs)."""
+        loads, squares = [0.0] * workers, 0.0
+        for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            cost = (b - a) * block + (embed if k == 0 else 0) + (head if k == p - 1 else 0)
+            loads[owner(k)] += cost
+            squares += cost * cost
+        return max(loads), sum(x * x for x in loads), squares
+
+    if math.comb(n - 1, p - 1) <= 20_000:  # every cut (GPT-2's 12 blocks: at most 462)
+        return list(min(((0, *cuts, n) for cuts in itertools.combinations(range(1, n), p - 1)),
+                        key=key))
+    # else from the even cut, one bound moved by one block at a time while that helps
+    bounds = [round(k * n / p) for k in range(p + 1)]
+    while True:
+        moves = [bounds[:k] + [bounds[k] + d] + bounds[k + 1:] for k in range(1, p)
+                 for d in (-1, 1) if bounds[k - 1] < bounds[k] + d < bounds[k + 1]]
+        better = min(moves, key=lambda b: key(tuple(b)), default=bounds)
+        if key(tuple(better)) >= key(tuple(bounds)):
+            return bounds
+        bounds = better
 
 
 def parameters(c: Config) -> int:

@@ -148,7 +148,7 @@ def main() -> None:
         return gtmpi.pipeline.worker_of(args.schedule, chunk, n_stages)
 
     if n_stages:
-        parts = stages(model, chunks)
+        parts = stages(model, chunks, stage_holding)
         name_of = {id(t): name for name, t in tensors.items()}
         stage_of = {name: 0 for name, _ in model.named_buffers()}  # used by the first stage
         for chunk, (owned, _) in enumerate(parts):
@@ -205,7 +205,7 @@ def main() -> None:
     flops = flops_per_token(c, seq)
     card = torch.cuda.get_device_name(0) if gpu and torch.cuda.is_available() else ""
     peak = next((v for k, v in PEAK_FLOPS.items() if k in card), None)
-    cuts = balanced_bounds(c, chunks) if n_stages else []
+    cuts = balanced_bounds(c, chunks, stage_holding) if n_stages else []
     mode = (f"{n_stages} pipeline stages ({args.schedule}, {args.micro_batches} micro-batches"
             f"{', tensor parallel in each' if staged_tp else ''}; blocks per "
             f"{'chunk' if chunks > n_stages else 'stage'} "
