@@ -168,8 +168,9 @@ CASES = {
 # ops no program calls on a batch: made by gtmpi itself (gradients by torch's vjp, pieces,
 # optimizer updates over parameters, a sharded checkpoint's files, collectives), or of no
 # operand (creation)
-INTERNAL = {"vjp", "piece", "add_foreach", "norm_foreach", "sgd_foreach", "adam_foreach",
-            "zero_foreach", "mul_foreach", "adam_steps", "batch_norm_update_", "save_pieces",
+INTERNAL = {"vjp", "piece", "pieces", "add_foreach", "norm_foreach", "sgd_foreach",
+            "adam_foreach", "zero_foreach", "mul_foreach", "adam_steps", "batch_norm_update_",
+            "save_pieces",
             "load_piece_",
             *(n for n, op in OPS.items() if op.kind in (Kind.COMM, Kind.CREATE)),
             *(f"{n}_grad" for n in ("layer_norm", "rms_norm", "scaled_dot_product_attention",

@@ -1,8 +1,9 @@
 """ZeRO-1 and ZeRO-2 by a config's ``zero`` key (gtmpi/optim/zero.py): the GPT trained data
 parallel on 2 workers gives the replicated run's losses and weights, with the optimizer's state
 (and at level 2 the gradients) in pieces along dim 0, half on each worker, and the collectives
-each level should run: level 1 the replicated run's all-reduces plus one all-gather per
-parameter, level 2 one reduce-scatter per gradient instead of its all-reduce."""
+each level should run: level 1 the replicated run's all-reduces plus one flat all-gather of
+every parameter's pieces a step, level 2 one reduce-scatter per gradient instead of its
+all-reduce; a bad batch on one worker skips the step on both."""
 from __future__ import annotations
 
 import dataclasses
@@ -108,7 +109,6 @@ def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer):
     runs = {zero: _train(zero, optimizer) for zero in (0, 1, 2)}
-    params = len(runs[0]["weights"])
     for zero in (1, 2):
         assert runs[zero]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
         for got, want in zip(runs[zero]["weights"], runs[0]["weights"]):
@@ -117,7 +117,9 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
         for where in runs[zero]["state"].values():
             assert where["type"] == "S(0)" and where["mesh"] == WORKERS[:2]
             assert [s[0] for s in where["shards"].values()] == [C.vocab // 2] * 2
-        assert runs[zero]["ran"]["all_gather"] == 3 * params  # each parameter, each step
+        # every parameter's pieces in one flat all-gather a step (FSDP2's flat buffer), not
+        # one per parameter (29 here)
+        assert runs[zero]["ran"]["all_gather"] == 3
     for where in runs[0]["state"].values():
         assert where["type"] == "R"
     # level 1 all-reduces the gradients as the replicated run does; level 2 reduce-scatters
@@ -168,3 +170,42 @@ def test_a_zero_optimizers_state_dict_is_the_replicated_ones():
                                            rtol=1e-5, atol=1e-7)
             else:
                 assert float(other) == float(value)
+
+
+@spread
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_bad_batch_on_one_worker_skips_the_zero_step_on_both(zero):
+    """A target out of range in the second worker's half of one batch: its gradients fail
+    there, the pieces' agreement tells the first, and neither updates its pieces or gathers
+    them into the weights; the weights are those of torch's run that skipped the batch."""
+    gtmpi.load_config({f"bad{zero}": {"shard": {"workers": [0, 1], "replicated": True},
+                                      "zero": zero},
+                       "bad_halves": {"shard": {"axis": 0, "workers": [0, 1]}}})
+    torch.manual_seed(1)
+    w0, b0, x = torch.randn(4, 3), torch.randn(4), torch.randn(4, 3)
+    with gtmpi.signal.context(f"bad{zero}"):
+        w, b = gtmpi.tensor(w0, requires_grad=True), gtmpi.tensor(b0, requires_grad=True)
+    opt = gtmpi.optim.AdamW([w, b], lr=0.1)
+    tw, tb = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    topt = torch.optim.AdamW([tw, tb], lr=0.1)
+    raised = []
+    for labels in [[0, 2, 1, 3], [1, 2, 0, 7], [3, 2, 0, 0]]:  # 7: out of range
+        opt.zero_grad()
+        gtmpi.nn.functional.cross_entropy(
+            gtmpi.signal.tensor(x, "bad_halves") @ w.T + b,
+            gtmpi.signal.tensor(torch.tensor(labels), "bad_halves")).backward()
+        opt.step()
+        try:  # the skipped update is said here, once
+            gtmpi.synchronize()
+        except gtmpi.WorkerError as e:
+            raised.append(str(e))
+        if 7 in labels:
+            continue
+        topt.zero_grad()
+        torch.nn.functional.cross_entropy(x @ tw.T + tb, torch.tensor(labels)).backward()
+        topt.step()
+    assert len(raised) == 1 and "Target 7 is out of bounds" in raised[0]
+    assert gtmpi.debug.placement(opt.state[w]["exp_avg"])["type"] == "S(0)"
+    for got, want in ((w, tw), (b, tb)):  # each worker's rows from its own replica
+        rows = gtmpi.signal.tensor(got.detach(), "bad_halves")
+        torch.testing.assert_close(torch.from_numpy(rows.numpy()), want.detach())

@@ -839,6 +839,10 @@ _ops = [
     Op("split", Kind.SHAPE, lambda x, sections, dim: tuple(torch.split(x, sections, dim))),
     Op("chunk", Kind.SHAPE, lambda x, chunks, dim: tuple(torch.chunk(x, chunks, dim))),
     Op("narrow", Kind.SHAPE, lambda x, dim, start, length: x.narrow(dim, start, length).contiguous()),
+    # each member's rows of a bucket of whole tensors (ZeRO's pieces to update), in one
+    # instruction; each its own memory, as "piece" below
+    Op("pieces", Kind.SHAPE, lambda *xs, spans: tuple(
+        x.narrow(0, start, length).clone() for x, (start, length) in zip(xs, spans))),
     # a shard cut from a whole tensor by placement: its own memory, never a view of the whole
     Op("piece", Kind.SHAPE, lambda x, dim, start, length:
        x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)),
@@ -889,6 +893,10 @@ _ops += [
        lambda *xs, group, shapes, shape, dtype, plane: plane.reduce_bucket(xs, group)),
     Op("all_gather", Kind.COMM, lambda x, group, dim, sizes, shape, dtype, plane:
        plane.all_gather(x, group, dim, sizes)),
+    # ZeRO's updated pieces (the second half of the operands) gathered into their parameters
+    # (the first half) in place, as one flat buffer: one collective for a bucket of parameters
+    Op("gather_pieces_", Kind.COMM, lambda *xs, group, sizes, shapes, shape, dtype, plane:
+       plane.gather_pieces(xs, group, sizes)),
     Op("reduce_scatter", Kind.COMM, lambda x, group, dim, sizes, index, shape, dtype, plane:
        plane.reduce_scatter(x, group, dim, sizes, index)),
     Op("all_to_all", Kind.COMM,

@@ -34,28 +34,45 @@ def level(p: Tensor) -> int:
 
 def pieces(params: list[Tensor]) -> list[Tensor]:
     """Each worker's piece of each parameter (S(0) over its workers, a copy), with its
-    gradient's piece as ``.grad`` (reduce-scattered where the gradient is a partial sum)."""
-    placer = runtime().dispatcher.placer
+    gradient's piece as ``.grad`` (reduce-scattered where the gradient is a partial sum).
+    Replicated ones are cut by one instruction per worker for the whole bucket; a gradient
+    that is pieces already (ZeRO-2) is its own piece."""
+    rt = runtime()
+    placer = rt.dispatcher.placer
+    mesh = placer.placement(params[0].id).mesh
+    cut: dict[int, Tensor] = {}
+    # the parameters' and the gradients' apart: a failed gradient fails the pieces cut with
+    # it, and a parameter's failed piece would fail the parameter (its update is skipped)
+    for tensors in (params, [p.grad for p in params]):
+        whole = [t for t in tensors if placer.placement(t.id) == Placement(mesh, "R")]
+        cut.update((id(t), Tensor(rt.new_id(), t._sig)) for t in whole)
+        if whole:
+            placer.cut_rows([t.id for t in whole], [t._sig for t in whole],
+                            [cut[id(t)].id for t in whole])
+    def piece_of(t: Tensor) -> Tensor:
+        if id(t) in cut:
+            return cut[id(t)]
+        return t if placer.placement(t.id) == Placement(mesh, "S", 0) else _cut(t, placer)
+
     out = []
     for p in params:
-        piece = _cut(p, placer)
-        piece.grad = _cut(p.grad, placer)
+        piece = piece_of(p)
+        piece.grad = piece_of(p.grad)
         out.append(piece)
     return out
 
 
 def gather(params: list[Tensor], shards: list[Tensor], zero: int) -> None:
-    """The updated pieces all-gathered into the parameters; at level 2 each gradient stays its
-    pieces (read whole, it is gathered then)."""
+    """The updated pieces all-gathered into the parameters (one collective per bucket and
+    dtype); at level 2 each gradient stays its pieces (read whole, it is gathered then)."""
     rt = runtime()
-    placer = rt.dispatcher.placer
     # one agreement on every piece and parameter, where each copy would agree on its own
     rt.agree([t.id for t in (*params, *shards)])
-    with placer.asking():
+    rt.dispatcher.placer.gather_rows([p.id for p in params], [s.id for s in shards],
+                                     [p._sig for p in params])
+    if zero >= 2:
         for p, piece in zip(params, shards):
-            p.copy_(piece)
-            if zero >= 2:
-                p.grad = piece.grad
+            p.grad = piece.grad
 
 
 def _cut(t: Tensor, placer) -> Tensor:

@@ -222,6 +222,37 @@ class DataPlane:
             return out.movedim(0, dim).flatten(dim, dim + 1)
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(out.unbind(0), sizes)], dim)
 
+    def gather_pieces(self, xs: tuple, group: int,
+                      sizes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+        """ZeRO's gather: ``xs`` is k whole tensors then this member's k pieces along dim 0
+        (``sizes[i]``: tensor i's rows per member); every member's pieces are written into
+        the whole tensors, through one all-gather of each member's pieces laid end to end
+        (FSDP2's flat buffer: one collective where one per tensor cost a host round each)."""
+        k = len(xs) // 2
+        wholes, pieces = xs[:k], xs[k:]
+        if self._client is not None:
+            self._meet(("gather_pieces", sizes, str(wholes[0].dtype)), group)
+        rows = [w[0].numel() for w in wholes]  # elements per row
+        members = len(sizes[0])
+        counts = [sum(n[m] * r for n, r in zip(sizes, rows)) for m in range(members)]
+        top = max(counts)
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        flat = _pad(flat, 0, top)
+        out = flat.new_empty(members * top)
+        self.wait(_ALL_GATHER(out, flat, group=self.groups[group], async_op=True))
+        self._count("all_gather", flat)
+        starts = [[sum(n[:m]) for m in range(members)] for n in sizes]
+        dst, src = [], []
+        for m in range(members):
+            parts = out.narrow(0, m * top, counts[m]).split([n[m] * r for n, r in zip(sizes, rows)])
+            for i, part in enumerate(parts):
+                if sizes[i][m]:
+                    target = wholes[i].narrow(0, starts[i][m], sizes[i][m])
+                    dst.append(target)
+                    src.append(part.view(target.shape))
+        torch._foreach_copy_(dst, src)
+        return wholes
+
     def reduce_scatter(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...],
                        index: int) -> torch.Tensor:
         """P -> S(dim): each member gets the sum of its piece only (half the bytes of an

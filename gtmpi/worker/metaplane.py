@@ -238,6 +238,14 @@ class MetaPlane:
         shape[dim] = sum(sizes)
         return x.new_empty(shape)
 
+    def gather_pieces(self, xs: tuple, group: int,
+                      sizes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+        k = len(xs) // 2
+        rows = [w[0].numel() for w in xs[:k]]
+        top = max(sum(n[m] * r for n, r in zip(sizes, rows)) for m in range(len(sizes[0])))
+        self._count("all_gather", xs[0].new_empty(top))
+        return xs[:k]
+
     def reduce_scatter(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...],
                        index: int) -> torch.Tensor:
         self._count("reduce_scatter", x)
