@@ -9,8 +9,9 @@ the all-reduced gradient at level 1; at level 2 backward reduce-scattered each g
 the pieces as soon as it was complete, half an all-reduce's traffic, and freed the whole
 partial sum: the placer's reduce_soon), runs the optimizer's own instruction on its pieces,
 whose state (Adam's moments, SGD's momentum) lives only there, 1/n of it per worker, and the
-updated pieces are all-gathered into the parameter. Parameters too small to cut (a scalar,
-fewer rows than workers) are updated whole, as without ZeRO.
+updated pieces are all-gathered into the parameter: a bucket of parameters at a time, cut by
+one instruction per worker and gathered by one flat all-gather. Parameters too small to cut
+(a scalar, fewer rows than workers) are updated whole, as without ZeRO.
 """
 from __future__ import annotations
 
