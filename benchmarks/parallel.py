@@ -16,13 +16,17 @@ way to run it, in one run:
 | PP=2 ZB-V      | the same, ZB-V (2 chunks per stage, a V) | (none: the 1F1B row is the peer)    |
 | TP=2 x PP=2    | configs/gpt_tp2_pp2.yaml, 1F1B           | (none here: Megatron-core is not    |
 |                |                                          |  installed, and torch has no recipe)|
+| PP=4           | four stages, one GPU each, 1F1B          | torch.distributed.pipelining 1F1B   |
+| PP=4 ...       | interleaved, ZB-H1, ZB-V, as for PP=2    | (none: the PP=4 row is the peer)    |
+| one GPU ckpt   | --checkpoint-activations full, selective | (none: the one GPU row is the peer; |
+|                |                                          |  its ratio is the step time's cost) |
 
 Each is a fresh process group (mpiexec for gtmpi, torch.distributed.run for PyTorch), run one
 after another on the same GPUs. Ratios are to one GPU of the same library: at the same global
 batch for TP and PP, at the same batch per GPU for DP (DP=n trains n times the batch). For the
 pipelines, a second, shorter gtmpi run records the workers' kernels (GTMPI_PROFILE): a stage's
 bubble is the part of its step with no computing kernel running (NCCL alone or idle), beside
-(p-1)/(m+p-1). Prints a table, then one JSON line of every figure.
+its schedule's own (pipeline.bubble). Prints a table, then one JSON line of every figure.
 """
 from __future__ import annotations
 
@@ -66,10 +70,11 @@ def main() -> None:
 
     def layout(name: str, n: int, batch: int, config: str | None, peer: str | None,
                one_batch: int, pipeline: tuple[int, int] | None = None,
-               env: dict | None = None, schedule: tuple[str, int] = ("1f1b", 1)) -> None:
+               env: dict | None = None, schedule: tuple[str, int] = ("1f1b", 1),
+               flags: tuple[str, ...] = ()) -> None:
         if n > gpus or (only is not None and name not in only):
             return
-        extra = ("--schedule", schedule[0], "--virtual-stages", str(schedule[1]))
+        extra = ("--schedule", schedule[0], "--virtual-stages", str(schedule[1]), *flags)
         g = _gtmpi(name, n, batch, config, args, logs, env=env, extra=extra)
         t = _torch(name, peer, n, batch, args, logs) if peer else None
         row = {"layout": name, "gpus": n, "batch": batch, "gtmpi": g, "torch": t,
@@ -87,6 +92,10 @@ def main() -> None:
     dp_configs = _write_dp_configs(logs, gpus)
     layout("one GPU", 1, per_gpu, None, "one", per_gpu)
     layout("one GPU", 1, args.batch, None, "one", args.batch)
+    # activation checkpointing's cost in step time (the ratio) and what it saves (peak GB)
+    for mode in ("full", "selective"):
+        layout(f"one GPU ckpt {mode}", 1, args.batch, None, None, args.batch,
+               flags=("--checkpoint-activations", mode))
     for n in (2, 4, 8):
         layout(f"DP={n}", n, per_gpu * n, dp_configs.get(n), "ddp", per_gpu)
         for zero in (1, 2):  # ZeRO-1 and -2: DDP's row, in the same run, is the peer
@@ -106,6 +115,12 @@ def main() -> None:
            args.batch, (2, args.micro_batches), schedule=("zbv", 2))
     layout("TP=2 x PP=2", 4, args.batch, os.path.join(ROOT, "configs/gpt_tp2_pp2.yaml"), None,
            args.batch, (2, args.micro_batches))
+    if gpus >= 4:
+        four = _write_stages_config(logs, 4)
+        for name, schedule in (("PP=4", ("1f1b", 1)), ("PP=4 interleaved", ("interleaved", 2)),
+                               ("PP=4 ZB-H1", ("zbh1", 1)), ("PP=4 ZB-V", ("zbv", 2))):
+            layout(name, 4, args.batch, four, "pp" if name == "PP=4" else None, args.batch,
+                   (4, args.micro_batches), schedule=schedule)
     _report(rows, args)
 
 
@@ -132,6 +147,14 @@ def _write_dp_configs(folder: str, gpus: int) -> dict:
                             f"  zero: {zero}\n")
                 out[(n, zero) if zero else n] = path
     return out
+
+
+def _write_stages_config(folder: str, stages: int) -> str:
+    """configs/pipeline.yaml's signals for ``stages`` stages, one worker each."""
+    path = os.path.join(folder, f"pipeline{stages}.yaml")
+    with open(path, "w") as f:
+        f.writelines(f"stage{s}:\n  shard:\n    workers: [{s}]\n" for s in range(stages))
+    return path
 
 
 def _run(name: str, cmd: list[str], env: dict, logs: str, timeout: int = 300) -> dict | None:
