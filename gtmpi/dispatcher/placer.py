@@ -356,14 +356,14 @@ class Placer:
         cut by one instruction per member where one per tensor cost the host a round each."""
         self.d.close_run()  # what it sends goes behind what made the tensors
         mesh = self.placement(ids[0]).mesh
-        piece = Placement(mesh, "S", 0)
+        rows = Placement(mesh, "S", 0)
         for m, rank in enumerate(mesh):
-            spans = tuple((piece.starts(tuple(sig[0]))[m], piece.sizes(tuple(sig[0]))[m])
+            spans = tuple((rows.starts(tuple(sig[0]))[m], rows.sizes(tuple(sig[0]))[m])
                           for sig in sigs)
             self._emit(rank, ("pieces", tuple(outs), tuple(ids), (1 << len(ids)) - 1,
                               {"spans": spans}))
         for tid, out, sig in zip(ids, outs, sigs):
-            self._record(out, sig, piece)
+            self._record(out, sig, rows)
             self._agreed_as(tid, out, mesh)
 
     def gather_rows(self, ids: list[int], pieces: list[int], sigs: list[tuple]) -> None:
@@ -372,7 +372,7 @@ class Placer:
         all-gather per dtype."""
         self.d.close_run()
         mesh = self.placement(ids[0]).mesh
-        piece = Placement(mesh, "S", 0)
+        rows = Placement(mesh, "S", 0)
         group = self._group(mesh)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, sig in enumerate(sigs):
@@ -380,16 +380,16 @@ class Placer:
         for dtype, chosen in by_dtype.items():
             wholes, cut = [ids[i] for i in chosen], [pieces[i] for i in chosen]
             shapes = [tuple(sigs[i][0]) for i in chosen]
-            sizes = tuple(piece.sizes(shape) for shape in shapes)
+            sizes = tuple(rows.sizes(shape) for shape in shapes)
             for m, rank in enumerate(mesh):
-                mine = tuple(piece.local_shape(shape, m) for shape in shapes)
+                mine = tuple(rows.local_shape(shape, m) for shape in shapes)
                 self._emit(rank, ("gather_pieces_", tuple(wholes), (*wholes, *cut),
                                   (1 << 2 * len(chosen)) - 1,
                                   {"group": group, "sizes": sizes, "shapes": (*shapes, *mine),
                                    "shape": (sum(_numel(s) for s in mine),), "dtype": dtype}))
-            for tid, out in zip(wholes, cut):
-                self._changed(tid)
-                self._agreed_as(out, tid, mesh)
+            for whole, piece in zip(wholes, cut):
+                self._changed(whole)  # its copies (a cast, a cut) hold the old values
+                self._agreed_as(piece, whole, mesh)
         self._flush_touched()
 
     def reduce_now(self) -> None:

@@ -244,7 +244,8 @@ class DataPlane:
         starts = [[sum(n[:m]) for m in range(members)] for n in sizes]
         dst, src = [], []
         for m in range(members):
-            parts = out.narrow(0, m * top, counts[m]).split([n[m] * r for n, r in zip(sizes, rows)])
+            parts = out.narrow(0, m * top, counts[m]).split(
+                [n[m] * r for n, r in zip(sizes, rows)])
             for i, part in enumerate(parts):
                 if sizes[i][m]:
                     target = wholes[i].narrow(0, starts[i][m], sizes[i][m])
