@@ -50,6 +50,7 @@ def pieces(params: list[Tensor]) -> list[Tensor]:
         if whole:
             placer.cut_rows([t.id for t in whole], [t._sig for t in whole],
                             [cut[id(t)].id for t in whole])
+
     def piece_of(t: Tensor) -> Tensor:
         if id(t) in cut:
             return cut[id(t)]
