@@ -117,8 +117,9 @@ def main() -> None:
                         "(torch.utils.checkpoint for torch); selective: the matmuls' and "
                         "attention's outputs kept (torch's selective checkpoint contexts)")
     p.add_argument("--loss-chunk-rows", type=int, default=0, metavar="N",
-                   help="gtmpi's head and loss N rows at a time (F.linear_cross_entropy); "
-                        "torch's side keeps its whole logits, having no such function")
+                   help="the head and loss N rows at a time (F.linear_cross_entropy with "
+                        "LinearCrossEntropyOptions); torch before 2.13, which has no such "
+                        "function, keeps its whole logits")
     p.add_argument("--data-parallel", action="store_true",
                    help="gtmpi splits each batch over all its workers (weights replicated, "
                         "gradients all-reduced); torch runs the same batch on one GPU")
@@ -162,6 +163,8 @@ def main() -> None:
         model.to(dtype)
         model.checkpointing = None if args.checkpoint_activations == "none" else \
         args.checkpoint_activations
+        if hasattr(torch.nn, "LinearCrossEntropyOptions"):  # torch 2.13 chunks it too
+            model.loss_chunk_rows = args.loss_chunk_rows or None
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                 **({"fused": True} if fused else {}))
         step_model = torch.compile(model) if compiled else model
@@ -236,8 +239,9 @@ def main() -> None:
     print(f"GPT {args.size} ({parameters(c) / 1e6:.1f}M parameters: {c.layers} layers, dim {c.dim}, "
           f"{c.heads} heads, seq {c.seq}, vocab {c.vocab}), batch {args.batch}, {str(dtype)[6:]}, "
           f"AdamW; {steps} steps timed after {warmup}; activations checkpointed: "
-          f"{args.checkpoint_activations}; gtmpi's loss in chunks of "
-          f"{args.loss_chunk_rows or 'all'} rows")
+          f"{args.checkpoint_activations}; loss in chunks of "
+          f"{args.loss_chunk_rows or 'all'} rows"
+          f"{'' if hasattr(torch.nn, 'LinearCrossEntropyOptions') else ' (gtmpi only)'}")
     print(f"device {device} ({name}, {platform.node()}); gtmpi: {len(world['workers'])} worker(s)"
           f"{' (embedded)' if world['embedded'] else ' (mpiexec)'}; torch {torch.__version__}")
     print(f"{'':<10} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'peak GB':>9} {'reserved GB':>12} "

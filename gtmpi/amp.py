@@ -49,7 +49,8 @@ LOWER = frozenset(_TORCH_LOWER & set(OPS))
 FLOAT32 = {"cuda": frozenset(_TORCH_FLOAT32_CUDA & set(OPS)),
            "cpu": frozenset(_TORCH_FLOAT32_CPU & set(OPS))}
 DEFAULT_DTYPE = {"cuda": float16, "cpu": bfloat16}
-FUSED = frozenset({"linear"})  # lower-precision ops that cast inside their kernels
+# lower-precision ops that cast inside their kernels
+FUSED = frozenset({"linear", "linear_cross_entropy"})
 
 
 class Region:

@@ -292,43 +292,93 @@ def test_the_gpt_examples_checkpointed_blocks_give_its_losses_and_gradients():
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("reduction, smoothing", [("mean", 0.0), ("sum", 0.0), ("none", 0.0),
-                                                  ("mean", 0.1)])
-def test_a_chunked_head_and_loss_is_torchs_linear_and_cross_entropy(reduction, smoothing):
+_TORCH_HAS_IT = hasattr(torch.nn, "LinearCrossEntropyOptions")  # torch 2.13 on
+
+
+@pytest.mark.parametrize("reduction, smoothing, reference", [
+    ("mean", 0.0, "composite"), ("sum", 0.0, "composite"), ("none", 0.0, "composite"),
+    ("mean", 0.1, "composite"),
+    *((reduction, 0.0, "torch's") for reduction in ("mean", "sum", "none") if _TORCH_HAS_IT)])
+def test_a_chunked_head_and_loss_is_torchs(reduction, smoothing, reference):
+    """Against torch's linear then cross_entropy, and against torch 2.13's own
+    linear_cross_entropy with its own options object, given to gtmpi unchanged."""
     gen = torch.Generator().manual_seed(8)
     x, w, b = torch.randn(24, 16, generator=gen), torch.randn(50, 16, generator=gen), \
         torch.randn(50, generator=gen)
     t = torch.randint(0, 50, (24,), generator=gen)
-    t[5] = -100
+    t[5] = 3
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=10) \
+        if reference == "torch's" else gtmpi.nn.LinearCrossEntropyOptions(batch_chunk_size=10)
     tx, tw, tb = (v.clone().requires_grad_() for v in (x, w, b))
-    want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(tx, tw, tb), t,
-                                             reduction=reduction, label_smoothing=smoothing)
+    F = torch.nn.functional
+    want = F.linear_cross_entropy(tx, tw, t, linear_bias=tb, ignore_index=3, reduction=reduction,
+                                  options=options) if reference == "torch's" else \
+        F.cross_entropy(F.linear(tx, tw, tb), t, ignore_index=3, reduction=reduction,
+                        label_smoothing=smoothing)
     gx, gw, gb = (gtmpi.tensor(v, requires_grad=True) for v in (x, w, b))
-    got = gtmpi.nn.functional.linear_cross_entropy(gx, gw, gtmpi.tensor(t), gb,
-                                                   reduction=reduction,
-                                                   label_smoothing=smoothing, chunk_size=10)
+    got = gtmpi.nn.functional.linear_cross_entropy(
+        gx, gw, gtmpi.tensor(t), linear_bias=gb, ignore_index=3, reduction=reduction,
+        label_smoothing=smoothing, options=options)
     assert_same(got, want.detach(), rtol=1e-5, atol=1e-6)
     upstream = torch.rand(want.shape, generator=gen)
     (want * upstream).sum().backward()
     (got * gtmpi.tensor(upstream)).sum().backward()
     for g, v in ((gx, tx), (gw, tw), (gb, tb)):
-        assert_same(g.grad, v.grad, rtol=1e-5, atol=1e-6)
+        assert_same(g.grad, v.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_a_chunked_loss_holds_one_chunks_logits_at_a_time():
-    """The peak of tensors held during forward and backward (a dry run would count bytes;
-    here the workers' tensor counts after each chunk): the logits of one chunk at a time."""
-    x = gtmpi.randn(64, 16, device="cuda", requires_grad=True)
-    w = gtmpi.randn(1000, 16, device="cuda", requires_grad=True)
-    t = gtmpi.randint(0, 1000, (64,), device="cuda")
-    gtmpi.synchronize()
-    before = sum(s["memory_bytes"] for s in gtmpi.debug.worker_stats().values())
-    loss = gtmpi.nn.functional.linear_cross_entropy(x, w, t, chunk_size=16)
-    gtmpi.synchronize()
-    after = sum(s["memory_bytes"] for s in gtmpi.debug.worker_stats().values())
-    assert after - before < 16 * 1000 * 4  # not one chunk's logits kept, let alone all 64 rows'
-    loss.backward()
-    assert x.grad.shape == (64, 16) and w.grad.shape == (1000, 16)
+def test_a_chunked_loss_holds_gradients_not_logits():
+    """On a dry run's worker, which counts every byte its kernels make and free: after the
+    forward, the loss's record holds the input's and the weight's gradients and nothing the
+    size of the logits; twice the rows raise the peak by row-sized tensors alone."""
+    from gtmpi.transport.local import LocalLink
+    from gtmpi.worker.metaplane import MetaExecutor
+    vocab, dim, peaks = 8192, 64, []
+    for rows in (1024, 2048):
+        ex = MetaExecutor(1, LocalLink())
+        ex.run([("zeros", 1, ((rows, dim), torch.float32), 0, {}),
+                ("zeros", 2, ((vocab, dim), torch.float32), 0, {}),
+                ("zeros", 3, ((rows,), torch.int64), 0, {})])
+        base = ex.meta_peak
+        ex.run([("linear_cross_entropy", (4, 5), (1, 2, 3, None, -100, "mean", 128), 7,
+                 {"grads": (0, 1)})])
+        assert ex._made.alive - base == (rows * dim + vocab * dim) * 4 + 4  # dx, dw, the loss
+        peaks.append(ex.meta_peak - base)
+        like = (((rows, dim), torch.float32), ((vocab, dim), torch.float32))
+        ex.run([("linear_cross_entropy_grad", (6, 7), (5, 4), 3, {"grads": (0, 1), "like": like})])
+        assert ex.meta_peak - base == peaks[-1]  # backward scales what forward made
+    assert peaks[0] < 2 * vocab * dim * 4 + 4 * 128 * vocab * 4  # not 1,024 rows' logits (32 MiB)
+    assert peaks[1] - peaks[0] < 2 * 1024 * dim * 4  # the extra rows' input and gradient
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_chunked_loss_under_autocast_is_the_whole_logits_loss(device_type):
+    """Under autocast the head's matmuls run in bfloat16 and the loss is float32 as torch's
+    lists make it: on CPUs cross_entropy in float32; on GPUs torch's composite, whose
+    log_softmax rounds the log-probabilities to bfloat16 (the regions' rules, set against
+    torch's in test_amp.py, stand for both here: CPU workers run either)."""
+    gen = torch.Generator().manual_seed(11)
+    x, w = torch.randn(64, 32, generator=gen), torch.randn(300, 32, generator=gen) / 4
+    t = torch.randint(0, 300, (64,), generator=gen)
+    t[3] = -100
+    runs = []
+    for chunked in (False, True):
+        gx, gw = (gtmpi.tensor(v, requires_grad=True) for v in (x, w))
+        with gtmpi.autocast(device_type, dtype=gtmpi.bfloat16):
+            if chunked:
+                loss = gtmpi.nn.functional.linear_cross_entropy(
+                    gx, gw, gtmpi.tensor(t),
+                    options=gtmpi.nn.LinearCrossEntropyOptions(batch_chunk_size=16))
+            else:
+                loss = gtmpi.nn.functional.cross_entropy(gtmpi.nn.functional.linear(gx, gw),
+                                                         gtmpi.tensor(t))
+        loss.backward()
+        runs.append((loss.dtype, loss.item(), gx.grad.cpu_torch(), gw.grad.cpu_torch()))
+    (dtype, want, wx, ww), (got_dtype, got, gx_, gw_) = runs
+    assert got_dtype == dtype == torch.float32
+    assert got == pytest.approx(want, rel=1e-5)
+    torch.testing.assert_close(gx_, wx, rtol=2e-2, atol=1e-4)  # bfloat16 gradients
+    torch.testing.assert_close(gw_, ww, rtol=2e-2, atol=1e-4)
 
 
 @pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
@@ -342,8 +392,9 @@ def test_a_chunked_loss_keeps_a_split_batch_split():
     gw = gtmpi.signal.tensor(w, "ck_weights").requires_grad_()
     gtmpi.debug.strict_placement()
     try:
-        loss = gtmpi.nn.functional.linear_cross_entropy(gx, gw, gtmpi.signal.tensor(t, "ck_data"),
-                                                        chunk_size=4)
+        loss = gtmpi.nn.functional.linear_cross_entropy(
+            gx, gw, gtmpi.signal.tensor(t, "ck_data"),
+            options=gtmpi.nn.LinearCrossEntropyOptions(batch_chunk_size=4))
         loss.backward()
     finally:
         gtmpi.debug.strict_placement(False)
@@ -373,3 +424,37 @@ def test_the_gpt_examples_chunked_loss_gives_its_losses_and_gradients():
     assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-6)
     for g, w in zip(runs[1][1], runs[0][1]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_chunks_are_sized_as_torchs_options_size_them():
+    from gtmpi.nn.functional import _chunk_rows
+    options = gtmpi.nn.LinearCrossEntropyOptions
+    x, head = gtmpi.empty(8192, 768), gtmpi.empty(50304, 768)
+    # GPT-2 small at batch 8: 66 times the input's width in classes, so 8,192 / 66 rows
+    # (128, a power of two) make logits as large as the input; "auto" halves them
+    assert _chunk_rows(options(chunking_method="aspect_ratio"), x, head) == 128
+    assert _chunk_rows(options(), x, head) == 64
+    assert _chunk_rows(options(chunking_method="aspect_ratio:4"), x, head) == 32
+    assert _chunk_rows(options(batch_chunk_size=1024), x, head) == 1024
+    assert _chunk_rows(options(chunking_method=None), x, head) == 8192
+    with pytest.raises(ValueError, match="both set"):
+        _chunk_rows(options(batch_chunk_size=8, chunking_method="aspect_ratio"), x, head)
+    with pytest.raises(ValueError, match="unknown chunking_method"):
+        _chunk_rows(options(chunking_method="square"), x, head)
+
+
+@pytest.mark.parametrize("policy", ["accurate", "compact"])
+def test_a_chunked_loss_of_bfloat16_weights_sums_their_gradient_as_asked(policy):
+    """"compact" sums the chunks' weight gradients in bfloat16, "accurate" in float32: both
+    within bfloat16's rounding of the float32 gradient, in the weight's dtype."""
+    gen = torch.Generator().manual_seed(13)
+    x, w = torch.randn(64, 32, generator=gen), torch.randn(300, 32, generator=gen) / 4
+    t = torch.randint(0, 300, (64,), generator=gen)
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(tx @ tw.T, t).backward()
+    gx, gw = (gtmpi.tensor(v, dtype=gtmpi.bfloat16, requires_grad=True) for v in (x, w))
+    options = gtmpi.nn.LinearCrossEntropyOptions(batch_chunk_size=8, acc_policy=policy)
+    gtmpi.nn.functional.linear_cross_entropy(gx, gw, gtmpi.tensor(t), options=options).backward()
+    assert gw.grad.dtype == gtmpi.bfloat16
+    torch.testing.assert_close(gw.grad.cpu_torch().float(), tw.grad, rtol=3e-2, atol=3e-4)
+    torch.testing.assert_close(gx.grad.cpu_torch().float(), tx.grad, rtol=3e-2, atol=1e-4)

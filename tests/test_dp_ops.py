@@ -134,6 +134,12 @@ CASES = {
         lambda L, F, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), "q k v"),
     "embedding": (lambda L, F, i, table: F.embedding(i, table), "i table"),
     "cross_entropy": (lambda L, F, x, t: F.cross_entropy(x, t), "x t"),
+    # gtmpi's fused head and loss against torch's two ops
+    "linear_cross_entropy": (
+        lambda L, F, x, w, t: F.linear_cross_entropy(
+            x, w.t(), t % 5, options=gtmpi.nn.LinearCrossEntropyOptions(batch_chunk_size=2))
+        if L is gtmpi else F.cross_entropy(F.linear(x, w.t()), t % 5),
+        "x w t"),
     "reshape": (lambda L, F, x: x.reshape(B, 2, 3), "x"),
     "view": (lambda L, F, x: x.view(B, 3, 2), "x"),
     "permute": (lambda L, F, x3: x3.permute(0, 2, 1), "x3"),
@@ -174,7 +180,7 @@ INTERNAL = {"vjp", "piece", "pieces", "add_foreach", "norm_foreach", "sgd_foreac
             "load_piece_",
             *(n for n, op in OPS.items() if op.kind in (Kind.COMM, Kind.CREATE)),
             *(f"{n}_grad" for n in ("layer_norm", "rms_norm", "scaled_dot_product_attention",
-                                    "embedding", "cross_entropy"))}
+                                    "embedding", "cross_entropy", "linear_cross_entropy"))}
 APART = {"multinomial", "normal_", "uniform_", "batch_norm"}  # random, or the batch's statistics
 
 

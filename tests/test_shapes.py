@@ -181,6 +181,10 @@ def _rule_cases(rng):
         yield "embedding", ((S((b, t)), I64), w, 0), 3, {"grads": (1,)}
         for red in ("mean", "sum", "none"):
             yield "cross_entropy", ((S((b, o)), dt), (S([b]), I64), -100, red, 0.0), 3, None
+        head = (S((o + 3, c)), dt)
+        for red, bias, kw in (("mean", None, None), ("sum", (S([o + 3]), dt), {"float32": True})):
+            yield "linear_cross_entropy", ((S((b, c)), dt), head, (S([b]), I64), bias, -100, red,
+                                           2), 15 if bias else 7, kw
         shape = S(tuple(rng.randrange(1, 4) for _ in range(rng.randrange(1, 4))))
         dim = rng.choice([None, 0, -1, (0,), tuple(range(len(shape)))])
         for name in ("sum", "mean", "amax", "amin"):

@@ -91,8 +91,8 @@ def build(lib: ModuleType) -> type:
             # instead of kept (its input alone is), one more forward per block; "selective":
             # the matmuls' outputs kept, what is cheap to make again recomputed
             self.checkpointing: str | None = None
-            # --loss-chunk-rows N (gtmpi): the head and its loss N rows at a time, the whole
-            # logits never held (nn.functional.linear_cross_entropy)
+            # --loss-chunk-rows N: the head and its loss N rows at a time, the whole logits
+            # never held (nn.functional.linear_cross_entropy: gtmpi's, torch's from 2.13)
             self.loss_chunk_rows = None
 
         def forward(self, idx, targets=None):
@@ -114,9 +114,9 @@ def build(lib: ModuleType) -> type:
             """The logits, or the mean loss where targets are given."""
             if targets is not None and self.loss_chunk_rows:
                 B, T, C = x.shape
+                rows = lib.nn.LinearCrossEntropyOptions(batch_chunk_size=self.loss_chunk_rows)
                 return F.linear_cross_entropy(self.ln(x).view(B * T, C), self.head.weight,
-                                              targets.view(B * T),
-                                              chunk_size=self.loss_chunk_rows)
+                                              targets.view(B * T), options=rows)
             logits = self.head(self.ln(x))
             if targets is None:
                 return logits

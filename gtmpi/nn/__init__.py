@@ -2,8 +2,8 @@
 and its functions on the nn module (``nn.relu(x)``, ``nn.sigmoid(x)``, ``nn.mse_loss(pred,
 target)``), which torch keeps in torch.nn.functional."""
 from . import functional, init, utils
-from .functional import (cross_entropy, gelu, log_softmax, mse_loss, relu, sigmoid, silu, softmax,
-                         tanh)
+from .functional import (LinearCrossEntropyOptions, cross_entropy, gelu, log_softmax, mse_loss,
+                         relu, sigmoid, silu, softmax, tanh)
 from .layers import (GELU, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, CrossEntropyLoss, Dropout,
                      Embedding, Flatten, Identity, LayerNorm, LeakyReLU, Linear, MSELoss,
                      MultiheadAttention, MultiheadSelfAttention, NLLLoss, ReLU, RMSNorm, Sigmoid,

@@ -4,6 +4,9 @@ with torch's backward kernel as its gradient; the rest are composed from the op 
 Semantics and defaults follow torch.nn.functional."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from ..client.creation import rand_like
@@ -16,7 +19,8 @@ __all__ = ["linear", "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "s
            "log_softmax", "dropout", "layer_norm", "rms_norm", "embedding",
            "scaled_dot_product_attention", "one_hot", "pad", "normalize", "conv1d", "conv2d",
            "batch_norm", "mse_loss", "nll_loss",
-           "cross_entropy", "linear_cross_entropy", "binary_cross_entropy",
+           "cross_entropy", "linear_cross_entropy", "LinearCrossEntropyOptions",
+           "binary_cross_entropy",
            "binary_cross_entropy_with_logits"]
 
 
@@ -177,35 +181,120 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
                  **extra)
 
 
-def linear_cross_entropy(input: Tensor, weight: Tensor, target: Tensor,
-                         bias: Tensor | None = None, ignore_index: int = -100,
-                         reduction: str = "mean", label_smoothing: float = 0.0,
-                         chunk_size: int = 1024) -> Tensor:
-    """cross_entropy(linear(input, weight, bias), target) that never holds the whole logits:
-    input (N, C) rows in chunks of about ``chunk_size``, each chunk's logits made, reduced to
-    its losses and dropped, and made again in its backward (activation checkpointing per
-    chunk: one more matmul of the head). A language model's (tokens, vocabulary) logits are
-    most of its step's activation memory. A chunk is every k-th row (rows j, j + k, ...), so a
-    batch split over data-parallel workers stays split."""
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyOptions:
+    """torch.nn.LinearCrossEntropyOptions (torch 2.13), for torch versions without it: passed
+    as ``options``, linear_cross_entropy takes the rows in chunks and never holds the whole
+    logits. ``batch_chunk_size``: rows per chunk; else ``chunking_method`` sizes them, as
+    torch's does: "aspect_ratio" makes a chunk's logits as large as the input,
+    "aspect_ratio:N" N times smaller, "auto" is "aspect_ratio:2" ("aspect_ratio" for
+    half-precision rows on CPUs). ``acc_policy``: "compact" sums a half-precision weight's
+    gradient over the chunks in its own dtype, the others in float32; "auto" is "compact",
+    "accurate" for half-precision rows on CPUs. gtmpi's chunked loss may be run backward
+    again whatever ``allow_retain_graph`` says."""
+    allow_retain_graph: bool = False
+    batch_chunk_size: int | None = None
+    chunking_method: str | None = "auto"
+    acc_policy: str = "auto"
+
+
+def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
+                         linear_bias: Tensor | None = None, weight: Tensor | None = None,
+                         reduction: str = "mean", ignore_index: int | None = None,
+                         label_smoothing: float = 0.0, options: Any = None) -> Tensor:
+    """torch.nn.functional.linear_cross_entropy (torch 2.13):
+    cross_entropy(linear(input, linear_weight, linear_bias), target). With ``options`` (a
+    LinearCrossEntropyOptions, torch's or gtmpi's) the (N, C) rows go in chunks and the whole
+    (N, classes) logits are never held: a language model's logits are most of its step's
+    activation memory.
+
+    A chunked mean or sum is one instruction: each chunk's logits are reduced to its losses
+    and, when gradients are recorded, at once to the input's and the weight's gradients (kept
+    until backward, which only scales them), so the step runs the head's three matmuls as the
+    whole-logits loss does. Per-row losses, label smoothing and a head split over workers
+    (tensor parallelism) take a composition instead: each chunk's loss checkpointed and made
+    again in its backward (one more matmul of the head). There a chunk is every k-th row (rows
+    j, j + k, ...), so a batch split over data-parallel workers stays split."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"{reduction} is not a valid value for reduction")
+    if weight is not None:
+        raise NotImplementedError("gtmpi's cross_entropy takes no class weights")
+    ignore_index = -100 if ignore_index is None else ignore_index
+    if options is None:  # torch's reference path
+        return cross_entropy(linear(input, linear_weight, linear_bias), target, ignore_index,
+                             reduction, label_smoothing)
+    rows = _chunk_rows(options, input, linear_weight)
+    if reduction != "none" and not label_smoothing and not _split_along(input, 1) and \
+            not _split_along(linear_weight, 0) and not _split_along(linear_weight, 1):
+        from ..client.runtime import runtime
+        region = runtime().autocast
+        # autocast: the loss in float32, as torch's lists make it (CPU: cross_entropy in
+        # float32; CUDA: its composite's nll_loss in float32, after log_softmax rounded the
+        # log-probabilities to the logits' dtype)
+        kw = {} if region is None else \
+            {"float32": True, "rounded": True} if region.composite_cross_entropy else \
+            {"float32": True}
+        if _compact(options, input, linear_weight):
+            kw["compact"] = True
+        if reduction == "mean" and _split_along(input, 0):
+            total = apply("linear_cross_entropy", input, linear_weight, target, linear_bias,
+                          ignore_index, "sum", rows, **kw)
+            return total / (target != ignore_index).sum().to(total.dtype)
+        return apply("linear_cross_entropy", input, linear_weight, target, linear_bias,
+                     ignore_index, reduction, rows, **kw)
     from ..utils.checkpoint import checkpoint
-    (n, c), k = input.shape, _chunks(input.shape[0], chunk_size)
-    rows, targets = input.view(n // k, k, c), target.view(n // k, k)
+    (n, c), k = input.shape, _chunks(input.shape[0], rows)
+    parts, targets = input.view(n // k, k, c), target.view(n // k, k)
     each = "none" if reduction == "none" else "sum"
 
     def piece(x: Tensor, t: Tensor) -> Tensor:
-        return cross_entropy(linear(x, weight, bias), t, ignore_index, each, label_smoothing)
+        return cross_entropy(linear(x, linear_weight, linear_bias), t, ignore_index, each,
+                             label_smoothing)
 
-    parts = [checkpoint(piece, rows[:, j], targets[:, j], use_reentrant=False) for j in range(k)]
+    losses = [checkpoint(piece, parts[:, j], targets[:, j], use_reentrant=False)
+              for j in range(k)]
     if reduction == "none":
-        return stack(parts, 1).view(n)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
+        return stack(losses, 1).view(n)
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
     if reduction == "sum":
         return total
     return total / (target != ignore_index).sum().to(total.dtype)
+
+
+def _compact(options: Any, input: Tensor, weight: Tensor) -> bool:
+    """Whether a half-precision weight's gradient is summed over the chunks in its own dtype
+    (torch's acc_policy "compact", its "auto" pick on GPUs) rather than in float32."""
+    policy = getattr(options, "acc_policy", "auto")
+    half = (torch.bfloat16, torch.float16)
+    if policy == "auto":
+        policy = "accurate" if input.device.type == "cpu" and input.dtype in half else "compact"
+    return policy == "compact" and weight.dtype in half
+
+
+def _chunk_rows(options: Any, input: Tensor, weight: Tensor) -> int:
+    """Rows per chunk, as torch's LinearCrossEntropyOptions sizes them."""
+    rows = getattr(options, "batch_chunk_size", None)
+    method = getattr(options, "chunking_method", "auto")
+    if rows is not None:
+        if method not in (None, "auto"):
+            raise ValueError("LinearCrossEntropyOptions: batch_chunk_size and chunking_method "
+                             "both set")
+        if rows < 1:
+            raise ValueError(f"LinearCrossEntropyOptions: batch_chunk_size {rows} < 1")
+        return rows
+    if method is None:  # no heuristic and no size: one chunk
+        return max(input.shape[0], 1)
+    if method == "auto":
+        half = input.dtype in (torch.bfloat16, torch.float16)
+        method = "aspect_ratio" if half and input.device.type == "cpu" else "aspect_ratio:2"
+    name, _, by = method.partition(":")
+    if name != "aspect_ratio" or not (by or "1").isdigit() or int(by or 1) < 1:
+        raise ValueError(f"LinearCrossEntropyOptions: unknown chunking_method {method!r}")
+    n, features = max(input.shape[0], 1), input.shape[-1]
+    per = -(-n // -(-weight.shape[0] // features))  # a chunk's logits as large as the input
+    return max(1 << (per - 1).bit_length(), int(by or 1)) // int(by or 1)
 
 
 def _chunks(n: int, size: int) -> int:

@@ -195,6 +195,18 @@ def _cross_entropy(args, tmask, kw):
     return ((Size([x[0][0]]), dtype), _GRAPH) if reduction == "none" else None
 
 
+@rule("linear_cross_entropy")
+def _linear_cross_entropy(args, tmask, kw):
+    x, w, t, b, _, reduction, chunk = args
+    cast = kw.get("cast") if kw else None
+    if not _tensors(args, tmask, 3) or x[1] not in _FLOAT or t[1] != torch.int64 or \
+            len(x[0]) != 2 or len(w[0]) != 2 or x[0][1] != w[0][1] or \
+            t[0] != Size([x[0][0]]) or reduction not in ("mean", "sum") or \
+            (cast is None and w[1] != x[1]) or (b is not None and b[0] != Size([w[0][0]])):
+        return None
+    return ((Size([]), torch.float32 if kw and kw.get("float32") else x[1]), _GRAPH)
+
+
 def _reduction(args, tmask, kw):
     """(shape, dtype, dims, keepdim) of a reduction's operands, or None."""
     (shape, dtype), dim, keepdim = args

@@ -588,6 +588,93 @@ class _VocabCrossEntropy(torch.autograd.Function):
         return grad.to(logits.dtype), None, None, None, None, None, None
 
 
+class _LinearCrossEntropy(torch.autograd.Function):
+    """cross_entropy(linear(x, weight, bias), target), summed or averaged over the rows, that
+    never holds the whole logits (Liger's fused linear cross-entropy): the rows in chunks, each
+    chunk's logits made, reduced to its losses and, where gradients are wanted, at once to its
+    gradient (softmax minus one-hot) and through the head's two matmuls to the input's and the
+    weight's gradients, then dropped. Backward only scales what forward made, so the step runs
+    the head's three matmuls as the whole-logits loss does, with no recompute. Kept until
+    backward: gradients the size of x and of the weight, not the logits. The weight's is
+    summed over the chunks in float32, or with ``compact`` in the weight's own dtype (torch's
+    acc_policy "compact": half the memory traffic of each chunk's sum where the weights are
+    half-precision; cuBLAS sums each chunk's product in float32 either way)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, bias, ignore_index, reduction, chunk, cast=None,
+                float32=False, rounded=False, compact=False):
+        dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if cast is not None:
+            x, weight = x.to(cast), weight.to(cast)
+            bias = None if bias is None else bias.to(cast)
+        wants = ctx.needs_input_grad
+        valid = target != ignore_index
+        coef = valid.float()
+        if reduction == "mean":
+            coef = coef / valid.sum()
+        losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        dx = torch.empty_like(x) if wants[0] else None
+        dw = None  # made by the first chunk's product
+        db = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) \
+            if bias is not None and wants[3] else None
+        for rows in row_pieces(x.shape[0], -(-x.shape[0] // chunk)):
+            logits = F.linear(x[rows], weight, bias)
+            fused = fused_rows.available(logits)
+            lse = fused_rows.row_lse(logits) if fused else torch.logsumexp(logits.float(), 1)
+            hit = valid[rows]
+            t = torch.where(hit, target[rows], 0)
+            log_p = logits.gather(1, t[:, None])[:, 0].float() - lse
+            if rounded:  # torch's log_softmax hands nll_loss log-probabilities in this dtype
+                log_p = log_p.to(logits.dtype).float()
+            losses[rows] = -log_p * hit
+            if not any(wants):
+                continue
+            if fused:
+                g = fused_rows.softmax_minus_onehot(logits, lse, torch.where(hit, t, -1),
+                                                    coef[rows])
+            else:
+                g = (logits.float() - lse[:, None]).exp_()
+                g.scatter_add_(1, t[:, None], -hit.float()[:, None])
+                g = (g * coef[rows, None]).to(logits.dtype)
+            del logits
+            if dx is not None:
+                torch.mm(g, weight, out=dx[rows])
+            if wants[1]:
+                dw = _accumulate_mm(dw, g.t(), x[rows], dtypes[1] if compact else torch.float32)
+            if db is not None:
+                db += g.float().sum(0)
+        loss = losses.sum() / valid.sum() if reduction == "mean" else losses.sum()
+        ctx.save_for_backward(dx, dw, db)
+        ctx.dtypes = dtypes
+        return loss if float32 else loss.to(dtypes[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        made = tuple(None if d is None else (d * g).to(dtype)
+                     for d, dtype in zip(ctx.saved_tensors, ctx.dtypes))
+        return made[0], made[1], None, made[2], None, None, None, None, None, None, None
+
+
+def _accumulate_mm(out: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """out + a @ b in ``dtype`` (a @ b where out is None), summed into out by the matmul itself
+    (cuBLAS's beta): a GPU's half-precision product goes to float32 with no half-precision copy
+    of it made."""
+    if dtype == a.dtype:
+        return a @ b if out is None else out.addmm_(a, b)
+    if a.is_cuda or a.is_meta:
+        if out is None:
+            return torch.ops.aten.mm.dtype(a, b, dtype)
+        return torch.ops.aten.addmm.dtype_out(out, a, b, dtype, out=out)
+    return (a @ b).to(dtype) if out is None else out.add_(a @ b)
+
+
+def _linear_cross_entropy(x, weight, target, bias, ignore_index, reduction, chunk, cast=None,
+                          float32=False, rounded=False, compact=False):
+    return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, reduction, chunk,
+                                     cast, float32, rounded, compact)
+
+
 def _all_reduce(t: torch.Tensor, op: Any, plane: Any, group: int) -> None:
     """In place over the plane's group; a dry run's meta tensors have no values to sum."""
     if t.device.type != "meta":
@@ -631,12 +718,14 @@ FUSED_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "scaled_dot_product_attention": _attention,
     "embedding": _embedding,
     "cross_entropy": _cross_entropy,
+    "linear_cross_entropy": _linear_cross_entropy,
 }
 _KERNELS = {"cross_entropy": _cross_entropy_recorded}
 _FUSED_INDICES = {
     # the vocabulary-parallel embedding keeps each member's indices inside its rows itself
     "embedding": lambda a, kw: [] if kw.get("offset") is not None else [IndexArg(0, a[1].shape[0])],
     "cross_entropy": _class_targets,
+    "linear_cross_entropy": lambda a, kw: [IndexArg(2, a[1].shape[0], also=a[4])],
 }
 
 

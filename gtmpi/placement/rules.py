@@ -485,6 +485,17 @@ def _cross_entropy(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     return None
 
 
+def _linear_cross_entropy(name, mesh, args, kw, kinds, sigs) -> Plan | None:
+    """Rows of the input and their targets split alike, the head whole: each member's loss
+    sums its rows' (a partial sum), its input's gradient stays split and its weight's is
+    partial."""
+    x, weight, target, bias = kinds[:4]
+    if x.kind == "S" and x.dim == 0 and target == x and weight.kind == "R" and \
+            (bias is None or bias.kind == "R") and args[5] == "sum":
+        return Plan(tuple(kinds), Placement(mesh, "P"))
+    return None
+
+
 def _norm(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """layer_norm and rms_norm: rows split along a dim before the normalized ones stay split;
     the weight and bias are used whole."""
@@ -773,7 +784,7 @@ def _where_they_lie(name, mesh, args, kw, kinds, sigs) -> Plan | None:
 _KIND_RULES = {Kind.ELEMENTWISE: _elementwise, Kind.REDUCE: _reduction, Kind.SHAPE: _dim_map,
                Kind.INPLACE: _inplace}
 RULES.update({"matmul": _matmul, "einsum": _einsum, "linear": _linear,
-              "cross_entropy": _cross_entropy,
+              "cross_entropy": _cross_entropy, "linear_cross_entropy": _linear_cross_entropy,
               "layer_norm": _norm, "rms_norm": _norm, "embedding": _embedding,
               "scaled_dot_product_attention": _attention, "sgd_foreach": _alike,
               "adam_foreach": _alike, "zero_foreach": _alike, "mul_foreach": _scale_foreach,
