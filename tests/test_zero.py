@@ -1,12 +1,15 @@
-"""ZeRO-1 and ZeRO-2 by a config's ``zero`` key (gtmpi/optim/zero.py): the GPT trained data
+"""ZeRO-1, -2 and -3 by a config's ``zero`` key (gtmpi/optim/zero.py): the GPT trained data
 parallel on 2 workers gives the replicated run's losses and weights, with the optimizer's state
-(and at level 2 the gradients) in pieces along dim 0, half on each worker, and the collectives
-each level should run: level 1 the replicated run's all-reduces plus one flat all-gather of
-every parameter's pieces a step, level 2 one reduce-scatter per gradient instead of its
-all-reduce; a bad batch on one worker skips the step on both."""
+(at level 2 the gradients, at level 3 the weights too) in pieces along dim 0, half on each
+worker, each worker's bytes as the ZeRO paper's formulas say, and the collectives each level
+should run: level 1 the replicated run's all-reduces plus one flat all-gather of every
+parameter's pieces a step, level 2 one reduce-scatter per gradient instead of its all-reduce,
+level 3 a gather of each weight at each use; a bad batch on one worker skips the step on
+both."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 import sys
 from pathlib import Path
@@ -26,10 +29,10 @@ C = dataclasses.replace(SIZES["tiny"], layers=2)
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"shard": {"workers": [0, 1], "replicated": True}, "zero": 3},
-     "key 'zero': 3 (weights sharded too, FSDP) is not built yet"),
+    ({"shard": {"workers": [0, 1], "replicated": True}, "zero": 4},
+     "key 'zero': expected 0, 1, 2 or 3"),
     ({"shard": {"workers": [0, 1], "replicated": True}, "zero": "yes"},
-     "key 'zero': expected 0, 1 or 2"),
+     "key 'zero': expected 0, 1, 2 or 3"),
     ({"shard": {"workers": [0, 1], "axis": 0}, "zero": 1},
      "key 'zero': ZeRO shards what replicas keep"),
     ({"mesh": {"dp": 2}, "placement": {"dp": "R"}, "zero": 1}, "key 'zero': a signal with a mesh"),
@@ -48,9 +51,9 @@ def test_two_replicated_signals_over_the_same_workers_agree_on_zero():
 
 def test_the_zero_configs_load():
     root = Path(__file__).resolve().parent.parent / "configs"
-    for level in (1, 2):
-        from gtmpi.signals.config import load
-        signals = load(str(root / f"zero{level}.yaml"))
+    from gtmpi.signals.config import load
+    for name, level in (("zero1", 1), ("zero2", 2), ("fsdp", 3)):
+        signals = load(str(root / f"{name}.yaml"))
         assert signals["parameters"].zero == level and signals["uploads"].zero == 0
 
 
@@ -108,8 +111,8 @@ def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
 @spread
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer):
-    runs = {zero: _train(zero, optimizer) for zero in (0, 1, 2)}
-    for zero in (1, 2):
+    runs = {zero: _train(zero, optimizer) for zero in (0, 1, 2, 3)}
+    for zero in (1, 2, 3):
         assert runs[zero]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
         for got, want in zip(runs[zero]["weights"], runs[0]["weights"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -117,9 +120,10 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
         for where in runs[zero]["state"].values():
             assert where["type"] == "S(0)" and where["mesh"] == WORKERS[:2]
             assert [s[0] for s in where["shards"].values()] == [C.vocab // 2] * 2
-        # every parameter's pieces in one flat all-gather a step (FSDP2's flat buffer), not
-        # one per parameter (29 here)
-        assert runs[zero]["ran"]["all_gather"] == 3
+        if zero < 3:
+            # every parameter's pieces in one flat all-gather a step (FSDP2's flat buffer),
+            # not one per parameter (29 here)
+            assert runs[zero]["ran"]["all_gather"] == 3
     for where in runs[0]["state"].values():
         assert where["type"] == "R"
     # level 1 all-reduces the gradients as the replicated run does; level 2 reduce-scatters
@@ -133,23 +137,54 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
     assert runs[2]["ran"]["reduce_scatter"] == 3 * len(pieces)
     assert runs[2]["ran"].get("all_reduce", 0) < runs[0]["ran"]["all_reduce"]
     assert set(runs[1]["grads"].values()) == {"R"}
+    # level 3: every weight is its pieces, gathered for each op that reads it (29 in forward,
+    # 17 again in backward: the matmuls' and norms' weights, not the embeddings'), and its
+    # gradient reduce-scattered as at level 2
+    assert {gtmpi.debug.placement(p)["type"] for p in runs[3]["model"].parameters()} == {"S(0)"}
+    assert runs[3]["ran"]["all_gather"] == 3 * 46
+    assert runs[3]["ran"]["reduce_scatter"] == runs[2]["ran"]["reduce_scatter"]
 
 
 @spread
-def test_zero2_with_clipping_and_accumulation_gives_the_replicated_weights():
+def test_each_workers_bytes_are_the_zero_formulas():
+    """After a step with AdamW (float32: 4 bytes a parameter each for the weights, the
+    gradients and the two moments), each worker holds 16 bytes a parameter replicated, 12 at
+    level 1 (moments halved), 10 at level 2 (gradients too), 8 at level 3 (weights too) (the
+    ZeRO paper's Psi (2 + 2 + K) per worker with N_d = 2, in float32), besides the model's
+    buffers (its position ids)."""
+    for zero, per_parameter in ((0, 16), (1, 12), (2, 10), (3, 8)):
+        gc.collect()
+        gtmpi.synchronize()
+        before = gtmpi.debug.worker_stats()  # what earlier tests left
+        run = _train(zero, "adamw", steps=1)
+        gtmpi.synchronize()
+        model = run["model"]
+        numel = sum(p.numel() for p in model.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        held = gtmpi.debug.worker_stats()
+        for w in WORKERS[:2]:
+            assert held[w]["memory_bytes"] - before[w]["memory_bytes"] == \
+                numel * per_parameter + buffers, \
+                (zero, held[w]["memory_bytes"] / numel)
+        del run, model
+
+
+@spread
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_with_clipping_and_accumulation_gives_the_replicated_weights(zero):
     """Clipping reads the gradients' pieces (a partial sum of squares per worker, no gradient
     gathered), and a second micro-batch's gradient is reduce-scattered into the pieces the
     first left. (SGD: the two runs add the micro-batches' partial sums in another order, and
     Adam would magnify those last digits where a gradient is near 0.)"""
-    runs = {zero: _train(zero, "sgd", steps=2, clip=0.5, accumulate=2) for zero in (0, 2)}
-    assert runs[2]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
-    for got, want in zip(runs[2]["weights"], runs[0]["weights"]):
+    runs = {z: _train(z, "sgd", steps=2, clip=0.5, accumulate=2) for z in (0, zero)}
+    assert runs[zero]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
+    for got, want in zip(runs[zero]["weights"], runs[0]["weights"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert "all_gather" in runs[2]["ran"] and runs[2]["ran"]["reduce_scatter"] > 0
+    assert "all_gather" in runs[zero]["ran"] and runs[zero]["ran"]["reduce_scatter"] > 0
 
 
 @spread
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_a_replayed_zero_step_gives_the_steps_as_written(zero):
     runs = [_train(zero, "adamw", steps=4, replay=replay) for replay in (False, True)]
     assert runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-6)
@@ -173,7 +208,7 @@ def test_a_zero_optimizers_state_dict_is_the_replicated_ones():
 
 
 @spread
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_a_bad_batch_on_one_worker_skips_the_zero_step_on_both(zero):
     """A target out of range in the second worker's half of one batch: its gradients fail
     there, the pieces' agreement tells the first, and neither updates its pieces or gathers

@@ -33,6 +33,8 @@ _COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
 _SHAPED = {"view", "reshape", "expand"}  # ops whose argument is the result's (global) shape
 _SHAPED_KW = {"getitem_grad": "shape"}  # ops whose keyword is the result's (global) shape
 _RANKED = {"save_pieces", "load_piece_"}  # ops told their worker's rank (its own file)
+# ops that take a ZeRO-3 weight as the pieces it is: a checkpoint's files hold the pieces
+_PIECEWISE = _RANKED
 # per-member values that may be read another way, with no data moved
 _RELABEL = {("R", "V"), ("I", "V"), ("P", "V"), ("V", "P")}
 
@@ -62,6 +64,11 @@ class Placer:
         # ZeRO level by mesh (signals' 'zero'): at 2 its gradients are reduce-scattered into
         # pieces as backward completes them, not all-reduced (optim/zero.py)
         self.zero: dict[tuple[int, ...], int] = {}
+        # ZeRO-3's weights: each kept as its workers' pieces along dim 0 (S(0)), and placed as
+        # whole (R) by every op that reads without writing it, so that each use gathers it
+        # and frees the gathered copy once that op is sent (FSDP's gather per use, here per
+        # op); in-place ops (the optimizer's step) and a sharded checkpoint see the pieces
+        self.gathered: set[int] = set()
         self.strict = False  # raise rather than gather or move what no signal asked to
         # sum a column-parallel layer's input gradient inside its kernel, beside the weight's
         # gradient (GTMPI_OVERLAP=0: at its first use, after the kernel)
@@ -155,6 +162,11 @@ class Placer:
         table, home = self.table, self.home
         kinds = [None if not tmask >> i & 1 else
                  table[a][1] if a in table else home for i, a in enumerate(args)]
+        seen = kinds
+        if self.gathered and name not in _PIECEWISE:
+            written_ = written(name, args, tmask) if op.kind is OpKind.INPLACE else ()
+            seen = [p.whole if tmask >> i & 1 and args[i] in self.gathered and i not in written_
+                    else p for i, p in enumerate(kinds)]
         forward = None
         if name in DUAL and name != "linear_grad":  # (graph, g): where the forward op ran
             forward = self.forward.get(args[0]) or \
@@ -164,13 +176,14 @@ class Placer:
         # forward plan and the overlap settings
         try:
             key = (key or signature_key(name, tuple(sigs), tmask, kw), tuple(kinds),
+                   None if seen is kinds else tuple(seen),
                    self.signals[-1][0] if self.signals else None, forward, self.overlap,
                    self.chunks)
             d = self._plans.get(key)
         except TypeError:  # an unhashable constant
             key, d = None, None
         if d is None:
-            d = self._decide(name, forward, args, tmask, kw, kinds, sigs, outs)
+            d = self._decide(name, forward, args, tmask, kw, seen, sigs, outs, kinds)
             if key is not None:
                 if len(self._plans) >= PLANS_CACHED:
                     self._plans.clear()
@@ -227,8 +240,9 @@ class Placer:
         return mesh[0]
 
     def _decide(self, name: str, forward: Plan | None, args: tuple, tmask: int, kw: dict,
-                kinds: list, sigs: list, outs: list) -> tuple:
-        """How an op is placed, given its operands' placements: (its mesh, each operand's
+                kinds: list, sigs: list, outs: list, actual: list) -> tuple:
+        """How an op is placed, given its operands' placements as planned (``kinds``: a
+        ZeRO-3 weight as whole) and as they are (``actual``): (its mesh, each operand's
         placement counted on that mesh, the plan, whether every operand is already as the
         plan wants it, each member's result shape where members make their own pieces, and
         each member's keyword constants where a vocabulary-parallel kernel needs them)."""
@@ -241,7 +255,7 @@ class Placer:
             p = self._dual(name, forward, args, tmask, kw, mesh, grid, on_mesh, sigs)
         else:
             p = plan(name, mesh, grid, args, tmask, kw, on_mesh, sigs)
-        direct = all(w is None or w == k for w, k in zip(p.wants, kinds))
+        direct = all(w is None or w == k for w, k in zip(p.wants, actual))
         shapes = local = None
         if name in _SHAPED and p.out.kind != "R":
             shapes = [p.out.local_shape(tuple(outs[0][0]), m) for m in range(len(mesh))]
@@ -499,8 +513,8 @@ class Placer:
         if copy is None:
             # a constant made again where it is wanted (its recipe) moves no data
             remade = have.mesh != want.mesh and not self._asked and tid in self.recipes
-            fallback = self.strict and not (self._asked or self._intended or remade) and \
-                _fallback(have, want)
+            fallback = self.strict and not (self._asked or self._intended or remade or
+                                            tid in self.gathered) and _fallback(have, want)
             if fallback:
                 raise PlacementError(
                     f"strict placement: this op would {fallback} a tensor of shape "
@@ -732,6 +746,7 @@ class Placer:
             self.journal.append(tid)
         entry = self.table.pop(tid, None)
         self.viewed.discard(tid)
+        self.gathered.discard(tid)
         self._agreed.pop(tid, None)
         self.recipes.pop(tid, None)
         self.forward.pop(tid, None)

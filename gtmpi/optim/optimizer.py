@@ -16,6 +16,7 @@ from ..client.tensor import Tensor, apply
 from .zero import gather as zero_gather
 from .zero import level as zero_level
 from .zero import pieces as zero_pieces
+from .zero import shard as zero_shard
 
 
 class Optimizer:
@@ -34,6 +35,7 @@ class Optimizer:
         # keyed by the parameter, as torch's: opt.state[p] is p's state ({} before its first
         # step), never a KeyError
         self.state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        zero_shard([p for group in self.param_groups for p in group["params"]])
 
     def check(self, group: dict) -> None:
         """torch's checks of hyper-parameters, at construction rather than at step()."""
@@ -64,7 +66,8 @@ class Optimizer:
                     continue
                 shards = zero_pieces(mine)  # ZeRO: each worker updates its piece (optim/zero.py)
                 self.update(shards, theirs, group)
-                zero_gather(mine, shards, zero[bucket[0]])
+                if zero[bucket[0]] < 3:  # at 3 the weights are their pieces already
+                    zero_gather(mine, shards, zero[bucket[0]])
 
     def bucket_key(self, state: dict) -> Any:
         """What parameters updated by one instruction must share besides their placement."""

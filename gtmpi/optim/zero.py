@@ -1,4 +1,4 @@
-"""ZeRO-1 and ZeRO-2 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+"""ZeRO-1, ZeRO-2 and ZeRO-3 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models", 2020) for every optimizer here, by a config alone: a replicated signal with
 ``zero: 1`` or ``zero: 2`` (configs/zero1.yaml, configs/zero2.yaml) says that what it places on
 n workers is n data-parallel copies, of which each worker need only update 1/n.
@@ -12,6 +12,13 @@ whose state (Adam's moments, SGD's momentum) lives only there, 1/n of it per wor
 updated pieces are all-gathered into the parameter: a bucket of parameters at a time, cut by
 one instruction per worker and gathered by one flat all-gather. Parameters too small to cut
 (a scalar, fewer rows than workers) are updated whole, as without ZeRO.
+
+At level 3 (FSDP) the parameters themselves become their pieces when the optimizer is made
+(``shard``, no communication): each worker holds 1/n of every weight, gradient and optimizer
+state. An op that reads a weight gets it gathered whole for that op alone (the placer's
+``gathered``: all-gathered before the op, freed once it is sent; backward gathers it again),
+its gradient is reduce-scattered into pieces as at level 2, and the step updates the pieces
+where they lie, with nothing to gather after it.
 """
 from __future__ import annotations
 
@@ -26,11 +33,23 @@ def level(p: Tensor) -> int:
     placer = runtime().dispatcher.placer
     if not placer.zero or not placer.active:
         return 0
+    if p.id in placer.gathered:
+        return 3
     where = placer.placement(p.id)
     n = len(where.mesh)
     if where.kind != "R" or n < 2 or p.ndim == 0 or p.shape[0] < n:
         return 0
-    return placer.zero.get(where.mesh, 0)
+    return min(placer.zero.get(where.mesh, 0), 2)  # not sharded (yet): its update as at 2
+
+
+def shard(params: list[Tensor]) -> None:
+    """Level 3: each parameter at that level becomes its workers' pieces along dim 0 (each
+    keeps its own rows of the replicated value and frees the rest: nothing moves)."""
+    placer = runtime().dispatcher.placer
+    for p in params:
+        if level(p) and placer.zero.get(placer.placement(p.id).mesh) == 3:
+            placer.replace(p.id, p._sig, Placement(placer.placement(p.id).mesh, "S", 0))
+            placer.gathered.add(p.id)
 
 
 def pieces(params: list[Tensor]) -> list[Tensor]:

@@ -109,11 +109,8 @@ def _signal(name: str, body: Any, source: str) -> Signal:
     if not isinstance(compile_, bool):
         raise ConfigError(f"{where}, key 'compile': expected true or false")
     zero = body.get("zero", 0)
-    if zero == 3:
-        raise ConfigError(f"{where}, key 'zero': 3 (weights sharded too, FSDP) is not built yet: "
-                          "1 (the optimizer's state sharded) and 2 (its gradients too) are")
-    if zero not in (0, 1, 2) or isinstance(zero, bool):
-        raise ConfigError(f"{where}, key 'zero': expected 0, 1 or 2, got {zero!r}")
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise ConfigError(f"{where}, key 'zero': expected 0, 1, 2 or 3, got {zero!r}")
     mesh = body.get("mesh")
     if mesh is not None:
         if zero:

@@ -264,7 +264,9 @@ class DataPlane:
             whole = x.clone()
             self.wait(dist.all_reduce(whole, group=self.groups[group], async_op=True))
             self._count("reduce_scatter", x)
-            return whole.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
+            # a copy: the piece, a view, would keep the whole sum alive (ZeRO-2's and -3's
+            # gradients would cost what they save)
+            return whole.narrow(dim, sum(sizes[:index]), sizes[index]).clone()
         if len(set(sizes)) == 1:  # members' pieces outermost in one buffer (along dim 0: x)
             whole = x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).contiguous()
             out = whole.new_empty(whole.shape[1:])
@@ -278,7 +280,7 @@ class DataPlane:
         out = torch.empty_like(padded[0])
         self.wait(dist.reduce_scatter(out, padded, group=self.groups[group], async_op=True))
         self._count("reduce_scatter", x)
-        return out.narrow(dim, 0, sizes[index]).contiguous()
+        return out if sizes[index] == longest else out.narrow(dim, 0, sizes[index]).clone()
 
     def all_to_all(self, x: torch.Tensor, group: int, src: int, dst: int,
                    src_sizes: tuple[int, ...], dst_sizes: tuple[int, ...], index: int) -> torch.Tensor:
