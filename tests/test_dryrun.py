@@ -88,19 +88,20 @@ def _collectives(proc) -> dict:
 
 
 CONFIGS = ("ddp", "data_parallel", "gpt_tp2", "gpt_tp2_sp", "tensor_parallel", "pipeline", "dp_tp",
-           "gpt_tp2_pp2", "gpt_tp2_pp4", "zero1", "zero2")
+           "gpt_tp2_pp2", "gpt_tp2_pp4", "zero1", "zero2", "fsdp")
 
 
 @serial
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config,workers,extra", [
-    ("ddp", 2, "nano"), ("zero2", 2, "nano"),
+    ("ddp", 2, "nano"), ("zero2", 2, "nano"), ("fsdp", 2, "nano"),
     ("data_parallel", 2, ()), ("gpt_tp2", 2, ()), ("gpt_tp2_sp", 2, ()),
     ("tensor_parallel", 2, None), ("pipeline", 2, ()), ("dp_tp", 4, ()),
     ("gpt_tp2_pp2", 4, ()), ("gpt_tp2_pp4", 8, ("--layers", "4"))])
 def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, extra):
     """Every config in configs/: the GPT (the MLP for tensor_parallel.yaml, nanoGPT's loop for
-    ddp.yaml and zero2.yaml; zero1.yaml differs from zero2.yaml only in the gradients' sums).
+    ddp.yaml, zero2.yaml and fsdp.yaml; zero1.yaml differs from zero2.yaml only in the
+    gradients' sums).
     gpt_tp2_pp4.yaml's real run on 8 workers, with host-held tensors (the default: every
     parameter uploaded to the first stage and sent on from there), is also the case that once
     hung about one run in two: a stage waiting in a gloo send stopped receiving rank 0's
@@ -120,7 +121,7 @@ def test_a_dry_run_inserts_what_a_real_run_inserts(tmp_path, config, workers, ex
     assert any(want.values())  # the layout inserts something to compare
     if config == "ddp":
         assert not any("all_gather" in c for c in want.values()), want
-    if config == "zero2":  # gradients reduce-scattered into pieces, the weights' gathered
+    if config in ("zero2", "fsdp"):  # gradients reduce-scattered into pieces, weights gathered
         assert all({"reduce_scatter", "all_gather"} <= set(c) for c in want.values()), want
     err = dry.stderr
     assert f"gtmpi: dry run: {workers} simulated H100 worker(s)" in err
@@ -334,10 +335,13 @@ def test_a_dry_run_asked_for_under_mpiexec_or_with_workers_n_plans_and_runs_noth
 
 @serial
 @pytest.mark.timeout(300)
-def test_the_ddp_config_trains_an_unchanged_loop_with_one_workers_losses(tmp_path):
+@pytest.mark.parametrize("config", ["ddp", "fsdp"])
+def test_a_data_parallel_config_trains_an_unchanged_loop_with_one_workers_losses(tmp_path,
+                                                                                 config):
     """configs/ddp.yaml on 2 workers: nanoGPT's loop, unchanged, gets the losses of one worker
-    (the same batches: drawn from torch's CPU generator), its gradients all-reduced."""
-    env = {"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml"), "GTMPI_HOST_TENSORS": "1"}
+    (the same batches: drawn from torch's CPU generator), its gradients all-reduced; so does
+    configs/fsdp.yaml, its weights in pieces, gathered where used."""
+    env = {"GTMPI_CONFIG": str(ROOT / "configs" / f"{config}.yaml"), "GTMPI_HOST_TENSORS": "1"}
     two, _ = run_job(tmp_path, NANO, 240, n=3, env=env)
     one, _ = run_job(tmp_path, NANO, 240, n=None, env={"GTMPI_HOST_TENSORS": "1"})
 
@@ -348,5 +352,8 @@ def test_the_ddp_config_trains_an_unchanged_loop_with_one_workers_losses(tmp_pat
     for a, b in zip(losses(two), losses(one)):
         assert abs(a - b) < 1e-5 * abs(b)
     collectives = _collectives(two)
-    assert set(collectives) == {1, 2} and all("all_reduce" in c or "all_reduce_bucket" in c
-                                              for c in collectives.values())
+    assert set(collectives) == {1, 2}
+    if config == "ddp":
+        assert all("all_reduce" in c or "all_reduce_bucket" in c for c in collectives.values())
+    else:
+        assert all({"all_gather", "reduce_scatter"} <= set(c) for c in collectives.values())

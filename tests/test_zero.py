@@ -244,3 +244,18 @@ def test_a_bad_batch_on_one_worker_skips_the_zero_step_on_both(zero):
     for got, want in ((w, tw), (b, tb)):  # each worker's rows from its own replica
         rows = gtmpi.signal.tensor(got.detach(), "bad_halves")
         torch.testing.assert_close(torch.from_numpy(rows.numpy()), want.detach())
+
+
+@spread
+def test_a_configs_parameters_placed_on_first_use_are_sharded_by_the_optimizer():
+    """configs/fsdp.yaml's way (a 'parameters' signal, no signal in the program): a module's
+    weights are still the program's when the optimizer is made; it places and shards them."""
+    gtmpi.load_config({"parameters": {"shard": {"workers": [0, 1], "replicated": True},
+                                      "zero": 3}})
+    try:
+        layer = gtmpi.nn.Linear(8, 6)
+        gtmpi.optim.AdamW(layer.parameters(), lr=0.1)
+        assert {gtmpi.debug.placement(p)["type"] for p in layer.parameters()} == {"S(0)"}
+    finally:  # the implicit signal goes again: the other tests' modules stay home
+        from gtmpi.client.runtime import runtime
+        runtime().signals.signals.pop("parameters")

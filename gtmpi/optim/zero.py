@@ -46,7 +46,10 @@ def shard(params: list[Tensor]) -> None:
     """Level 3: each parameter at that level becomes its workers' pieces along dim 0 (each
     keeps its own rows of the replicated value and frees the rest: nothing moves)."""
     placer = runtime().dispatcher.placer
+    if 3 not in placer.zero.values():
+        return
     for p in params:
+        p.id  # placed now (a config's 'parameters' signal places a module's on first use)
         if level(p) and placer.zero.get(placer.placement(p.id).mesh) == 3:
             placer.replace(p.id, p._sig, Placement(placer.placement(p.id).mesh, "S", 0))
             placer.gathered.add(p.id)
