@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import re
 import sys
 from pathlib import Path
@@ -259,3 +260,23 @@ def test_a_configs_parameters_placed_on_first_use_are_sharded_by_the_optimizer()
     finally:  # the implicit signal goes again: the other tests' modules stay home
         from gtmpi.client.runtime import runtime
         runtime().signals.signals.pop("parameters")
+
+
+@spread
+def test_a_zero3_models_sharded_checkpoint_loads_into_a_replicated_one(tmp_path):
+    """Each worker writes the pieces it holds (ZeRO-3: half of every weight); a model whose
+    weights are whole on both workers loads them back equal."""
+    run = _train(3, "adamw", steps=1)
+    folder = tmp_path / "ck"
+    gtmpi.save_sharded(run["model"].state_dict(), folder)
+    ranks = {f.split(".")[-2] for f in os.listdir(folder) if f.endswith(".pt")}
+    assert ranks == {f"rank{w}" for w in WORKERS[:2]}
+    gtmpi.load_config({"whole": {"shard": {"workers": [0, 1], "replicated": True}}})
+    gtmpi.manual_seed(5)
+    other = build(gtmpi)(C)
+    gtmpi.signal.place(other, "whole")
+    state = other.state_dict()
+    gtmpi.load_sharded(state, folder)
+    assert {gtmpi.debug.placement(p)["type"] for p in other.parameters()} == {"R"}
+    for got, want in zip(other.parameters(), run["weights"]):
+        assert torch.equal(got.cpu_torch(), want)
