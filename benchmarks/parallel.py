@@ -8,6 +8,7 @@ way to run it, in one run:
 | one GPU        | one worker                               | eager                               |
 | DP=n           | configs' data/weights signals            | DistributedDataParallel             |
 | DP=n ZeRO-1/2  | the same with the weights' zero: 1 or 2  | (none: the DP=n row's DDP is the peer) |
+| DP=n ZeRO-3    | the same with zero: 3 (FSDP)             | FSDP2, fully_shard per block        |
 | TP=2           | configs/gpt_tp2.yaml (Megatron)          | DTensor's Megatron plan             |
 | TP=2 serial    | the same, GTMPI_OVERLAP=0                | (the overlap's baseline)            |
 | PP=2           | configs/pipeline.yaml, 1F1B              | torch.distributed.pipelining 1F1B   |
@@ -98,9 +99,9 @@ def main() -> None:
                flags=("--checkpoint-activations", mode))
     for n in (2, 4, 8):
         layout(f"DP={n}", n, per_gpu * n, dp_configs.get(n), "ddp", per_gpu)
-        for zero in (1, 2):  # ZeRO-1 and -2: DDP's row, in the same run, is the peer
-            layout(f"DP={n} ZeRO-{zero}", n, per_gpu * n, dp_configs.get((n, zero)), None,
-                   per_gpu)
+        for zero in (1, 2, 3):  # DDP's row, in the same run, is the peer of ZeRO-1 and -2
+            layout(f"DP={n} ZeRO-{zero}", n, per_gpu * n, dp_configs.get((n, zero)),
+                   "fsdp" if zero == 3 else None, per_gpu)
     layout("TP=2", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), "tp", args.batch)
     # the same without the input gradients' all-reduces run beside the weights' gradients
     layout("TP=2 serial", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), None,
@@ -137,7 +138,7 @@ def _write_dp_configs(folder: str, gpus: int) -> dict:
     and with the weights' ZeRO level (by (n, level))."""
     out: dict = {}
     for n in (2, 4, 8):
-        for zero in (0, 1, 2):
+        for zero in (0, 1, 2, 3):
             if n <= gpus:
                 path = os.path.join(folder, f"data_parallel{n}-zero{zero}.yaml")
                 workers = list(range(n))

@@ -3,6 +3,7 @@
 
     one   one GPU, plain eager PyTorch
     ddp   DistributedDataParallel, --batch split over the GPUs
+    fsdp  FSDP2: fully_shard on each block, then on the model, --batch split over the GPUs
     tp    DTensor's Megatron plan (parallelize_module): the attention's QKV and the MLP's first
           layer ColwiseParallel, their output projections RowwiseParallel, the embedding split
           along the vocabulary, the head ColwiseParallel into loss_parallel's cross-entropy
@@ -35,7 +36,7 @@ from examples.gpt.model import SIZES, balanced_bounds, build  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layout", choices=["one", "ddp", "tp", "pp"], required=True)
+    p.add_argument("--layout", choices=["one", "ddp", "fsdp", "tp", "pp"], required=True)
     p.add_argument("--size", choices=sorted(SIZES), default="gpt2")
     p.add_argument("--batch", type=int, default=16, help="the global batch")
     p.add_argument("--micro-batches", type=int, default=8)
@@ -58,7 +59,8 @@ def main() -> None:
     c = SIZES[args.size]
     torch.manual_seed(0)
     model = build(torch)(c)
-    local_batch = args.batch // world if args.layout == "ddp" else args.batch
+    data_parallel = args.layout in ("ddp", "fsdp")
+    local_batch = args.batch // world if data_parallel else args.batch
 
     if args.layout == "pp":
         model, params, step = _pipeline(model, c, rank, world, device, dtype, args.micro_batches)
@@ -68,6 +70,11 @@ def main() -> None:
             _tensor_parallel(model, world, device)
         if args.layout == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
+        if args.layout == "fsdp":  # FSDP2's recipe: each block its own unit, then the rest
+            from torch.distributed.fsdp import fully_shard
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
         params = list(model.parameters())
 
         def step(x, y):
@@ -90,7 +97,7 @@ def main() -> None:
               for decay in (True, False) for dtensor in (True, False)]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=6e-4, betas=(0.9, 0.95),
                             **({"fused": True} if args.fused else {}))
-    gen = torch.Generator().manual_seed(1 + (rank if args.layout == "ddp" else 0))
+    gen = torch.Generator().manual_seed(1 + (rank if data_parallel else 0))
     data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in
             torch.randint(0, c.vocab, (4, local_batch, c.seq + 1), generator=gen).to(device)]
     losses, clock = [], 0.0
@@ -141,8 +148,9 @@ def _clip(params: list, max_norm: float, layout: str) -> None:
     """Clipping by the global norm, as Megatron computes it where gradients are spread: the
     squares of what is split (a stage's gradients; a DTensor's shards) summed over the ranks
     in one all-reduce, plus those of what every rank holds whole. torch's clip_grad_norm_
-    takes no mix of DTensors and tensors, which the Megatron plan leaves (norms, biases)."""
-    if layout in ("one", "ddp"):
+    takes no mix of DTensors and tensors, which the Megatron plan leaves (norms, biases); FSDP2
+    makes every gradient a DTensor, which it takes."""
+    if layout in ("one", "ddp", "fsdp"):
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
     from torch.distributed.tensor import DTensor
