@@ -185,11 +185,12 @@ def _gtmpi(name: str, n: int, batch: int, config: str | None, args, logs: str,
                 logs)
 
 
-def _torch(name: str, peer: str, n: int, batch: int, args, logs: str) -> dict | None:
+def _torch(name: str, peer: str, n: int, batch: int, args, logs: str,
+           extra: tuple = ()) -> dict | None:
     script = os.path.join(HERE, "torch_peers.py")
     opts = ["--layout", peer, "--size", args.size, "--batch", str(batch), "--steps",
             str(max(args.steps - 6, 3)), "--micro-batches", str(args.micro_batches),
-            *(["--fused"] if args.torch_fused else [])]
+            *(["--fused"] if args.torch_fused else []), *extra]
     cmd = [sys.executable, script, *opts] if n == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(n), script, *opts]

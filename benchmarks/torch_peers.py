@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--checkpoint-activations", choices=["none", "full", "selective"],
+                   default="none", help="each block checkpointed (torch.utils.checkpoint)")
     p.add_argument("--fused", action="store_true",
                    help="AdamW(fused=True), the kernel gtmpi's GPU workers use (default: "
                         "torch's own default, foreach on GPUs)")
@@ -59,6 +61,8 @@ def main() -> None:
     c = SIZES[args.size]
     torch.manual_seed(0)
     model = build(torch)(c)
+    model.checkpointing = None if args.checkpoint_activations == "none" else \
+        args.checkpoint_activations
     data_parallel = args.layout in ("ddp", "fsdp")
     local_batch = args.batch // world if data_parallel else args.batch
 

@@ -860,6 +860,28 @@ def test_a_mask_made_in_forward_from_constants_is_made_where_used():
 
 
 @spread
+def test_a_scalar_the_program_uploads_goes_whole_where_it_is_used():
+    """Under a config that splits the program's uploads along dim 0 (configs/ddp.yaml), a
+    number it uploads beside a batch (a mean's count, made on the client from host-held
+    targets) has no dim 0 to split: it goes whole to the workers of the op that reads it,
+    where it once stopped the program with a config error."""
+    gtmpi.load_config({"uploads": {"shard": {"axis": 0, "workers": [0, 1]}}})
+    try:
+        gtmpi.debug.strict_placement()
+        try:
+            x = gtmpi.tensor(torch.arange(8.0).reshape(4, 2))
+            assert gtmpi.debug.placement(x)["type"] == "S(0)"  # on the workers, split
+            count = gtmpi.tensor(torch.tensor([1, 0, 1, 1])).sum().to(gtmpi.float32)
+            got = (x * 2).sum() / count  # the count: made on the client, a 0-d upload
+            assert got.item() == pytest.approx(56.0 / 3)
+        finally:
+            gtmpi.debug.strict_placement(False)
+    finally:
+        from gtmpi.client.runtime import runtime
+        runtime().signals.signals.pop("uploads")
+
+
+@spread
 def test_masked_fill_gradient_keeps_a_split_batch_split():
     """A causal mask's masked_fill: its gradient was torch's vjp on whole tensors (an all-gather
     of the scores per layer and step under data parallelism); now a where of the pieces."""

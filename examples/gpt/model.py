@@ -28,6 +28,7 @@ SIZES = {
     "d384": Config(vocab=4096, seq=256, layers=6, heads=6, dim=384),
     "gpt2": Config(vocab=50304, seq=1024, layers=12, heads=12, dim=768),   # GPT-2 small
     "mini": Config(vocab=50257, seq=1024, layers=8, heads=16, dim=1024),   # the seed's Mini-GPT
+    "6.7b": Config(vocab=50304, seq=1024, layers=32, heads=32, dim=4096),  # GPT-3 6.7B's shape
 }
 
 

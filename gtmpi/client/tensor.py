@@ -76,14 +76,16 @@ class Tensor:
         """Hand a host-held value to the workers: its recipe run there, else its bytes. Where:
         by the signals open where it was made; else, outside any signal's scope, by a config's
         ``parameters`` signal for a module's parameters and buffers and its ``uploads`` signal
-        for the rest of what the program uploads (its batches: data parallelism by a config
-        alone); else whole on every worker of ``beside`` (the mesh of the op that needs it:
+        for the rest of what the program uploads but scalars (its batches: data parallelism by
+        a config alone); else whole on every worker of ``beside`` (the mesh of the op that needs it:
         made where it is used, nothing sent between workers); else on the home worker."""
         value, recipe = self._host, self._recipe
         self._host = self._recipe = None
         rt = runtime()
         book, placer = rt.signals, rt.dispatcher.placer
-        implicit = "parameters" if self._state else "uploads" if recipe is None else None
+        # (a number is no batch: a scalar the program uploads goes where it is used, whole)
+        implicit = "parameters" if self._state else \
+            "uploads" if recipe is None and len(self._sig[0]) else None
         scopes = self._scope or ((implicit,) if implicit in book.signals and not book.open
                                  else ())
         with ExitStack() as inside:

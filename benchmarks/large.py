@@ -1,0 +1,75 @@
+"""A GPT larger than one GPU holds with replicated data parallelism: GPT-3 6.7B's shape (32
+layers, dim 4096, 32 heads, seq 1024, vocab 50304) on every GPU found, gtmpi beside torch with
+the same recipe, in one run:
+
+    python benchmarks/large.py                               # every GPU found
+    python benchmarks/large.py --size tiny --gpus 2 --steps 6    # a check on CPUs
+
+gtmpi: examples/gpt/train.py, on several GPUs with configs/fsdp.yaml (ZeRO-3: weights,
+gradients and AdamW's moments in pieces, each weight gathered for the op that reads it), every
+block's activations checkpointed and the loss in chunks of rows (F.linear_cross_entropy).
+torch: benchmarks/torch_peers.py, FSDP2 (fully_shard per block, then the model) on several
+GPUs, plain eager on one, every block checkpointed (torch.utils.checkpoint); torch before 2.13
+has no chunked loss, so it holds the whole logits. Both in bf16 (weights and optimizer state,
+as train.py and torch_peers.py run every size), AdamW, clipping at 1.0; --batch sequences per
+GPU. Prints a table (tokens/s, MFU, peak memory per GPU) and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+from parallel import ROOT, _gpus, _gtmpi, _n, _torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="6.7b")
+    p.add_argument("--batch", type=int, default=8, help="sequences per GPU")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--gpus", type=int, default=None, help="default: every GPU found")
+    p.add_argument("--checkpoint-activations", choices=["none", "full", "selective"],
+                   default="full")
+    p.add_argument("--loss-chunk-rows", type=int, default=2048, help="gtmpi's (0: whole)")
+    p.add_argument("--logs", default=None, help="folder for every run's output")
+    args = p.parse_args()
+    args.micro_batches, args.torch_fused = 1, False  # what parallel.py's runners read
+    n = args.gpus or _gpus()
+    logs = args.logs or tempfile.mkdtemp(prefix="large-")
+    os.makedirs(logs, exist_ok=True)
+    batch = args.batch * n
+    config = os.path.join(ROOT, "configs/fsdp.yaml") if n > 1 else None
+    ckpt = ("--checkpoint-activations", args.checkpoint_activations)
+    g = _gtmpi(f"FSDP={n}", n, batch, config, args, logs,
+               extra=(*ckpt, "--loss-chunk-rows", str(args.loss_chunk_rows),
+                      "--eval-batches", "1"))
+    t = _torch(f"FSDP={n}", "fsdp" if n > 1 else "one", n, batch, args, logs, extra=ckpt)
+    g, t = g or {}, t or {}
+    gr, tr = g.get("tokens_per_s"), t.get("tokens_per_s")
+    # the same model and tokens: torch's MFU is gtmpi's scaled by the speeds
+    t_mfu = g["mfu"] * tr / gr if g.get("mfu") and gr and tr else None
+    print(f"\nGPT {args.size} ({g.get('parameters', 0) / 1e9:.2f}B parameters), {n} GPU(s), "
+          f"{args.batch} sequences per GPU, bf16, AdamW, activations checkpointed: "
+          f"{args.checkpoint_activations}")
+    head = f"{'':<6} {'tokens/s':>10} {'MFU':>6} {'peak GB/GPU':>12} {'last loss':>10}"
+    print(head + "\n" + "-" * len(head))
+    for name, r, mfu in (("gtmpi", g, g.get("mfu")), ("torch", t, t_mfu)):
+        losses = r.get("losses") or [None]
+        print(f"{name:<6} {_n(r.get('tokens_per_s')):>10} "
+              f"{(f'{mfu * 100:.1f}%' if mfu else '-'):>6} "
+              f"{_n(r.get('peak_gb_per_gpu'), 2):>12} {_n(losses[-1], 4):>10}")
+    print(f"gtmpi/torch: {_n(gr / tr if gr and tr else None, 3)}")
+    print(json.dumps({"benchmark": "large", "size": args.size, "gpus": n,
+                      "batch_per_gpu": args.batch, "checkpointing": args.checkpoint_activations,
+                      "gtmpi_tokens_per_s": gr, "gtmpi_mfu": g.get("mfu"),
+                      "gtmpi_peak_gb": g.get("peak_gb_per_gpu"),
+                      "torch_tokens_per_s": tr, "torch_mfu": t_mfu and round(t_mfu, 4),
+                      "torch_peak_gb": t.get("peak_gb_per_gpu"),
+                      "vs_torch": round(gr / tr, 3) if gr and tr else None}))
+
+
+if __name__ == "__main__":
+    main()
