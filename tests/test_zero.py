@@ -147,6 +147,9 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
 
 
 @spread
+@pytest.mark.skipif(any(s["device"] != "cpu" for s in gtmpi.debug.worker_stats().values()),
+                    reason="exact on CPU workers, whose count is their tensors' bytes; a GPU's "
+                           "is its allocator's (cuBLAS's workspaces, graph pools beside them)")
 def test_each_workers_bytes_are_the_zero_formulas():
     """After a step with AdamW (float32: 4 bytes a parameter each for the weights, the
     gradients and the two moments), each worker holds 16 bytes a parameter replicated, 12 at
