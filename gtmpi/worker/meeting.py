@@ -19,6 +19,14 @@ drops the client and tells it why). The waiting member then leaves at the client
 says so, so that no partner enters the collective short of a member. Different collectives met
 are a break at once; a wait longer than BACKSTOP_S (partners each waiting in the same client
 for something else: a client whose workers were sent crossed work) too.
+
+A collective is met in two rounds. Having heard every partner's word, a member could not know
+that each partner has heard its own: a partner still waiting could see its client dropped and
+leave, and the member would wait in the collective for good (a server's data plane start hung
+so in `dist.new_group`, one worker in it, the other gone). So each member then says a second
+word, and enters only once every partner has said it too; a member that has said it leaves
+no more on its own (only when a partner says it left in the first round), so a second word
+heard is a partner that will enter.
 """
 from __future__ import annotations
 
@@ -77,10 +85,15 @@ class Meeting:
 
     def meet(self, slot: int, channel: tuple, members: Iterable[int], what: Any,
              dropped: Callable[[], str | None]) -> None:
-        """Say ``what`` to the other ``members``, then wait until each has said the same."""
+        """Say ``what`` to the other ``members``, then wait until each has said the same; then
+        the second round (see above)."""
         others = [r for r in members if r != self.rank]
         if others:
-            self.hear(slot, channel, others, self.say(slot, channel, others, what), what, dropped)
+            n = self.say(slot, channel, others, what)
+            self.hear(slot, channel, others, n, what, dropped)
+            go = (*channel, "go")
+            self.hear(slot, go, others, self.say(slot, go, others, what), what, lambda: None,
+                      left=(channel, n))
 
     def expect(self, slot: int, channel: tuple, partner: int, what: Any,
                dropped: Callable[[], str | None]) -> None:
@@ -90,9 +103,10 @@ class Meeting:
                   dropped)
 
     def hear(self, slot: int, channel: tuple, partners: list[int], n: int, what: Any,
-             dropped: Callable[[], str | None]) -> None:
+             dropped: Callable[[], str | None], left: tuple | None = None) -> None:
         """Wait until each of ``partners`` has said ``what`` as its ``n``th ``channel`` event;
-        else leave (saying so) with ClientGone."""
+        else leave (saying so) with ClientGone. ``left``: (channel, event) of a first round,
+        where a partner's word that it left counts as leaving this one too."""
         gen = self.live[slot]
         deadline = time.monotonic() + BACKSTOP_S
 
@@ -101,6 +115,9 @@ class Meeting:
             missing = []
             for rank in partners:
                 words = [w for w in self.heard[(slot, gen, channel, rank)] if w[0] == n]
+                if left is not None:
+                    words += [w for w in self.heard[(slot, gen, left[0], rank)]
+                              if w[0] == left[1] and w[1] == GONE]
                 if any(said == GONE for _, said in words):
                     return f"worker rank {rank} left {_named(what)} unmet"
                 if not words:
