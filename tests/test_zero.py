@@ -146,10 +146,12 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
     assert runs[3]["ran"]["reduce_scatter"] == runs[2]["ran"]["reduce_scatter"]
 
 
+ON_GPUS = any(s["device"] != "cpu" for s in gtmpi.debug.worker_stats().values())
+
+
 @spread
-@pytest.mark.skipif(any(s["device"] != "cpu" for s in gtmpi.debug.worker_stats().values()),
-                    reason="exact on CPU workers, whose count is their tensors' bytes; a GPU's "
-                           "is its allocator's (cuBLAS's workspaces, graph pools beside them)")
+@pytest.mark.skipif(ON_GPUS, reason="exact on CPU workers, whose count is their tensors' bytes; "
+                    "a GPU's is its allocator's (cuBLAS's workspaces, graph pools beside them)")
 def test_each_workers_bytes_are_the_zero_formulas():
     """After a step with AdamW (float32: 4 bytes a parameter each for the weights, the
     gradients and the two moments), each worker holds 16 bytes a parameter replicated, 12 at
@@ -212,6 +214,9 @@ def test_a_zero_optimizers_state_dict_is_the_replicated_ones():
 
 
 @spread
+@pytest.mark.skipif(ON_GPUS, reason="a GPU worker's index guard sets a bad index in range and "
+                    "fails every later read (docs/architecture.md, 'Indices'): no failed op "
+                    "whose results are poisoned, which is what this tests")
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_a_bad_batch_on_one_worker_skips_the_zero_step_on_both(zero):
     """A target out of range in the second worker's half of one batch: its gradients fail
