@@ -176,7 +176,7 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100,
         # each worker sums its rows' losses; the mean divides by all the rows that count
         total = apply("cross_entropy", input, target, ignore_index, "sum", label_smoothing,
                       **extra)
-        return total / (target != ignore_index).sum().to(total.dtype)
+        return _per_counted(total, target, ignore_index)
     return apply("cross_entropy", input, target, ignore_index, reduction, label_smoothing,
                  **extra)
 
@@ -239,7 +239,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         if reduction == "mean" and _split_along(input, 0):
             total = apply("linear_cross_entropy", input, linear_weight, target, linear_bias,
                           ignore_index, "sum", rows, **kw)
-            return total / (target != ignore_index).sum().to(total.dtype)
+            return _per_counted(total, target, ignore_index)
         return apply("linear_cross_entropy", input, linear_weight, target, linear_bias,
                      ignore_index, reduction, rows, **kw)
     from ..utils.checkpoint import checkpoint
@@ -260,6 +260,12 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         total = total + loss
     if reduction == "sum":
         return total
+    return _per_counted(total, target, ignore_index)
+
+
+def _per_counted(total: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """A mean of the rows' losses from their sum: divided by the count of the rows that count
+    (every worker's, where the rows are split over workers)."""
     return total / (target != ignore_index).sum().to(total.dtype)
 
 

@@ -553,8 +553,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, offset, ignore_index, reduction, plane, group):
         width = logits.shape[1]
-        fused = fused_rows.available(logits)  # one pass on GPUs, not a float copy and four
-        lse = fused_rows.row_lse(logits) if fused else torch.logsumexp(logits.float(), 1)
+        lse = _row_lse(logits)
         top = lse.clone()
         _all_reduce(top, dist.ReduceOp.MAX, plane, group)
         total = torch.exp(lse - top)
@@ -577,15 +576,28 @@ class _VocabCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         logits, lse, local, hit, valid, count = ctx.saved_tensors
         scale = g.float() / count if ctx.reduction == "mean" else g.float()
-        coef = valid * scale
-        if fused_rows.available(logits):
-            grad = fused_rows.softmax_minus_onehot(logits, lse, torch.where(hit, local, -1),
-                                                   coef.expand(valid.shape))
-            return grad, None, None, None, None, None, None
-        grad = (logits.float() - lse[:, None]).exp_()
-        grad.scatter_add_(1, local[:, None], -hit.float()[:, None])
-        grad *= coef[:, None]
-        return grad.to(logits.dtype), None, None, None, None, None, None
+        grad = _softmax_minus_onehot(logits, lse, torch.where(hit, local, -1),
+                                     (valid * scale).expand(valid.shape))
+        return grad, None, None, None, None, None, None
+
+
+def _row_lse(logits: torch.Tensor) -> torch.Tensor:
+    """float32 log-sum-exp of each row: one pass on GPUs, not a float copy and four."""
+    if fused_rows.available(logits):
+        return fused_rows.row_lse(logits)
+    return torch.logsumexp(logits.float(), 1)
+
+
+def _softmax_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
+                          coef: torch.Tensor) -> torch.Tensor:
+    """(exp(logits - lse) - onehot(target)) * coef, row by row, in the logits' dtype; a target
+    of -1 has no one in these logits (one pass on GPUs)."""
+    if fused_rows.available(logits):
+        return fused_rows.softmax_minus_onehot(logits, lse, target, coef)
+    grad = (logits.float() - lse[:, None]).exp_()
+    grad.scatter_add_(1, target.clamp(min=0)[:, None], -(target >= 0).float()[:, None])
+    grad *= coef[:, None]
+    return grad.to(logits.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -619,8 +631,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if bias is not None and wants[3] else None
         for rows in row_pieces(x.shape[0], -(-x.shape[0] // chunk)):
             logits = F.linear(x[rows], weight, bias)
-            fused = fused_rows.available(logits)
-            lse = fused_rows.row_lse(logits) if fused else torch.logsumexp(logits.float(), 1)
+            lse = _row_lse(logits)
             hit = valid[rows]
             t = torch.where(hit, target[rows], 0)
             log_p = logits.gather(1, t[:, None])[:, 0].float() - lse
@@ -629,13 +640,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             losses[rows] = -log_p * hit
             if not any(wants):
                 continue
-            if fused:
-                g = fused_rows.softmax_minus_onehot(logits, lse, torch.where(hit, t, -1),
-                                                    coef[rows])
-            else:
-                g = (logits.float() - lse[:, None]).exp_()
-                g.scatter_add_(1, t[:, None], -hit.float()[:, None])
-                g = (g * coef[rows, None]).to(logits.dtype)
+            g = _softmax_minus_onehot(logits, lse, torch.where(hit, t, -1), coef[rows])
             del logits
             if dx is not None:
                 torch.mm(g, weight, out=dx[rows])
