@@ -91,8 +91,13 @@ def main() -> None:
         rows.append(row)
 
     dp_configs = _write_dp_configs(logs, gpus)
-    layout("one GPU", 1, per_gpu, None, "one", per_gpu)
-    layout("one GPU", 1, args.batch, None, "one", args.batch)
+    # the DP rows' reference at their batch per GPU, the others' at the global batch: each
+    # only where a row of its kind runs (both are named "one GPU" in the table)
+    dp = only is None or any(n.startswith("DP=") for n in only)
+    if dp:
+        layout("one GPU", 1, per_gpu, None, "one", per_gpu)
+    if not dp or only is None or any(not n.startswith(("DP=", "one GPU")) for n in only):
+        layout("one GPU", 1, args.batch, None, "one", args.batch)
     # activation checkpointing's cost in step time (the ratio) and what it saves (peak GB)
     for mode in ("full", "selective"):
         layout(f"one GPU ckpt {mode}", 1, args.batch, None, None, args.batch,

@@ -136,14 +136,16 @@ def test_bubble_and_bad_arguments():
 
 
 @spread
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbh1", "interleaved", "zbv"])
-def test_two_stage_gpt_gives_the_full_batch_loss_and_gradients(name):
+@pytest.mark.parametrize("name,layers", [("gpipe", 4), ("1f1b", 4), ("zbh1", 4),
+                                         ("interleaved", 4), ("zbv", 4), ("1f1b", 1)])
+def test_two_stage_gpt_gives_the_full_batch_loss_and_gradients(name, layers):
     """Two workers; interleaved: each holds two chunks of the model (chunks 0 and 2 the first,
     1 and 3 the second), so every micro-batch crosses between them three times each way; ZB-V:
-    chunks 0 and 3 the first, 1 and 2 the second, so twice (the loss is on the first)."""
+    chunks 0 and 3 the first, 1 and 2 the second, so twice (the loss is on the first). One
+    block: the last stage runs the norm, the head and the loss alone."""
     chunks = 4 if name in ("interleaved", "zbv") else 2
     where = [f"stage{worker_of(name, s, 2)}" for s in range(chunks)]
-    c = dataclasses.replace(SIZES["tiny"], layers=4)
+    c = dataclasses.replace(SIZES["tiny"], layers=layers)
     gtmpi.load_config({"stage0": {"shard": {"workers": [0]}},
                        "stage1": {"shard": {"workers": [1]}}})
     torch.manual_seed(0)
@@ -153,6 +155,8 @@ def test_two_stage_gpt_gives_the_full_batch_loss_and_gradients(name):
     model = build(gtmpi)(c)
     model.load_state_dict(ref.state_dict())
     parts = stages(model, chunks)
+    if layers == 1:
+        assert parts[-1][0] == [model.ln, model.head]
     for s, (owned, _) in enumerate(parts):
         for module in owned:
             gtmpi.signal.place(module, where[s])
@@ -229,6 +233,9 @@ def test_stages_are_cut_by_cost_per_worker():
     c = SIZES["gpt2"]
     assert balanced_bounds(c, 2) == [0, 8, 12]
     assert balanced_bounds(c, 1) == [0, 12]
+    # PP=4: the head alone costs nearly a stage's share (3.7 of 4 blocks): 3/4/4/1 would
+    # leave the last stage 4.7 blocks' worth
+    assert balanced_bounds(c, 4) == [0, 4, 8, 12, 12]
     for name in ("interleaved", "zbv"):
         bounds = balanced_bounds(c, 4, lambda k: worker_of(name, k, 2))
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
@@ -236,6 +243,6 @@ def test_stages_are_cut_by_cost_per_worker():
         assert first == (8 if name == "interleaved" else 4), sizes  # ZB-V: the head is there
     deep = dataclasses.replace(c, layers=48)  # past the exhaustive search's reach
     bounds = balanced_bounds(deep, 16, lambda k: worker_of("interleaved", k, 8))
-    assert len(bounds) == 17 and all(b > a for a, b in zip(bounds, bounds[1:]))
-    with pytest.raises(ValueError, match="12 blocks cannot make 13 stages"):
-        balanced_bounds(c, 13)
+    assert len(bounds) == 17 and all(b > a for a, b in zip(bounds, bounds[1:-1]))
+    with pytest.raises(ValueError, match="12 blocks cannot make 14 stages"):
+        balanced_bounds(c, 14)

@@ -156,7 +156,8 @@ def stages(model, p: int,
     the final norm, the head and the loss, and is given the targets. A pipeline runs at the
     pace of its slowest stage, and the head of a large vocabulary costs as much as several
     blocks (GPT-2 small: about 3.7), so the blocks are cut where the stages' costs come closest to
-    equal (Megatron's uneven first and last stages), each stage with one block at least;
+    equal (Megatron's uneven first and last stages), each stage with one block at least but
+    the last, which may run the head alone;
     with ``owner`` (chunk -> worker: interleaved and V schedules), where the workers' come
     closest."""
     blocks = list(model.blocks)
@@ -179,8 +180,8 @@ def stages(model, p: int,
 
 def balanced_bounds(c: Config, p: int, owner: Callable[[int], int] | None = None) -> list[int]:
     """Block indices cutting ``c.layers`` blocks into ``p`` consecutive chunks (each at least
-    one block), chunk k held by worker ``owner(k)`` (default: worker k), whose busiest worker's
-    cost is least, and among those the most even. The first chunk also embeds, the last runs
+    one block but the last, which may hold the head alone), chunk k held by worker
+    ``owner(k)`` (default: worker k), whose busiest worker's cost is least, and among those the most even. The first chunk also embeds, the last runs
     the head and the loss. Costs are per token in FLOPs' worth of GPU time: a block's matmuls
     and attention, plus its memory-bound passes over the activations (norms, residual adds,
     GELU, biases: about twenty, each worth some 1,000·dim FLOPs at a GPU's ratio of bf16 FLOPs
@@ -193,7 +194,7 @@ def balanced_bounds(c: Config, p: int, owner: Callable[[int], int] | None = None
     embed = 12_000 * c.dim
     owner = owner or (lambda k: k)
     n, workers = c.layers, 1 + max(owner(k) for k in range(p))
-    if not 1 <= p <= n:
+    if not 1 <= p <= n + 1:
         raise ValueError(f"{n} blocks cannot make {p} stages")
 
     def key(bounds: tuple[int, ...]) -> tuple[float, float, float]:
@@ -205,14 +206,15 @@ def balanced_bounds(c: Config, p: int, owner: Callable[[int], int] | None = None
             squares += cost * cost
         return max(loads), sum(x * x for x in loads), squares
 
-    if math.comb(n - 1, p - 1) <= 20_000:  # every cut (GPT-2's 12 blocks: at most 462)
-        return list(min(((0, *cuts, n) for cuts in itertools.combinations(range(1, n), p - 1)),
+    # the last chunk may hold the head alone, when the head costs a stage's share itself
+    if math.comb(n, p - 1) <= 20_000:  # every cut (GPT-2's 12 blocks: at most 495)
+        return list(min(((0, *cuts, n) for cuts in itertools.combinations(range(1, n + 1), p - 1)),
                         key=key))
     # else from the even cut, one bound moved by one block at a time while that helps
     bounds = [round(k * n / p) for k in range(p + 1)]
     while True:
         moves = [bounds[:k] + [bounds[k] + d] + bounds[k + 1:] for k in range(1, p)
-                 for d in (-1, 1) if bounds[k - 1] < bounds[k] + d < bounds[k + 1]]
+                 for d in (-1, 1) if bounds[k - 1] < bounds[k] + d < bounds[k + 1] + (k == p - 1)]
         better = min(moves, key=lambda b: key(tuple(b)), default=bounds)
         if key(tuple(better)) >= key(tuple(bounds)):
             return bounds

@@ -205,6 +205,8 @@ def main() -> None:
     flops = flops_per_token(c, seq)
     card = torch.cuda.get_device_name(0) if gpu and torch.cuda.is_available() else ""
     peak = next((v for k, v in PEAK_FLOPS.items() if k in card), None)
+    if peak:  # MFU is of every GPU the run holds (one per worker)
+        peak *= len(world["workers"])
     cuts = balanced_bounds(c, chunks, stage_holding) if n_stages else []
     mode = (f"{n_stages} pipeline stages ({args.schedule}, {args.micro_batches} micro-batches"
             f"{', tensor parallel in each' if staged_tp else ''}; blocks per "
