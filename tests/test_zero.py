@@ -146,6 +146,40 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
     assert runs[3]["ran"]["reduce_scatter"] == runs[2]["ran"]["reduce_scatter"]
 
 
+@spread
+@pytest.mark.parametrize("replay", [False, True])
+def test_zero3_gathers_the_next_ops_weights_ahead_with_the_same_numbers(replay, monkeypatch):
+    """GTMPI_ZERO_AHEAD=1 (FSDP's prefetch): each op's weights are gathered just before the
+    op that read weights before it the last time (here: the step before), not waited for, so
+    their all-gather can run beside that op's kernel; the same gathers as without, none
+    wasted across the optimizer's step, one fewer where an op reads the weight the op
+    before it read (the head's), and the same numbers, replayed too."""
+    from gtmpi.client.runtime import runtime
+    from gtmpi.dispatcher.placer import Placer
+    plain = _train(3, "adamw", steps=3, replay=replay)
+    flags = []
+    emit = Placer._emit
+
+    def spy(self, rank, ins):
+        if rank == WORKERS[0] and ins[0] == "all_gather":
+            flags.append(bool(ins[4].get("ahead")))
+        emit(self, rank, ins)
+    monkeypatch.setattr(Placer, "_emit", spy)
+    monkeypatch.setattr(runtime().dispatcher.placer, "gather_ahead", True)
+    ahead = _train(3, "adamw", steps=3, replay=replay)
+    assert ahead["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    for got, want in zip(ahead["weights"], plain["weights"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the first step learns the order; the second gathers all but its first op's weight (the
+    # embedding's) ahead, and its head's gradient takes its matmul's copy; replayed, the third
+    # is its program again, placed by no one
+    assert plain["ran"]["all_gather"] == 3 * 46
+    assert ahead["ran"] == {**plain["ran"], "all_gather": 46 + 2 * 45}
+    assert flags[:46] == [False] * 46
+    assert flags[46:91] == [False] + [True] * 44
+    assert len(flags) == (91 if replay else 136) + 29  # and the weights read back whole
+
+
 ON_GPUS = any(s["device"] != "cpu" for s in gtmpi.debug.worker_stats().values())
 
 

@@ -69,6 +69,15 @@ class Placer:
         # and frees the gathered copy once that op is sent (FSDP's gather per use, here per
         # op); in-place ops (the optimizer's step) and a sharded checkpoint see the pieces
         self.gathered: set[int] = set()
+        # ZeRO-3's gathers one op ahead (GTMPI_ZERO_AHEAD=1): the weights the next op read the
+        # last time this op ran are gathered just before this op, not waited for, so their
+        # all-gather runs beside this op's kernel (FSDP's prefetch); each is kept as a copy
+        # until that next op takes it, and freed after it as any gathered copy
+        self.gather_ahead = False
+        self._ahead: set[int] = set()  # ids with a gathered copy made ahead, not yet read
+        self._read_next: dict[tuple, tuple[int, ...]] = {}  # (op, weights) -> the next's weights
+        self._read_last: tuple | None = None
+        self._ahead_now = False  # the gathers now emitted are ahead: not waited for
         self.strict = False  # raise rather than gather or move what no signal asked to
         # sum a column-parallel layer's input gradient inside its kernel, beside the weight's
         # gradient (GTMPI_OVERLAP=0: at its first use, after the kernel)
@@ -205,6 +214,10 @@ class Placer:
             finally:
                 self._intended = False
             wire = tuple(wire)
+        if self.gather_ahead and seen is not kinds:
+            read = {a: w for a, k, s, w in zip(args, kinds, seen, wire) if k is not s}
+            if read:
+                self._gather_ahead(name, read)
         if changed and len(mesh) > 1:  # replicas or pieces change together, or not at all
             self._agree(mesh, [w for i, w in enumerate(wire) if tmask >> i & 1 and i not in changed])
         placed = (name, out, wire, tmask, kw)
@@ -509,6 +522,11 @@ class Placer:
                 self._emit(rank, op)
             self._record(tid, sig, want)
             return tid
+        if tid in self._ahead and want == have.whole:  # gathered ahead for this op
+            self._ahead.discard(tid)
+            copy = self.copies[tid].pop(want)
+            self._passing.append((copy, want.mesh))
+            return copy
         copy = self.copies.get(tid, _NONE).get(want)
         if copy is None:
             # a constant made again where it is wanted (its recipe) moves no data
@@ -531,6 +549,37 @@ class Placer:
             else:
                 self.copies.setdefault(tid, {})[want] = copy
         return copy
+
+    def _gather_ahead(self, name: str, read: dict[int, int]) -> None:
+        """Op ``name`` reads the ZeRO-3 weights ``read`` whole (weight -> its gathered copy,
+        emitted): gather ahead the weights that the op after it read last time (a training
+        loop reads its weights in one order every step), keep this op's copy of any it reads
+        too (the head's weight, read by its matmul and then by that matmul's gradient), and
+        drop what was gathered ahead for this op but not read by it."""
+        for tid in [t for t in self._ahead if t not in read]:
+            self._ahead.discard(tid)
+            where = self.placement(tid).whole
+            self._free_on(where.mesh, self.copies[tid].pop(where))
+        key = (name, tuple(read))
+        if self._read_last is not None and self._read_last != key:
+            self._read_next[self._read_last] = tuple(read)
+        self._read_last = key
+        for tid in self._read_next.get(key, ()):
+            entry = self.table.get(tid)
+            if tid in self._ahead or tid not in self.gathered or entry is None:
+                continue
+            sig, have = entry
+            if tid in read:  # kept: not freed once this op is sent
+                copy = read[tid]
+                self._passing.remove((copy, have.mesh))
+            else:
+                self._ahead_now = True
+                try:
+                    copy = self._convert(tid, sig, have, have.whole)
+                finally:
+                    self._ahead_now = False
+            self.copies.setdefault(tid, {})[have.whole] = copy
+            self._ahead.add(tid)
 
     def release(self) -> None:
         """Free the gathered copies made for the instructions sent so far."""
@@ -648,11 +697,15 @@ class Placer:
         kind, dim = p.per_axis()[axis]
         out = self.new_temp()
         groups = self._groups_along(p, axis)
+        sizes = p.sizes(tuple(shape), axis)
+        # ahead: what reads it waits for it (pieces of one size along dim 0 gather into the
+        # whole in place; others are cut out after, so they are waited for at once)
+        ahead = {"ahead": True} if self._ahead_now and dim == 0 and len(set(sizes)) == 1 else {}
         for m, rank in enumerate(p.mesh):
             like = {"group": groups[m], "shape": p.local_shape(tuple(shape), m), "dtype": dtype}
             self._emit(rank, ("all_reduce", out, (tid,), 1, like) if kind == "P" else
-                       ("all_gather", out, (tid,), 1,
-                        {**like, "dim": dim, "sizes": p.sizes(tuple(shape), axis)}))
+                       ("all_gather", out, (tid,), 1, {**like, "dim": dim, "sizes": sizes,
+                                                       **ahead}))
         self._agreed_as(tid, out, p.mesh)
         return out
 
@@ -737,6 +790,12 @@ class Placer:
     def _changed(self, tid: int) -> None:
         """An in-place op changed ``tid``: its copies are stale, its recipe too."""
         self.recipes.pop(tid, None)
+        self._ahead.discard(tid)
+        if tid in self.gathered and self._read_last is not None:
+            # an update between two reads (the step between two passes): what was read before
+            # it foretells nothing that would still hold after it
+            self._read_next.pop(self._read_last, None)
+            self._read_last = None
         for where, copy in self.copies.pop(tid, _NONE).items():
             self._free_on(where.mesh, copy)
 
@@ -747,6 +806,7 @@ class Placer:
         entry = self.table.pop(tid, None)
         self.viewed.discard(tid)
         self.gathered.discard(tid)
+        self._ahead.discard(tid)
         self._agreed.pop(tid, None)
         self.recipes.pop(tid, None)
         self.forward.pop(tid, None)

@@ -985,8 +985,9 @@ _ops += [
     # goes on (the rest of backward) while it runs, and whatever reads a result waits for it
     Op("all_reduce_bucket", Kind.COMM,
        lambda *xs, group, shapes, shape, dtype, plane: plane.reduce_bucket(xs, group)),
-    Op("all_gather", Kind.COMM, lambda x, group, dim, sizes, shape, dtype, plane:
-       plane.all_gather(x, group, dim, sizes)),
+    # ahead: ZeRO-3's gather of the next op's weight, not waited for (what reads it waits)
+    Op("all_gather", Kind.COMM, lambda x, group, dim, sizes, shape, dtype, plane, ahead=False:
+       plane.all_gather(x, group, dim, sizes, ahead)),
     # ZeRO's updated pieces (the second half of the operands) gathered into their parameters
     # (the first half) in place, as one flat buffer: one collective for a bucket of parameters
     Op("gather_pieces_", Kind.COMM, lambda *xs, group, sizes, shapes, shape, dtype, plane:

@@ -206,8 +206,11 @@ class DataPlane:
         works, self._works = self._works, []
         return _Works(self, works) if works else None
 
-    def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
-        """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded."""
+    def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...],
+                   ahead: bool = False) -> torch.Tensor:
+        """S(dim) -> R: the pieces concatenated along dim; uneven pieces travel padded.
+        ``ahead`` (pieces of one size along dim 0): not waited for; take_work() gives what to
+        wait on before the result is read."""
         if self._client is not None:
             self._meet(("all_gather", dim, sizes, x.shape[:dim] + x.shape[dim + 1:], str(x.dtype)),
                        group)
@@ -215,7 +218,12 @@ class DataPlane:
         # into one buffer, members outermost: no copy out of a list of parts, and pieces of
         # one size along dim 0 are the whole already (a view); along another dim, one copy
         flat = piece.new_empty((len(sizes) * piece.shape[0], *piece.shape[1:]))
-        self.wait(_ALL_GATHER(flat, piece, group=self.groups[group], async_op=True))
+        work = _ALL_GATHER(flat, piece, group=self.groups[group], async_op=True)
+        if ahead and dim == 0 and len(set(sizes)) == 1:
+            self._works.append(work)
+            self._count("all_gather", piece)
+            return flat
+        self.wait(work)
         out = flat.view(len(sizes), *piece.shape)
         self._count("all_gather", piece)
         if len(set(sizes)) == 1:

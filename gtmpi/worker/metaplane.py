@@ -232,7 +232,8 @@ class MetaPlane:
     def take_work(self) -> Any:
         return None
 
-    def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...],
+                   ahead: bool = False) -> torch.Tensor:
         shape = list(x.shape)
         self._count("all_gather", x.new_empty([*shape[:dim], max(sizes), *shape[dim + 1:]]))
         shape[dim] = sum(sizes)
