@@ -139,23 +139,26 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
     assert runs[2]["ran"].get("all_reduce", 0) < runs[0]["ran"]["all_reduce"]
     assert set(runs[1]["grads"].values()) == {"R"}
     # level 3: every weight is its pieces, gathered for each op that reads it (29 in forward,
-    # 17 again in backward: the matmuls' and norms' weights, not the embeddings'), and its
-    # gradient reduce-scattered as at level 2
+    # 17 again in backward: the matmuls' and norms' weights, not the embeddings'; from the
+    # second step on, the head's gradient takes its matmul's copy), and its gradient
+    # reduce-scattered as at level 2
     assert {gtmpi.debug.placement(p)["type"] for p in runs[3]["model"].parameters()} == {"S(0)"}
-    assert runs[3]["ran"]["all_gather"] == 3 * 46
+    assert runs[3]["ran"]["all_gather"] == 46 + 2 * 45
     assert runs[3]["ran"]["reduce_scatter"] == runs[2]["ran"]["reduce_scatter"]
 
 
 @spread
 @pytest.mark.parametrize("replay", [False, True])
 def test_zero3_gathers_the_next_ops_weights_ahead_with_the_same_numbers(replay, monkeypatch):
-    """GTMPI_ZERO_AHEAD=1 (FSDP's prefetch): each op's weights are gathered just before the
-    op that read weights before it the last time (here: the step before), not waited for, so
-    their all-gather can run beside that op's kernel; the same gathers as without, none
-    wasted across the optimizer's step, one fewer where an op reads the weight the op
-    before it read (the head's), and the same numbers, replayed too."""
+    """By default (GTMPI_ZERO_AHEAD=0 turns it off), as FSDP prefetches, each op's weights
+    are gathered just before the op that read weights before it the last time (here: the step
+    before), not waited for, so their all-gather can run beside that op's kernel; the same
+    gathers as without, none wasted across the optimizer's step, one fewer where an op reads
+    the weight the op before it read (the head's), and the same numbers, replayed too."""
     from gtmpi.client.runtime import runtime
     from gtmpi.dispatcher.placer import Placer
+    placer = runtime().dispatcher.placer
+    monkeypatch.setattr(placer, "gather_ahead", False)
     plain = _train(3, "adamw", steps=3, replay=replay)
     flags = []
     emit = Placer._emit
@@ -165,7 +168,7 @@ def test_zero3_gathers_the_next_ops_weights_ahead_with_the_same_numbers(replay, 
             flags.append(bool(ins[4].get("ahead")))
         emit(self, rank, ins)
     monkeypatch.setattr(Placer, "_emit", spy)
-    monkeypatch.setattr(runtime().dispatcher.placer, "gather_ahead", True)
+    monkeypatch.setattr(placer, "gather_ahead", True)
     ahead = _train(3, "adamw", steps=3, replay=replay)
     assert ahead["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     for got, want in zip(ahead["weights"], plain["weights"]):

@@ -83,7 +83,7 @@ class Runtime:
         self.dispatcher.placer.strict = os.environ.get("GTMPI_PLACEMENT", "") == "strict"
         self.dispatcher.placer.overlap = os.environ.get("GTMPI_OVERLAP", "1") != "0"
         self.dispatcher.placer.chunks = int(os.environ.get("GTMPI_OVERLAP_CHUNKS", "0"))
-        self.dispatcher.placer.gather_ahead = os.environ.get("GTMPI_ZERO_AHEAD", "0") == "1"
+        self.dispatcher.placer.gather_ahead = os.environ.get("GTMPI_ZERO_AHEAD", "1") != "0"
 
     def begin(self) -> None:
         """What the environment asks of a session (a config, a log, a trace), once it is the

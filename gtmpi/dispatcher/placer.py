@@ -69,11 +69,11 @@ class Placer:
         # and frees the gathered copy once that op is sent (FSDP's gather per use, here per
         # op); in-place ops (the optimizer's step) and a sharded checkpoint see the pieces
         self.gathered: set[int] = set()
-        # ZeRO-3's gathers one op ahead (GTMPI_ZERO_AHEAD=1): the weights the next op read the
+        # ZeRO-3's gathers one op ahead (GTMPI_ZERO_AHEAD=0: at use): the weights the next op read the
         # last time this op ran are gathered just before this op, not waited for, so their
         # all-gather runs beside this op's kernel (FSDP's prefetch); each is kept as a copy
         # until that next op takes it, and freed after it as any gathered copy
-        self.gather_ahead = False
+        self.gather_ahead = True
         self._ahead: set[int] = set()  # ids with a gathered copy made ahead, not yet read
         self._read_next: dict[tuple, tuple[int, ...]] = {}  # (op, weights) -> the next's weights
         self._read_last: tuple | None = None
@@ -697,7 +697,7 @@ class Placer:
         kind, dim = p.per_axis()[axis]
         out = self.new_temp()
         groups = self._groups_along(p, axis)
-        sizes = p.sizes(tuple(shape), axis)
+        sizes = p.sizes(tuple(shape), axis) if kind == "S" else ()
         # ahead: what reads it waits for it (pieces of one size along dim 0 gather into the
         # whole in place; others are cut out after, so they are waited for at once)
         ahead = {"ahead": True} if self._ahead_now and dim == 0 and len(set(sizes)) == 1 else {}
