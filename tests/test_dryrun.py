@@ -196,6 +196,44 @@ def test_a_dry_runs_peak_counts_what_kernels_make_and_free():
     assert ex.meta_peak == 2 * mib + targets + 8  # 1 died before 4 was made
 
 
+def test_a_dry_runs_reduce_scatter_keeps_only_its_piece():
+    """ZeRO-2's and -3's gradients: the whole partial sum dies once it is reduce-scattered (a
+    piece that viewed it kept GPT-3 6.7B's whole gradients counted: 24.3 GiB per worker at
+    DP=4, where 4 H200s measured 16.8 GB)."""
+    import torch
+    from gtmpi.transport.local import LocalLink
+    from gtmpi.worker.metaplane import MetaExecutor
+    ex = MetaExecutor(1, LocalLink(), workers=2)
+    mib = 2 ** 20
+    ex.run([("zeros", 1, ((512, 512), torch.float32), 0, {}),  # a whole partial sum: 1 MiB
+            ("reduce_scatter", 2, (1,), 1, {"group": 0, "dim": 0, "sizes": (256, 256),
+                                             "index": 1, "shape": (512, 512),
+                                             "dtype": torch.float32}),
+            ("free", None, (1,), 0, None)])
+    assert ex.memory()["memory_bytes"] == mib // 2
+    assert ex.meta_peak == mib + mib // 2
+
+
+@serial
+def test_a_dry_run_holds_large_host_values_as_meta(tmp_path):
+    """Weights made without a device stay with the client until used (client/host.py); in a
+    dry run those above HOST_NUMEL are meta, so a model larger than the client's memory
+    plans (GPT-3 6.7B's 27 GB of float32 weights stopped a laptop's dry run), and read as
+    zeros as every value does; small ones stay values (a batch's token ids, read)."""
+    proc, _ = run_job(tmp_path, """
+        import resource, gtmpi
+        big = gtmpi.nn.Linear(16384, 16384)     # 1 GiB of float32 weights, 40 times
+        layers = [gtmpi.nn.Linear(16384, 16384) for _ in range(39)]
+        small = gtmpi.arange(6) * 2
+        print(big.weight._host.is_meta, small._host.is_meta, small.tolist(),
+              big.weight[0, :3].tolist(), (big(gtmpi.ones(2, 16384)).sum()).item(),
+              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2 ** 20)
+    """, 120, n=None, env={"GTMPI_DRY_RUN": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False", "[0,", "2,", "4,", "6,", "8,", "10]",
+                                   "[0.0,", "0.0,", "0.0]", "0.0", "True"], proc.stdout
+
+
 def test_a_dry_runs_peak_has_cublas_workspaces_and_a_captures_sends():
     """Besides tensors: cuBLAS's workspace from the first matrix product on (one per stream:
     a capture's stream adds one), and a send's snapshot, held while a capture runs."""

@@ -98,8 +98,10 @@ def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
     device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
     rt = runtime()
     if host.allowed(rt, device):
-        return _grad(Tensor.held(torch.zeros(shape, dtype=dtype), ("zeros", shape, dtype),
-                                 host.scope(rt, (shape, dtype))), requires_grad)
+        where = "meta" if host.meta(rt, math.prod(shape)) else "cpu"
+        return _grad(Tensor.held(torch.zeros(shape, dtype=dtype, device=where),
+                                 ("zeros", shape, dtype), host.scope(rt, (shape, dtype))),
+                     requires_grad)
     return zeros(shape, dtype=dtype, requires_grad=requires_grad, device=device)
 
 

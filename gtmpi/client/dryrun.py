@@ -18,7 +18,10 @@ vocabulary-parallel cross-entropy), and with what the allocator holds besides: c
 workspace per stream that runs matrix products, and a CUDA graph's capture keeping every
 send's snapshot to its end (worker/metaplane.py). An estimate: the allocator's rounding is not
 in it. Measured against GPT-2 small on H100s (benchmarks/RESULTS.md): DP=2 −0.3%, TP=2
-−2.7%, TP=2 x PP=2 −5.9%. A program's replays after its third are not run again:
+−2.7%, TP=2 x PP=2 −5.9%; GPT-3 6.7B's shape, every block checkpointed, on H200s: one GPU
+−0.3%, FSDP over 4 −0.8%. The client holds what the program makes without a device
+(client/host.py) as meta above HOST_NUMEL, so a model larger than the client's own memory
+plans too. A program's replays after its third are not run again:
 the tensors they leave and the collectives they ran are those of the one before.
 GTMPI_TRACE records it as any run: `gtmpi-trace comms` lists what was inserted where, and the
 workers' instructions last what worker/costmodel.py estimates for the named GPU (arithmetic at

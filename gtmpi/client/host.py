@@ -34,6 +34,13 @@ _ON_WORKERS = frozenset({"normal_", "uniform_", "multinomial", "vjp", "getitem_g
 HOST_OPS = frozenset(name for name, op in OPS.items() if op.kind in _KINDS) - _ON_WORKERS
 
 
+def meta(rt: Any, numel: int) -> bool:
+    """Whether a value of ``numel`` elements is held as a meta tensor (shape and dtype, no
+    data): in a dry run, above HOST_NUMEL, where its values would be zeros on the simulated
+    workers anyway (a 6.7B model's weights would otherwise fill the client's memory)."""
+    return numel > HOST_NUMEL and any(w.get("dry_run") for w in rt.workers.values())
+
+
 def allowed(rt: Any, device: Any = None) -> bool:
     """Whether a tensor made now with ``device`` may be made by the client: not on a named GPU,
     nor inside a replayable function (a replay cannot repeat an upload, and its calls draw

@@ -59,6 +59,8 @@ class Tensor:
     @staticmethod
     def held(value: torch.Tensor, recipe: tuple | None = None, scope: tuple = ()) -> "Tensor":
         """A tensor whose value the client holds (client/host.py)."""
+        if not value.is_meta and host.meta(runtime(), value.numel()):
+            value = value.to("meta")
         t = Tensor(None, (value.shape, value.dtype), value, recipe)
         t._scope = scope
         return t
@@ -71,6 +73,11 @@ class Tensor:
     @id.setter
     def id(self, tensor_id: int | None) -> None:
         self._id = tensor_id
+
+    def _held(self) -> torch.Tensor:
+        """The value the client holds; a dry run's meta value reads as zeros."""
+        v = self._host
+        return torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v
 
     def _place(self, beside: tuple | None = None) -> int:
         """Hand a host-held value to the workers: its recipe run there, else its bytes. Where:
@@ -98,6 +105,8 @@ class Tensor:
                 for operand in recipe[1:]:  # a constant computed from constants: theirs first
                     if isinstance(operand, Tensor):
                         operand.id
+            if recipe is None and value.is_meta:  # a dry run's: zeros, made where placed
+                recipe = ("zeros", tuple(value.shape), value.dtype)
             made = apply(*recipe) if recipe is not None else upload(value)
         self._id, made._id = made._id, None
         return self._id
@@ -182,7 +191,7 @@ class Tensor:
     def cpu_torch(self) -> torch.Tensor:
         """The value as a plain CPU torch tensor."""
         if self._host is not None:
-            return self._host.clone()
+            return self._held().clone()
         buf = self._bytes()
         if not buf.size:
             return torch.empty(self.shape, dtype=self.dtype)
@@ -202,11 +211,11 @@ class Tensor:
             raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
         np_dtype = NUMPY_DTYPES.get(self.dtype)
         if np_dtype is None or self._host is not None:
-            return (self._host if self._host is not None else self.cpu_torch()).item()
+            return (self._held() if self._host is not None else self.cpu_torch()).item()
         return self._bytes().view(np_dtype)[0].item()
 
     def tolist(self) -> Any:
-        return (self._host if self._host is not None else self.cpu_torch()).tolist()
+        return (self._held() if self._host is not None else self.cpu_torch()).tolist()
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         arr = self.detach().numpy()

@@ -250,7 +250,8 @@ class MetaPlane:
     def reduce_scatter(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...],
                        index: int) -> torch.Tensor:
         self._count("reduce_scatter", x)
-        return x.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
+        # a piece of its own, as NCCL's: a view would keep the whole partial sum counted
+        return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone()
 
     def all_to_all(self, x: torch.Tensor, group: int, src: int, dst: int,
                    src_sizes: tuple[int, ...], dst_sizes: tuple[int, ...], index: int) -> torch.Tensor:
