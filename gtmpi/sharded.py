@@ -123,6 +123,12 @@ def _restore(obj: Any, saved: dict) -> Any:
         return saved["value"]
     if "torch" in saved:
         return torch.tensor(saved["torch"], dtype=getattr(torch, saved["dtype"]))
+    if not _holds_tensors(saved):  # plain values (a list of losses): as saved, whatever obj had
+        if "dict" in saved:
+            return {k: _restore(None, sub) for k, sub in saved["dict"]}
+        kind = "list" if "list" in saved else "tuple"
+        values = [_restore(None, sub) for sub in saved[kind]]
+        return values if kind == "list" else tuple(values)
     if "dict" in saved and isinstance(obj, dict):
         for key, sub in saved["dict"]:
             if "tensor" not in sub:
@@ -136,6 +142,15 @@ def _restore(obj: Any, saved: dict) -> Any:
                 if "tensor" not in sub and isinstance(obj, list) and i < len(obj):
                     obj[i] = value
     return obj
+
+
+def _holds_tensors(saved: dict) -> bool:
+    """Whether a saved layout has a gtmpi tensor anywhere in it."""
+    if "tensor" in saved:
+        return True
+    subs = [sub for _, sub in saved.get("dict", ())] + saved.get("list", []) + \
+        saved.get("tuple", [])
+    return any(_holds_tensors(sub) for sub in subs)
 
 
 def _walk(obj: Any, prefix: str, found: list) -> Any:

@@ -308,6 +308,51 @@ def test_a_configs_parameters_placed_on_first_use_are_sharded_by_the_optimizer()
 
 
 @spread
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_sharded_checkpoint_resumes_training_at_every_level(tmp_path, zero):
+    """The model's and AdamW's state saved by each worker (gtmpi.save_sharded), read back by a
+    new model and optimizer (init_state: the state made where its first step makes it, then
+    filled in place; nothing passes through rank 0), and training goes on as if never
+    stopped. The new model's weights are placed before any forward reads them, so the load's
+    host barrier comes while their transfers are under way (which once hung: a worker held by
+    its own sends, its partner in the barrier before receiving them)."""
+    data = torch.randint(0, C.vocab, (6, 8, C.seq + 1), generator=torch.Generator().manual_seed(1))
+    gtmpi.load_config({"w": {"shard": {"workers": [0, 1], "replicated": True}, "zero": zero},
+                       "zd": {"shard": {"axis": 0, "workers": [0, 1]}}})
+
+    def make():
+        torch.manual_seed(0)
+        model = build(gtmpi)(C)
+        gtmpi.signal.place(model, "w")
+        return model, gtmpi.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def steps(model, opt, which):
+        out = []
+        for i in which:
+            opt.zero_grad()
+            loss = model(gtmpi.signal.tensor(data[i, :, :-1], "zd"),
+                         gtmpi.signal.tensor(data[i, :, 1:], "zd"))
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+    whole = steps(*make(), range(6))
+    model, opt = make()
+    first = steps(model, opt, range(3))
+    gtmpi.save_sharded({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path)
+    model, opt = make()
+    opt.init_state()
+    state = opt.state[model.tokens.weight]
+    assert gtmpi.debug.placement(state["exp_avg"])["type"] == ("S(0)" if zero else "R")
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    gtmpi.load_sharded(saved, tmp_path)
+    opt.load_state_dict(saved["optimizer"])
+    assert opt.state[model.tokens.weight]["exp_avg"] is state["exp_avg"]  # filled in place
+    assert opt.state[model.tokens.weight]["step"] == 3
+    assert first + steps(model, opt, range(3, 6)) == pytest.approx(whole, rel=1e-6)
+
+
+@spread
 def test_a_zero3_models_sharded_checkpoint_loads_into_a_replicated_one(tmp_path):
     """Each worker writes the pieces it holds (ZeRO-3: half of every weight); a model whose
     weights are whole on both workers loads them back equal."""

@@ -22,7 +22,9 @@ gradient clipping, bf16 weights and activations on GPUs. Every --log-every steps
 the loss, tokens/s and MFU; every --eval-every steps and at the end the held-out loss, against
 the data's unigram entropy (what a model that learned only byte frequencies would score).
 --checkpoint saves the model, optimizer and step every --save-every steps; --resume continues
-from it on the same curve (batches depend on the step alone). GTMPI_TRACE=run.h5 traces it.
+from it on the same curve (batches depend on the step alone). With --sharded it is a folder:
+each worker writes the pieces it holds (gtmpi.save_sharded), nothing gathered through rank 0,
+and a resume in any layout or worker count reads the pieces it needs. GTMPI_TRACE=run.h5 traces it.
 Ends with one JSON line: losses (one per step), tokens_per_s, mfu, val_loss and more.
 """
 from __future__ import annotations
@@ -81,6 +83,8 @@ def main() -> None:
                    "(0: all at once)")
     p.add_argument("--checkpoint", default=None, help="file to save to (and --resume from)")
     p.add_argument("--save-every", type=int, default=0, help="0: only at the end")
+    p.add_argument("--sharded", action="store_true",
+                   help="--checkpoint is a folder of every worker's own pieces")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stop-at", type=int, default=None,
                    help="end after this step, as a job's time limit would (the schedule still "
@@ -187,12 +191,16 @@ def main() -> None:
     start, losses = 0, []
     if args.resume and not args.checkpoint:
         sys.exit("train.py: --resume needs --checkpoint FILE (the file to resume from)")
-    if args.resume and not os.path.exists(args.checkpoint):
+    if args.resume and not os.path.exists(
+            os.path.join(args.checkpoint, gtmpi.sharded.INDEX) if args.sharded else args.checkpoint):
         # a job that always passes --resume (requeued by SLURM) starts so the first time
         print(f"no checkpoint at {args.checkpoint} yet: training from step 0", flush=True)
     elif args.resume:
-        saved = _load(args.checkpoint)
-        model.load_state_dict(saved["model"])
+        if args.sharded:  # read into the model's own tensors, in place
+            saved = _load_sharded(args.checkpoint, model, opt)
+        else:
+            saved = _load(args.checkpoint)
+            model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         start, losses = saved["step"], saved["losses"]
         for _ in range(start):
@@ -261,7 +269,7 @@ def main() -> None:
         if stop:
             if args.checkpoint:
                 losses += [float(value.item()) for _, value in pending]
-                _save(args.checkpoint, model, opt, step, losses)
+                _save(args, model, opt, step, losses)
             raise gtmpi.Terminated(f"SIGTERM before step {step + 1}")
         # the first step pays for the warm-up (caches, allocator), the second for recording
         # the step for replay, the fourth for capturing it as a CUDA graph on GPUs
@@ -299,7 +307,7 @@ def main() -> None:
             print(f"step {step + 1}: held-out loss " + ("(dry run)" if dry else f"{val:.4f}"),
                   flush=True)
         if saving:
-            _save(args.checkpoint, model, opt, step + 1, losses)
+            _save(args, model, opt, step + 1, losses)
     gtmpi.synchronize()
     end = time.perf_counter()
     timed = end_at - timed_from if timed_from is not None else 0
@@ -344,6 +352,16 @@ def _per_step(before: dict, after: dict, steps: int) -> dict:
             "peak_gb_per_gpu": round(max(peaks) / 1e9, 2) if all(peaks) else None}
 
 
+def _load_sharded(path: str, model, opt) -> dict:
+    """A sharded checkpoint read into the model's own tensors and the optimizer's state,
+    made first as its first step makes it, each worker reading the pieces it holds."""
+    opt.init_state()
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 0,
+             "losses": []}
+    gtmpi.load_sharded(saved, path)
+    return saved
+
+
 def _load(path: str) -> dict:
     """A checkpoint written by _save, or an exit naming the file and what is wrong with it."""
     try:
@@ -360,7 +378,13 @@ def _load(path: str) -> dict:
     return saved
 
 
-def _save(path: str, model, opt, step: int, losses: list[float]) -> None:
+def _save(args, model, opt, step: int, losses: list[float]) -> None:
+    path = args.checkpoint
+    if args.sharded:  # each worker its own pieces; a kill mid-save keeps the last one whole
+        gtmpi.save_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "step": step, "losses": losses}, path)
+        print(f"saved {path} at step {step}", flush=True)
+        return
     state = {"model": {k: v.cpu_torch() for k, v in model.state_dict().items()},
              "optimizer": opt.state_dict(), "step": step, "losses": losses}
     state["optimizer"]["state"] = {i: {k: v if k == "step" else v.cpu_torch() for k, v in s.items()}

@@ -210,7 +210,11 @@ class Dispatcher:
             if ins[0] == "free" and waiting.issuperset(ins[2]):
                 self._deferred[rank].append(ins)
                 return
-            if _reads(ins, waiting):
+            if ins[0] == "agree":
+                # a host barrier with the other members: a sender among them may be held by
+                # sends this worker has yet to receive (a worker keeps few sends unfinished)
+                self._undefer(rank)
+            elif _reads(ins, waiting):
                 pending = self._deferred[rank]
                 self._undefer(rank, 1 + max(j for j, d in enumerate(pending)
                                             if d[0] != "free" and _reads(ins, {d[1]})))

@@ -17,6 +17,7 @@ from .zero import gather as zero_gather
 from .zero import level as zero_level
 from .zero import pieces as zero_pieces
 from .zero import shard as zero_shard
+from .zero import zero_state
 
 
 class Optimizer:
@@ -73,6 +74,22 @@ class Optimizer:
         """What parameters updated by one instruction must share besides their placement."""
         return None
 
+    @no_grad()
+    def init_state(self) -> None:
+        """Every parameter's state as its first step would make it (zeros, placed where that
+        step would place them: pieces under ZeRO), no weight changed: what a sharded
+        checkpoint's state is loaded into in place (gtmpi.load_sharded, then
+        load_state_dict), as torch.distributed.checkpoint makes it before loading. A step
+        after it updates as the first step does."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    self.state[p] = self.fresh(p, group)
+
+    def fresh(self, p: Tensor, group: dict) -> dict:
+        """``p``'s state before its first update."""
+        return {}
+
     def update(self, params: list[Tensor], states: list[dict], group: dict) -> None:
         raise NotImplementedError
 
@@ -101,14 +118,18 @@ class Optimizer:
                 raise ValueError("loaded state dict contains a parameter group that doesn't "
                                  "match the size of optimizer's group")
         params = self._params()
-        self.state = defaultdict(dict)
+        own, self.state = self.state, defaultdict(dict)
         with no_grad():
             for i, entry in state_dict["state"].items():
                 p = params[int(i)]
-                mine = self.state[p] = {}
+                before, mine = own.get(p, {}), {}
+                self.state[p] = mine
                 for k, v in entry.items():
                     if k == "step":
                         mine[k] = int(v.item() if hasattr(v, "item") else v)
+                        continue
+                    if v is before.get(k):  # this optimizer's own, filled in place (load_sharded)
+                        mine[k] = v
                         continue
                     host = v.cpu_torch() if isinstance(v, Tensor) else torch.as_tensor(v)
                     with beside(p):
@@ -159,6 +180,9 @@ class SGD(Optimizer):
     def bucket_key(self, state: dict) -> Any:
         return "momentum_buffer" in state  # a buffer's first step copies the gradient
 
+    def fresh(self, p, group):
+        return {"momentum_buffer": zero_state(p)} if group["momentum"] else {}
+
     def update(self, params, states, group):
         bufs = []
         first = False
@@ -194,6 +218,9 @@ class Adam(Optimizer):
 
     def bucket_key(self, state: dict) -> Any:
         return state.get("step", 0)  # bias corrections depend on it
+
+    def fresh(self, p, group):
+        return {"step": 0, "exp_avg": zero_state(p), "exp_avg_sq": zero_state(p)}
 
     def update(self, params, states, group):
         for p, state in zip(params, states):

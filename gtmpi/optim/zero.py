@@ -22,6 +22,7 @@ where they lie, with nothing to gather after it.
 """
 from __future__ import annotations
 
+from ..client.creation import zeros_like
 from ..client.runtime import runtime
 from ..client.tensor import Tensor
 from ..placement.types import Placement
@@ -97,6 +98,15 @@ def gather(params: list[Tensor], shards: list[Tensor], zero: int) -> None:
     if zero >= 2:
         for p, piece in zip(params, shards):
             p.grad = piece.grad
+
+
+def zero_state(p: Tensor) -> Tensor:
+    """Zeros for a piece of state of ``p`` (a moment, a momentum buffer), placed as its
+    update would make them: whole beside ``p`` without ZeRO, its workers' pieces along dim 0
+    with it."""
+    p.id  # placed first (a model's parameters are placed on first use)
+    z = zeros_like(p)
+    return _cut(z, runtime().dispatcher.placer) if level(p) in (1, 2) else z
 
 
 def _cut(t: Tensor, placer) -> Tensor:
