@@ -35,6 +35,11 @@ def main() -> None:
                    default="full")
     p.add_argument("--loss-chunk-rows", type=int, default=2048, help="gtmpi's (0: whole)")
     p.add_argument("--logs", default=None, help="folder for every run's output")
+    p.add_argument("--resume-check", default=None, metavar="DIR",
+                   help="instead of the comparison: gtmpi's run stopped 2 steps short saving a "
+                        "sharded checkpoint in DIR (each worker its pieces), then a run that "
+                        "resumes from it; prints both times and the last losses beside an "
+                        "unstopped run's")
     args = p.parse_args()
     args.micro_batches, args.torch_fused = 1, False  # what parallel.py's runners read
     n = args.gpus or _gpus()
@@ -43,6 +48,9 @@ def main() -> None:
     batch = args.batch * n
     config = os.path.join(ROOT, "configs/fsdp.yaml") if n > 1 else None
     ckpt = ("--checkpoint-activations", args.checkpoint_activations)
+    if args.resume_check:
+        _resume_check(args, n, batch, config, ckpt, logs)
+        return
     g = _gtmpi(f"FSDP={n}", n, batch, config, args, logs,
                extra=(*ckpt, "--loss-chunk-rows", str(args.loss_chunk_rows),
                       "--eval-batches", "1"))
@@ -69,6 +77,33 @@ def main() -> None:
                       "torch_tokens_per_s": tr, "torch_mfu": t_mfu and round(t_mfu, 4),
                       "torch_peak_gb": t.get("peak_gb_per_gpu"),
                       "vs_torch": round(gr / tr, 3) if gr and tr else None}))
+
+
+def _resume_check(args, n: int, batch: int, config: str | None, ckpt: tuple, logs: str) -> None:
+    """A sharded checkpoint of the model and AdamW's state, written and read back by the
+    workers, the training going on as unstopped."""
+    extra = (*ckpt, "--loss-chunk-rows", str(args.loss_chunk_rows), "--eval-batches", "1")
+    where = ("--checkpoint", args.resume_check, "--sharded")
+    whole = _gtmpi(f"whole={n}", n, batch, config, args, logs, extra=extra)
+    stop = str(args.steps - 2)
+    _gtmpi(f"saved={n}", n, batch, config, args, logs, extra=(*extra, *where, "--stop-at", stop))
+    resumed = _gtmpi(f"resumed={n}", n, batch, config, args, logs,
+                     extra=(*extra, *where, "--resume"))
+    said = {}
+    for name in ("saved", "resumed"):
+        for line in open(os.path.join(logs, f"gtmpi{name}{n}{batch}.log")):
+            if line.startswith(f"{name} "):
+                said[name] = line.strip()
+    size = sum(os.path.getsize(os.path.join(args.resume_check, f))
+               for f in os.listdir(args.resume_check)) if os.path.isdir(args.resume_check) else 0
+    last = [r.get("losses", [])[-2:] if r else None for r in (whole, resumed)]
+    print(f"\nGPT {args.size}, {n} GPU(s): sharded checkpoint {size / 1e9:.2f} GB on disk")
+    print(f"  {said.get('saved', 'save failed')}\n  {said.get('resumed', 'resume failed')}")
+    print(f"  last losses unstopped {last[0]}, resumed {last[1]}")
+    print(json.dumps({"benchmark": "large-resume", "size": args.size, "gpus": n,
+                      "checkpoint_gb": round(size / 1e9, 2), "saved": said.get("saved"),
+                      "resumed": said.get("resumed"), "unstopped_losses": last[0],
+                      "resumed_losses": last[1], "equal": last[0] == last[1]}))
 
 
 if __name__ == "__main__":

@@ -196,6 +196,7 @@ def main() -> None:
         # a job that always passes --resume (requeued by SLURM) starts so the first time
         print(f"no checkpoint at {args.checkpoint} yet: training from step 0", flush=True)
     elif args.resume:
+        began = time.perf_counter()
         if args.sharded:  # read into the model's own tensors, in place
             saved = _load_sharded(args.checkpoint, model, opt)
         else:
@@ -205,7 +206,8 @@ def main() -> None:
         start, losses = saved["step"], saved["losses"]
         for _ in range(start):
             sched.step()
-        print(f"resumed from {args.checkpoint} at step {start}")
+        print(f"resumed from {args.checkpoint} at step {start} "
+              f"(read in {time.perf_counter() - began:.1f} s)", flush=True)
 
     train, held = splits()
     entropy = unigram_entropy(train)
@@ -379,18 +381,18 @@ def _load(path: str) -> dict:
 
 
 def _save(args, model, opt, step: int, losses: list[float]) -> None:
-    path = args.checkpoint
+    path, began = args.checkpoint, time.perf_counter()
     if args.sharded:  # each worker its own pieces; a kill mid-save keeps the last one whole
         gtmpi.save_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
                             "step": step, "losses": losses}, path)
-        print(f"saved {path} at step {step}", flush=True)
+        print(f"saved {path} at step {step} in {time.perf_counter() - began:.1f} s", flush=True)
         return
     state = {"model": {k: v.cpu_torch() for k, v in model.state_dict().items()},
              "optimizer": opt.state_dict(), "step": step, "losses": losses}
     state["optimizer"]["state"] = {i: {k: v if k == "step" else v.cpu_torch() for k, v in s.items()}
                                    for i, s in state["optimizer"]["state"].items()}
     gtmpi.save(state, path)  # whole or not at all: a run killed while saving keeps the last one
-    print(f"saved {path} at step {step}", flush=True)
+    print(f"saved {path} at step {step} in {time.perf_counter() - began:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
