@@ -61,9 +61,11 @@ def main() -> None:
                         "use (default: torch's own default)")
     p.add_argument("--layouts", default=None,
                    help="run only these layouts, comma-separated names as the table prints them "
-                        "(\"one GPU,DP=4\"); default: all")
+                        "(\"DP=4,PP=4\"), with the one-GPU rows they are set against; "
+                        "default: all")
     args = p.parse_args()
-    only = set(args.layouts.split(",")) if args.layouts else None
+    # the one-GPU reference rows always run: every ratio is to them
+    only = set(args.layouts.split(",")) | {"one GPU"} if args.layouts else None
     gpus = args.gpus or _gpus()
     logs = args.logs or tempfile.mkdtemp(prefix="parallel-")
     os.makedirs(logs, exist_ok=True)
