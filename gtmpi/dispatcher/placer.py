@@ -69,10 +69,10 @@ class Placer:
         # and frees the gathered copy once that op is sent (FSDP's gather per use, here per
         # op); in-place ops (the optimizer's step) and a sharded checkpoint see the pieces
         self.gathered: set[int] = set()
-        # ZeRO-3's gathers one op ahead (GTMPI_ZERO_AHEAD=0: at use): the weights the next op read the
-        # last time this op ran are gathered just before this op, not waited for, so their
-        # all-gather runs beside this op's kernel (FSDP's prefetch); each is kept as a copy
-        # until that next op takes it, and freed after it as any gathered copy
+        # ZeRO-3's gathers one op ahead (GTMPI_ZERO_AHEAD=0: at use): the weights the next op
+        # read the last time this op ran are gathered just before this op, not waited for, so
+        # their all-gather runs beside this op's kernel (FSDP's prefetch); each is kept as a
+        # copy until that next op takes it, and freed after it as any gathered copy
         self.gather_ahead = True
         self._ahead: set[int] = set()  # ids with a gathered copy made ahead, not yet read
         self._read_next: dict[tuple, tuple[int, ...]] = {}  # (op, weights) -> the next's weights
