@@ -59,7 +59,7 @@ def test_the_zero_configs_load():
 
 
 def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
-           accumulate: int = 1, replay: bool = False) -> dict:
+           accumulate: int = 1, replay: bool = False, checkpointing: str | None = None) -> dict:
     """The tiny GPT on 2 workers, data parallel by signals whose weights have ``zero``."""
     torch.manual_seed(0)
     ref = build(torch)(C)
@@ -70,6 +70,7 @@ def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
                        "zd": {"shard": {"axis": 0, "workers": [0, 1]}}})
     model = build(gtmpi)(C)
     model.load_state_dict(ref.state_dict())
+    model.checkpointing = checkpointing
     gtmpi.signal.place(model, f"w{zero}")
     opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw" else \
         gtmpi.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -181,6 +182,36 @@ def test_zero3_gathers_the_next_ops_weights_ahead_with_the_same_numbers(replay, 
     assert flags[:46] == [False] * 46
     assert flags[46:91] == [False] + [True] * 44
     assert len(flags) == (91 if replay else 136) + 29  # and the weights read back whole
+
+
+@spread
+def test_zero3_gathers_ahead_through_activation_checkpoints_with_none_wasted(monkeypatch):
+    """Every block checkpointed: its recompute reads the forward's weights in the forward's
+    order but is followed by backward's ops, so the placer tells its reads apart (foretold
+    alike, a recompute's last matmul foretold the next block's norm, and every such gather was
+    dropped unread); none is dropped, the recompute's last matmul hands its copy to its
+    gradient, and the numbers are those of gathering at use."""
+    from gtmpi.client.runtime import runtime
+    from gtmpi.dispatcher.placer import Placer
+    placer = runtime().dispatcher.placer
+    monkeypatch.setattr(placer, "gather_ahead", False)
+    plain = _train(3, "adamw", steps=3, checkpointing="full")
+    dropped = []
+    ahead = Placer._gather_ahead
+
+    def spy(self, name, read):
+        dropped.extend(t for t in self._ahead if t not in read)
+        ahead(self, name, read)
+    monkeypatch.setattr(Placer, "_gather_ahead", spy)
+    monkeypatch.setattr(placer, "gather_ahead", True)
+    run = _train(3, "adamw", steps=3, checkpointing="full")
+    assert run["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    for got, want in zip(run["weights"], plain["weights"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert dropped == []
+    # per step after the first: the head's weight, and each block's last matmul's weight and
+    # bias (its gradient reads both), taken by the next op rather than gathered again
+    assert run["ran"]["all_gather"] == plain["ran"]["all_gather"] - 2 * (1 + 2 * C.layers)
 
 
 ON_GPUS = any(s["device"] != "cpu" for s in gtmpi.debug.worker_stats().values())

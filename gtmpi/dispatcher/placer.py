@@ -77,6 +77,10 @@ class Placer:
         self._ahead: set[int] = set()  # ids with a gathered copy made ahead, not yet read
         self._read_next: dict[tuple, tuple[int, ...]] = {}  # (op, weights) -> the next's weights
         self._read_last: tuple | None = None
+        # inside an activation checkpoint's recompute (utils/checkpoint.py): its ops read the
+        # forward's weights in the forward's order but are followed by backward's, so they
+        # foretell apart
+        self.recomputing = 0
         self._ahead_now = False  # the gathers now emitted are ahead: not waited for
         self.strict = False  # raise rather than gather or move what no signal asked to
         # sum a column-parallel layer's input gradient inside its kernel, beside the weight's
@@ -560,7 +564,7 @@ class Placer:
             self._ahead.discard(tid)
             where = self.placement(tid).whole
             self._free_on(where.mesh, self.copies[tid].pop(where))
-        key = (name, tuple(read))
+        key = (name, tuple(read), self.recomputing > 0)
         if self._read_last is not None and self._read_last != key:
             self._read_next[self._read_last] = tuple(read)
         self._read_last = key

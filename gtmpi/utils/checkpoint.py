@@ -56,14 +56,17 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool | None = None
     def backward_fn(grads: Any) -> list:
         grads = grads if isinstance(grads, list) else [grads]
         now = rt.draws()
+        placer = rt.dispatcher.placer
         with enable_grad():
             if preserve_rng_state:
                 rt.draw_from(drawn)
+            placer.recomputing += 1
             try:
                 inputs = _inputs(args)
                 with recompute_ctx:
                     again = _tensors(function(*inputs, **kwargs))
             finally:
+                placer.recomputing -= 1
                 rt.draw_from(now)
             roots = [(o, g) for o, g in zip(again, grads) if g is not None and o.requires_grad]
             wanted = [t for t in inputs if isinstance(t, Tensor)] + leaves
