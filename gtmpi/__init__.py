@@ -107,8 +107,7 @@ def info() -> dict:
     rt = _runtime()
     return {"workers": dict(rt.workers), "world_size": len(rt.workers) + 1,
             "embedded": _builtins.any(w.get("embedded") for w in rt.workers.values()),
-            "dry_run": next((w["dry_run"] for w in rt.workers.values() if w.get("dry_run")),
-                            None)}
+            "dry_run": rt.dry_run}
 
 
 _start_role()

@@ -36,7 +36,7 @@ def save_sharded(obj: Any, folder: str | os.PathLike) -> None:
     hold it, one file per worker and group of tensors laid out alike, and an index."""
     folder = os.path.abspath(os.fspath(folder))
     rt = runtime()
-    dry = any(w.get("dry_run") for w in rt.workers.values())
+    dry = rt.dry_run is not None
     if not dry:
         os.makedirs(folder, exist_ok=True)
     placer = rt.dispatcher.placer

@@ -181,9 +181,10 @@ def stages(model, p: int,
 def balanced_bounds(c: Config, p: int, owner: Callable[[int], int] | None = None) -> list[int]:
     """Block indices cutting ``c.layers`` blocks into ``p`` consecutive chunks (each at least
     one block but the last, which may hold the head alone), chunk k held by worker
-    ``owner(k)`` (default: worker k), whose busiest worker's cost is least, and among those the most even. The first chunk also embeds, the last runs
-    the head and the loss. Costs are per token in FLOPs' worth of GPU time: a block's matmuls
-    and attention, plus its memory-bound passes over the activations (norms, residual adds,
+    ``owner(k)`` (default: worker k), whose busiest worker's cost is least, and among those
+    the most even. The first chunk also embeds, the last runs the head and the loss. Costs
+    are per token in FLOPs' worth of GPU time: a block's matmuls and attention, plus its
+    memory-bound passes over the activations (norms, residual adds,
     GELU, biases: about twenty, each worth some 1,000·dim FLOPs at a GPU's ratio of bf16 FLOPs
     to bytes); the head's matmul plus the float32 passes of the loss over every logit; the
     embedding's lookups and gradient. Calibrated on GPT-2 small, micro-batches of 8, PP=2 on
@@ -208,13 +209,14 @@ def balanced_bounds(c: Config, p: int, owner: Callable[[int], int] | None = None
 
     # the last chunk may hold the head alone, when the head costs a stage's share itself
     if math.comb(n, p - 1) <= 20_000:  # every cut (GPT-2's 12 blocks: at most 495)
-        return list(min(((0, *cuts, n) for cuts in itertools.combinations(range(1, n + 1), p - 1)),
-                        key=key))
+        return list(min(((0, *cuts, n) for cuts in
+                         itertools.combinations(range(1, n + 1), p - 1)), key=key))
     # else from the even cut, one bound moved by one block at a time while that helps
     bounds = [round(k * n / p) for k in range(p + 1)]
     while True:
         moves = [bounds[:k] + [bounds[k] + d] + bounds[k + 1:] for k in range(1, p)
-                 for d in (-1, 1) if bounds[k - 1] < bounds[k] + d < bounds[k + 1] + (k == p - 1)]
+                 for d in (-1, 1)
+                 if bounds[k - 1] < bounds[k] + d < bounds[k + 1] + (k == p - 1)]
         better = min(moves, key=lambda b: key(tuple(b)), default=bounds)
         if key(tuple(better)) >= key(tuple(bounds)):
             return bounds

@@ -24,7 +24,8 @@ the data's unigram entropy (what a model that learned only byte frequencies woul
 --checkpoint saves the model, optimizer and step every --save-every steps; --resume continues
 from it on the same curve (batches depend on the step alone). With --sharded it is a folder:
 each worker writes the pieces it holds (gtmpi.save_sharded), nothing gathered through rank 0,
-and a resume in any layout or worker count reads the pieces it needs. GTMPI_TRACE=run.h5 traces it.
+and a resume in any layout or worker count reads the pieces it needs. GTMPI_TRACE=run.h5
+traces it.
 Ends with one JSON line: losses (one per step), tokens_per_s, mfu, val_loss and more.
 """
 from __future__ import annotations
@@ -191,8 +192,9 @@ def main() -> None:
     start, losses = 0, []
     if args.resume and not args.checkpoint:
         sys.exit("train.py: --resume needs --checkpoint FILE (the file to resume from)")
-    if args.resume and not os.path.exists(
-            os.path.join(args.checkpoint, gtmpi.sharded.INDEX) if args.sharded else args.checkpoint):
+    saved_at = os.path.join(args.checkpoint, gtmpi.sharded.INDEX) if args.sharded and \
+        args.checkpoint else args.checkpoint
+    if args.resume and not os.path.exists(saved_at):
         # a job that always passes --resume (requeued by SLURM) starts so the first time
         print(f"no checkpoint at {args.checkpoint} yet: training from step 0", flush=True)
     elif args.resume:
@@ -385,13 +387,13 @@ def _save(args, model, opt, step: int, losses: list[float]) -> None:
     if args.sharded:  # each worker its own pieces; a kill mid-save keeps the last one whole
         gtmpi.save_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
                             "step": step, "losses": losses}, path)
-        print(f"saved {path} at step {step} in {time.perf_counter() - began:.1f} s", flush=True)
-        return
-    state = {"model": {k: v.cpu_torch() for k, v in model.state_dict().items()},
-             "optimizer": opt.state_dict(), "step": step, "losses": losses}
-    state["optimizer"]["state"] = {i: {k: v if k == "step" else v.cpu_torch() for k, v in s.items()}
-                                   for i, s in state["optimizer"]["state"].items()}
-    gtmpi.save(state, path)  # whole or not at all: a run killed while saving keeps the last one
+    else:
+        state = {"model": {k: v.cpu_torch() for k, v in model.state_dict().items()},
+                 "optimizer": opt.state_dict(), "step": step, "losses": losses}
+        state["optimizer"]["state"] = {
+            i: {k: v if k == "step" else v.cpu_torch() for k, v in s.items()}
+            for i, s in state["optimizer"]["state"].items()}
+        gtmpi.save(state, path)  # whole or not at all: a run killed while saving keeps the last
     print(f"saved {path} at step {step} in {time.perf_counter() - began:.1f} s", flush=True)
 
 

@@ -38,7 +38,7 @@ def meta(rt: Any, numel: int) -> bool:
     """Whether a value of ``numel`` elements is held as a meta tensor (shape and dtype, no
     data): in a dry run, above HOST_NUMEL, where its values would be zeros on the simulated
     workers anyway (a 6.7B model's weights would otherwise fill the client's memory)."""
-    return numel > HOST_NUMEL and any(w.get("dry_run") for w in rt.workers.values())
+    return numel > HOST_NUMEL and rt.dry_run is not None
 
 
 def allowed(rt: Any, device: Any = None) -> bool:

@@ -85,6 +85,11 @@ class Runtime:
         self.dispatcher.placer.chunks = int(os.environ.get("GTMPI_OVERLAP_CHUNKS", "0"))
         self.dispatcher.placer.gather_ahead = os.environ.get("GTMPI_ZERO_AHEAD", "1") != "0"
 
+    @property
+    def dry_run(self) -> str | None:
+        """The simulated GPU's name in a dry run (client/dryrun.py), else None."""
+        return next((w["dry_run"] for w in self.workers.values() if w.get("dry_run")), None)
+
     def begin(self) -> None:
         """What the environment asks of a session (a config, a log, a trace), once it is the
         current one: an error here (a malformed GTMPI_CONFIG) then ends the job as any of the

@@ -74,7 +74,7 @@ class Tensor:
     def id(self, tensor_id: int | None) -> None:
         self._id = tensor_id
 
-    def _held(self) -> torch.Tensor:
+    def _host_value(self) -> torch.Tensor:
         """The value the client holds; a dry run's meta value reads as zeros."""
         v = self._host
         return torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v
@@ -191,7 +191,7 @@ class Tensor:
     def cpu_torch(self) -> torch.Tensor:
         """The value as a plain CPU torch tensor."""
         if self._host is not None:
-            return self._held().clone()
+            return self._host_value().clone()
         buf = self._bytes()
         if not buf.size:
             return torch.empty(self.shape, dtype=self.dtype)
@@ -211,11 +211,11 @@ class Tensor:
             raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
         np_dtype = NUMPY_DTYPES.get(self.dtype)
         if np_dtype is None or self._host is not None:
-            return (self._held() if self._host is not None else self.cpu_torch()).item()
+            return (self._host_value() if self._host is not None else self.cpu_torch()).item()
         return self._bytes().view(np_dtype)[0].item()
 
     def tolist(self) -> Any:
-        return (self._held() if self._host is not None else self.cpu_torch()).tolist()
+        return (self._host_value() if self._host is not None else self.cpu_torch()).tolist()
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         arr = self.detach().numpy()

@@ -10,7 +10,7 @@ from typing import Any, Iterable
 import torch
 
 from ..autograd import no_grad, zero_grads
-from ..client.creation import beside, tensor, zeros_like
+from ..client.creation import beside, tensor
 from ..client.runtime import runtime
 from ..client.tensor import Tensor, apply
 from .zero import gather as zero_gather
@@ -190,7 +190,7 @@ class SGD(Optimizer):
             first = "momentum_buffer" not in states[0]
             if first:
                 for p, state in zip(params, states):
-                    state["momentum_buffer"] = zeros_like(p)
+                    state.update(self.fresh(p, group))
             bufs = [state["momentum_buffer"] for state in states]
         apply("sgd_foreach", *params, *(p.grad for p in params), *bufs, group["lr"],
               group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"],
@@ -225,9 +225,7 @@ class Adam(Optimizer):
     def update(self, params, states, group):
         for p, state in zip(params, states):
             if not state:
-                state["step"] = 0
-                state["exp_avg"] = zeros_like(p)
-                state["exp_avg_sq"] = zeros_like(p)
+                state.update(self.fresh(p, group))
             state["step"] += 1
         b1, b2 = group["betas"]
         apply("adam_foreach", *params, *(p.grad for p in params),

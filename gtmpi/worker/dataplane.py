@@ -223,13 +223,12 @@ class DataPlane:
         # one size along dim 0 are the whole already (a view); along another dim, one copy
         flat = piece.new_empty((len(sizes) * piece.shape[0], *piece.shape[1:]))
         work = _ALL_GATHER(flat, piece, group=self.groups[group], async_op=True)
+        self._count("all_gather", piece)
         if ahead and dim == 0 and len(set(sizes)) == 1:
             self._works.append(work)
-            self._count("all_gather", piece)
             return flat
         self.wait(work)
         out = flat.view(len(sizes), *piece.shape)
-        self._count("all_gather", piece)
         if len(set(sizes)) == 1:
             return out.movedim(0, dim).flatten(dim, dim + 1)
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(out.unbind(0), sizes)], dim)
