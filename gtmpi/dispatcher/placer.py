@@ -208,12 +208,14 @@ class Placer:
         for i in changed:
             self.replace(args[i], sigs[i], p.wants[i])
         wire = args
+        # a set to test against: a multi-tensor update writes hundreds of its operands
+        written_set = frozenset(changed)
         if not direct or changed:
             wire = list(args)
             self._intended = p.intended
             try:
                 for i, want in enumerate(p.wants):
-                    if want is not None and i not in changed:
+                    if want is not None and i not in written_set:
                         wire[i] = self._as(args[i], sigs[i], want)
             finally:
                 self._intended = False
@@ -223,7 +225,8 @@ class Placer:
             if read:
                 self._gather_ahead(name, read)
         if changed and len(mesh) > 1:  # replicas or pieces change together, or not at all
-            self._agree(mesh, [w for i, w in enumerate(wire) if tmask >> i & 1 and i not in changed])
+            self._agree(mesh, [w for i, w in enumerate(wire)
+                               if tmask >> i & 1 and i not in written_set])
         placed = (name, out, wire, tmask, kw)
         for m, rank in enumerate(mesh):
             if shapes:  # each member makes its own piece's shape
@@ -388,9 +391,9 @@ class Placer:
         self.d.close_run()  # what it sends goes behind what made the tensors
         mesh = self.placement(ids[0]).mesh
         rows = Placement(mesh, "S", 0)
+        cuts = [(rows.starts(tuple(sig[0])), rows.sizes(tuple(sig[0]))) for sig in sigs]
         for m, rank in enumerate(mesh):
-            spans = tuple((rows.starts(tuple(sig[0]))[m], rows.sizes(tuple(sig[0]))[m])
-                          for sig in sigs)
+            spans = tuple((starts[m], sizes[m]) for starts, sizes in cuts)
             self._emit(rank, ("pieces", tuple(outs), tuple(ids), (1 << len(ids)) - 1,
                               {"spans": spans}))
         for tid, out, sig in zip(ids, outs, sigs):
@@ -413,7 +416,7 @@ class Placer:
             shapes = [tuple(sigs[i][0]) for i in chosen]
             sizes = tuple(rows.sizes(shape) for shape in shapes)
             for m, rank in enumerate(mesh):
-                mine = tuple(rows.local_shape(shape, m) for shape in shapes)
+                mine = tuple((n[m], *shape[1:]) for n, shape in zip(sizes, shapes))
                 self._emit(rank, ("gather_pieces_", tuple(wholes), (*wholes, *cut),
                                   (1 << 2 * len(chosen)) - 1,
                                   {"group": group, "sizes": sizes, "shapes": (*shapes, *mine),

@@ -17,6 +17,7 @@ axis in ``axes``, its ranks listed row-major.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,12 +86,11 @@ class Placement:
     def sizes(self, shape: tuple[int, ...], axis: int = 0) -> tuple[int, ...]:
         """Lengths along the dim sharded by ``axis``, per position along it."""
         kind, dim = self.per_axis()[axis]
-        n, k = shape[dim], self.shape()[axis]
-        return tuple(n // k + (1 if i < n % k else 0) for i in range(k))
+        return _split(shape[dim], self.shape()[axis])[0]
 
     def starts(self, shape: tuple[int, ...], axis: int = 0) -> tuple[int, ...]:
-        sizes = self.sizes(shape, axis)
-        return tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        kind, dim = self.per_axis()[axis]
+        return _split(shape[dim], self.shape()[axis])[1]
 
     def piece(self, shape: tuple[int, ...], member: int) -> list[tuple[int, int, int]]:
         """(dim, start, length) of each sharded dim of a member's piece."""
@@ -118,6 +118,14 @@ def make(mesh: tuple[int, ...], grid: tuple[int, ...], axes: list[tuple[str, int
 
 def _name(kind: str, dim: int) -> str:
     return f"S({dim})" if kind == "S" else kind
+
+
+@lru_cache(maxsize=4096)
+def _split(n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(sizes, starts) of n rows cut into k pieces, the first n % k one row longer: asked for
+    every parameter at every ZeRO step, by few distinct (n, k)."""
+    sizes = tuple(n // k + (1 if i < n % k else 0) for i in range(k))
+    return sizes, tuple(sum(sizes[:i]) for i in range(k))
 
 
 def _index(coords: list[int], shape: tuple[int, ...]) -> int:
