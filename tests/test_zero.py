@@ -50,6 +50,28 @@ def test_two_replicated_signals_over_the_same_workers_agree_on_zero():
                            "b": {"shard": {"workers": [0], "replicated": True}}})
 
 
+def test_a_buckets_pieces_are_one_buffer_that_the_gather_sends_uncopied():
+    """The worker's kernels under ZeRO's cut and gather: each tensor's rows copied into one
+    flat buffer (views of it, in order), which the all-gather takes as it is; tensors of
+    several dtypes, or pieces not laid end to end, are copied as before."""
+    from gtmpi.ops.table import _pieces
+    from gtmpi.worker.dataplane import _flat
+    a, b, c = torch.randn(5, 3), torch.randn(4), torch.randn(6, 2, 2)
+    pieces = _pieces(a, b, c, spans=((2, 3), (1, 2), (3, 3)))
+    for piece, whole, (start, n) in zip(pieces, (a, b, c), ((2, 3), (1, 2), (3, 3))):
+        assert torch.equal(piece, whole[start:start + n])
+    flat = _flat(pieces)
+    assert flat.data_ptr() == pieces[0].data_ptr() and flat.numel() == 9 + 2 + 12
+    pieces[1].add_(1)  # an update of the pieces is what the gather sends
+    assert torch.equal(flat[9:11], b[1:3] + 1) and torch.equal(b[1:3] + 1, pieces[1])
+    assert not any(p.data_ptr() == w.data_ptr() for p, w in zip(pieces, (a[2:], b[1:], c[3:])))
+    mixed = _pieces(a, b.double(), spans=((0, 1), (0, 4)))
+    assert [p.dtype for p in mixed] == [torch.float32, torch.float64]
+    apart = (pieces[0], pieces[2])  # not end to end: a copy, equal
+    assert torch.equal(_flat(apart), torch.cat([pieces[0].reshape(-1), pieces[2].reshape(-1)]))
+    assert _flat(apart).data_ptr() != pieces[0].data_ptr()
+
+
 def test_the_zero_configs_load():
     root = Path(__file__).resolve().parent.parent / "configs"
     from gtmpi.signals.config import load

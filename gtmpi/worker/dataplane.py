@@ -247,8 +247,7 @@ class DataPlane:
         members = len(sizes[0])
         counts = [sum(n[m] * r for n, r in zip(sizes, rows)) for m in range(members)]
         top = max(counts)
-        flat = torch.cat([p.reshape(-1) for p in pieces])
-        flat = _pad(flat, 0, top)
+        flat = _pad(_flat(pieces), 0, top)
         out = flat.new_empty(members * top)
         self.wait(_ALL_GATHER(out, flat, group=self.groups[group], async_op=True))
         self._count("all_gather", flat)
@@ -424,6 +423,19 @@ class _Works:
     def wait(self) -> None:
         for work in self.works:
             self.plane.wait(work)
+
+
+def _flat(parts: tuple) -> torch.Tensor:
+    """``parts`` laid end to end in one 1-D tensor: the buffer they are views of where they
+    lie so already (ops/table.py: _pieces), else a copy."""
+    first = parts[0]
+    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in parts:
+        if not p.is_contiguous() or p.dtype != first.dtype or p.storage_offset() != at \
+                or p.untyped_storage().data_ptr() != storage:
+            return torch.cat([p.reshape(-1) for p in parts])
+        at += p.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
