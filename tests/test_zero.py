@@ -3,9 +3,9 @@ parallel on 2 workers gives the replicated run's losses and weights, with the op
 (at level 2 the gradients, at level 3 the weights too) in pieces along dim 0, half on each
 worker, each worker's bytes as the ZeRO paper's formulas say, and the collectives each level
 should run: level 1 the replicated run's all-reduces plus one flat all-gather of every
-parameter's pieces a step, level 2 one reduce-scatter per gradient instead of its all-reduce,
-level 3 a gather of each weight at each use; a bad batch on one worker skips the step on
-both."""
+parameter's pieces a step, level 2 reduce-scatters of the gradients (a bucket at a time)
+instead of their all-reduces, level 3 a gather of each weight at each use; a bad batch on one
+worker skips the step on both."""
 from __future__ import annotations
 
 import dataclasses
@@ -158,7 +158,8 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
     # the batch by the add that broadcast them, before the embedding's gradient)
     pieces = [name for name, where in runs[2]["grads"].items() if where == "S(0)"]
     assert set(runs[2]["grads"]) - set(pieces) == {"positions.weight"}
-    assert runs[2]["ran"]["reduce_scatter"] == 3 * len(pieces)
+    # in one flat buffer a step (the tiny GPT's gradients fill less than a bucket)
+    assert runs[2]["ran"]["reduce_scatter"] == 3
     assert runs[2]["ran"].get("all_reduce", 0) < runs[0]["ran"]["all_reduce"]
     assert set(runs[1]["grads"].values()) == {"R"}
     # level 3: every weight is its pieces, gathered for each op that reads it (29 in forward,
@@ -168,6 +169,27 @@ def test_zero_levels_train_as_the_replicated_run_with_state_in_pieces(optimizer)
     assert {gtmpi.debug.placement(p)["type"] for p in runs[3]["model"].parameters()} == {"S(0)"}
     assert runs[3]["ran"]["all_gather"] == 46 + 2 * 45
     assert runs[3]["ran"]["reduce_scatter"] == runs[2]["ran"]["reduce_scatter"]
+
+
+@spread
+@pytest.mark.parametrize("zero", [2, 3])
+def test_gradients_reduce_scattered_in_buckets_or_one_by_one_give_the_same_pieces(zero,
+                                                                                   monkeypatch):
+    """GTMPI_ZERO_BUCKETS=0: each gradient reduce-scattered alone as backward completes it
+    (one collective per gradient); by default a bucket of them at a time (one here): the same
+    losses, weights and pieces."""
+    from gtmpi.client.runtime import runtime
+    placer = runtime().dispatcher.placer
+    bucketed = _train(zero, "adamw")
+    monkeypatch.setattr(placer, "scatter_buckets", False)
+    alone = _train(zero, "adamw")
+    assert bucketed["losses"] == pytest.approx(alone["losses"], rel=1e-6)
+    for got, want in zip(bucketed["weights"], alone["weights"]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert bucketed["grads"] == alone["grads"]
+    pieces = [name for name, where in alone["grads"].items() if where == "S(0)"]
+    assert alone["ran"]["reduce_scatter"] == 3 * len(pieces)
+    assert bucketed["ran"]["reduce_scatter"] == 3
 
 
 @spread

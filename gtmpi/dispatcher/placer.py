@@ -74,6 +74,9 @@ class Placer:
         # their all-gather runs beside this op's kernel (FSDP's prefetch); each is kept as a
         # copy until that next op takes it, and freed after it as any gathered copy
         self.gather_ahead = True
+        # ZeRO-2's and -3's gradients reduce-scattered a bucket of BUCKET_BYTES at a time
+        # (GTMPI_ZERO_BUCKETS=0: one collective per gradient)
+        self.scatter_buckets = True
         self._ahead: set[int] = set()  # ids with a gathered copy made ahead, not yet read
         self._read_next: dict[tuple, tuple[int, ...]] = {}  # (op, weights) -> the next's weights
         self._read_last: tuple | None = None
@@ -373,16 +376,20 @@ class Placer:
         if p.kind != "P" or tid in self.viewed:
             return
         shape, dtype = sig
+        key: tuple = (p.mesh, dtype)
         if self.zero.get(p.mesh, 0) >= 2 and len(shape) and shape[0] >= len(p.mesh):
-            # ZeRO-2: reduce-scattered into each worker's piece now, the whole partial sum
-            # freed as backward goes on (optim/zero.py)
-            self.replace(tid, sig, Placement(p.mesh, "S", 0))
-            return
-        size, bucket = self._buckets.setdefault((p.mesh, dtype), ([0], []))
+            # ZeRO-2: reduce-scattered into each worker's piece, the whole partial sum freed
+            # as backward goes on (optim/zero.py): a bucket at a time, as DDP's all-reduces
+            # (GTMPI_ZERO_BUCKETS=0: each gradient alone, at once)
+            if not self.scatter_buckets:
+                self.replace(tid, sig, Placement(p.mesh, "S", 0))
+                return
+            key = (p.mesh, dtype, "S")
+        size, bucket = self._buckets.setdefault(key, ([0], []))
         bucket.append((tid, sig))
         size[0] += _numel(shape) * dtype.itemsize
         if size[0] >= BUCKET_BYTES:
-            self._reduce_bucket(p.mesh, dtype)
+            self._reduce_bucket(key)
 
     def cut_rows(self, ids: list[int], sigs: list[tuple], outs: list[int]) -> None:
         """``outs[i]``: each member's rows of ``ids[i]``, a tensor replicated over the mesh
@@ -428,24 +435,34 @@ class Placer:
 
     def reduce_now(self) -> None:
         """Sum what waits in buckets (backward has ended)."""
-        for mesh, dtype in list(self._buckets):
-            self._reduce_bucket(mesh, dtype)
+        for key in list(self._buckets):
+            self._reduce_bucket(key)
 
-    def _reduce_bucket(self, mesh: tuple[int, ...], dtype: torch.dtype) -> None:
+    def _reduce_bucket(self, key: tuple) -> None:
+        """Sum a bucket of partial sums (key: mesh, dtype) in one collective that the worker
+        does not wait for: all-reduced whole, or (key: mesh, dtype, "S") reduce-scattered
+        into each member's rows (S(0)), each gradient's pieces views of one buffer."""
+        mesh, dtype = key[:2]
         partial = Placement(mesh, "P")
-        bucket = [(tid, sig) for tid, sig in self._buckets.pop((mesh, dtype))[1]
+        bucket = [(tid, sig) for tid, sig in self._buckets.pop(key)[1]
                   if self.placement(tid) == partial]  # unchanged since
         if not bucket:
             return
         ids = tuple(tid for tid, _ in bucket)
         shapes = tuple(tuple(sig[0]) for _, sig in bucket)
-        op = ("all_reduce_bucket", ids, ids, (1 << len(ids)) - 1,
-              {"group": self._group(mesh), "shapes": shapes,
-               "shape": (sum(map(_numel, shapes)),), "dtype": dtype})
-        for rank in mesh:
-            self._emit(rank, op)
+        kw = {"group": self._group(mesh), "shapes": shapes,
+              "shape": (sum(map(_numel, shapes)),), "dtype": dtype}
+        target = Placement(mesh, "S", 0) if len(key) > 2 else Placement(mesh, "R")
+        if target.kind == "R":
+            for rank in mesh:
+                self._emit(rank, ("all_reduce_bucket", ids, ids, (1 << len(ids)) - 1, kw))
+        else:
+            sizes = tuple(target.sizes(shape) for shape in shapes)
+            for m, rank in enumerate(mesh):
+                self._emit(rank, ("reduce_scatter_bucket", ids, ids, (1 << len(ids)) - 1,
+                                  {**kw, "sizes": sizes, "index": m}))
         for tid, sig in bucket:
-            self._record(tid, sig, Placement(mesh, "R"))
+            self._record(tid, sig, target)
         self._flush_touched()
 
     def agree_on(self, ids: list[int]) -> None:

@@ -1004,6 +1004,11 @@ _ops += [
     # (the first half) in place, as one flat buffer: one collective for a bucket of parameters
     Op("gather_pieces_", Kind.COMM, lambda *xs, group, sizes, shapes, shape, dtype, plane:
        plane.gather_pieces(xs, group, sizes)),
+    # partial sums (ZeRO's gradients) reduce-scattered as one flat buffer, without waiting:
+    # each comes back as this member's rows (S(0)), views of one buffer
+    Op("reduce_scatter_bucket", Kind.COMM,
+       lambda *xs, group, shapes, shape, dtype, sizes, index, plane:
+       plane.reduce_scatter_bucket(xs, group, sizes, index)),
     Op("reduce_scatter", Kind.COMM, lambda x, group, dim, sizes, index, shape, dtype, plane:
        plane.reduce_scatter(x, group, dim, sizes, index)),
     Op("all_to_all", Kind.COMM,

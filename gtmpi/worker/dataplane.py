@@ -9,6 +9,8 @@ its group in one global order, so workers never wait on mismatched collectives.
 """
 from __future__ import annotations
 
+import math
+
 import os
 import socket
 from collections import defaultdict, deque
@@ -203,6 +205,31 @@ class DataPlane:
         self._works.append(dist.all_reduce(flat, group=self.groups[group], async_op=True))
         self._count("all_reduce", flat)
         return tuple(v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs))
+
+    def reduce_scatter_bucket(self, xs: tuple[torch.Tensor, ...], group: int,
+                              sizes: tuple[tuple[int, ...], ...], index: int) -> tuple:
+        """P -> S(0) for several tensors in one collective that is not waited for (as
+        reduce_bucket): every member's rows of every tensor laid end to end, members
+        outermost; this member's sums come back as views of one buffer. gloo has no
+        reduce-scatter: there the buffer is all-reduced whole and this member's part copied."""
+        if self._client is not None:
+            self._meet(("reduce_scatter", sizes, str(xs[0].dtype)), group)
+        counts, top, mine = bucket_rows(xs, sizes, index)
+        parts = []
+        for m, count in enumerate(counts):
+            parts += [x.narrow(0, sum(n[:m]), n[m]).reshape(-1) for x, n in zip(xs, sizes)]
+            if count < top:  # uneven rows: every member's part padded to the longest
+                parts.append(xs[0].new_zeros(top - count))
+        flat = torch.cat(parts)
+        self._count("reduce_scatter", flat)
+        if self.backend != "nccl":
+            self.wait(dist.all_reduce(flat, group=self.groups[group], async_op=True))
+            out = flat.narrow(0, index * top, counts[index]).clone()
+        else:
+            out = flat.new_empty(top)
+            self._works.append(_REDUCE_SCATTER(out, flat, group=self.groups[group],
+                                               async_op=True))
+        return views_of(out, mine)
 
     def take_work(self) -> Any:
         """The unfinished collectives the last kernel started, to wait on as one (None if it
@@ -423,6 +450,23 @@ class _Works:
     def wait(self) -> None:
         for work in self.works:
             self.plane.wait(work)
+
+
+def bucket_rows(xs: tuple, sizes: tuple[tuple[int, ...], ...], index: int) -> tuple:
+    """A bucket of tensors cut along dim 0 (``sizes[i]``: tensor i's rows per member): the
+    elements of each member's rows of them all, the longest of those, and the shapes of
+    member ``index``'s pieces."""
+    rows = [math.prod(x.shape[1:]) for x in xs]
+    counts = [sum(n[m] * r for n, r in zip(sizes, rows)) for m in range(len(sizes[0]))]
+    mine = [(n[index], *x.shape[1:]) for x, n in zip(xs, sizes)]
+    return counts, max(counts), mine
+
+
+def views_of(flat: torch.Tensor, shapes: list) -> tuple[torch.Tensor, ...]:
+    """``flat``'s first elements as tensors of ``shapes``, laid end to end."""
+    numels = [math.prod(s) for s in shapes]
+    return tuple(v.view(s) for v, s in
+                 zip(flat.narrow(0, 0, sum(numels)).split(numels), shapes))
 
 
 def _flat(parts: tuple) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ops.table import OPS, Kind
 from . import costmodel
+from .dataplane import bucket_rows, views_of
 from .devicequery import DeviceQueries
 from .executor import Executor
 
@@ -246,6 +247,12 @@ class MetaPlane:
         top = max(sum(n[m] * r for n, r in zip(sizes, rows)) for m in range(len(sizes[0])))
         self._count("all_gather", xs[0].new_empty(top))
         return xs[:k]
+
+    def reduce_scatter_bucket(self, xs: tuple[torch.Tensor, ...], group: int,
+                              sizes: tuple[tuple[int, ...], ...], index: int) -> tuple:
+        counts, top, mine = bucket_rows(xs, sizes, index)
+        self._count("reduce_scatter", xs[0].new_empty(top * len(counts)))
+        return views_of(xs[0].new_empty(top), mine)  # pieces of their own, as NCCL's
 
     def reduce_scatter(self, x: torch.Tensor, group: int, dim: int, sizes: tuple[int, ...],
                        index: int) -> torch.Tensor:
