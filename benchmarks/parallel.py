@@ -10,7 +10,7 @@ way to run it, in one run:
 | DP=n ZeRO-1/2  | the same with the weights' zero: 1 or 2  | (none: the DP=n row's DDP is the peer) |
 | DP=n ZeRO-3    | the same with zero: 3 (FSDP)             | FSDP2, fully_shard per block        |
 | DP=n ZeRO-3 at use | the same, GTMPI_ZERO_AHEAD=0 (no prefetch) | (none: the ZeRO-3 row's FSDP2) |
-| DP=n ZeRO-2/3 unwaited | the same, GTMPI_ZERO_UNWAITED=1       | (none: the rows above)              |
+| DP=n ZeRO-2/3 one by one | the same, GTMPI_ZERO_BUCKETS=0     | (none: the rows above)              |
 | TP=2           | configs/gpt_tp2.yaml (Megatron)          | DTensor's Megatron plan             |
 | TP=2 serial    | the same, GTMPI_OVERLAP=0                | (the overlap's baseline)            |
 | PP=2           | configs/pipeline.yaml, 1F1B              | torch.distributed.pipelining 1F1B   |
@@ -114,10 +114,10 @@ def main() -> None:
         # each op's weights gathered where it reads them, not one op ahead (FSDP's prefetch)
         layout(f"DP={n} ZeRO-3 at use", n, per_gpu * n, dp_configs.get((n, 3)), None, per_gpu,
                env={"GTMPI_ZERO_AHEAD": "0"})
-        # gradients' reduce-scatters not waited for (GTMPI_ZERO_UNWAITED=1, off by default)
+        # each gradient reduce-scattered alone, not a bucket at a time (GTMPI_ZERO_BUCKETS=0)
         for zero in (2, 3):
-            layout(f"DP={n} ZeRO-{zero} unwaited", n, per_gpu * n, dp_configs.get((n, zero)),
-                   None, per_gpu, env={"GTMPI_ZERO_UNWAITED": "1"})
+            layout(f"DP={n} ZeRO-{zero} one by one", n, per_gpu * n, dp_configs.get((n, zero)),
+                   None, per_gpu, env={"GTMPI_ZERO_BUCKETS": "0"})
     layout("TP=2", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), "tp", args.batch)
     # the same without the input gradients' all-reduces run beside the weights' gradients
     layout("TP=2 serial", 2, args.batch, os.path.join(ROOT, "configs/gpt_tp2.yaml"), None,

@@ -62,10 +62,6 @@ class DataPlane:
         self._upward = None
         self._waiter: ThreadPoolExecutor | None = None  # see wait
         self._take_waiting = take_waiting  # what rank 0 sent, taken while gloo waits
-        # ZeRO-2/3's reduce-scatters of gradients over NCCL not waited for, as DDP's buckets
-        # are not: backward goes on while they run, and what reads a piece waits for it
-        # (GTMPI_ZERO_UNWAITED=1; off until measured on GPUs)
-        self.unwaited = os.environ.get("GTMPI_ZERO_UNWAITED", "0") == "1"
 
     @property
     def started(self) -> bool:
@@ -309,10 +305,7 @@ class DataPlane:
             out = whole.new_empty(whole.shape[1:])
             work = _REDUCE_SCATTER(out, whole, group=self.groups[group], async_op=True)
             self._count("reduce_scatter", x)
-            if self.unwaited:  # the work keeps ``whole`` alive until it is waited for
-                self._works.append(work)
-            else:
-                self.wait(work)
+            self.wait(work)
             return out
         pieces = list(torch.split(x.contiguous(), list(sizes), dim))
         longest = max(sizes)
