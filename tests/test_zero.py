@@ -81,7 +81,8 @@ def test_the_zero_configs_load():
 
 
 def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
-           accumulate: int = 1, replay: bool = False, checkpointing: str | None = None) -> dict:
+           accumulate: int = 1, replay: bool = False, checkpointing: str | None = None,
+           autocast: bool = False) -> dict:
     """The tiny GPT on 2 workers, data parallel by signals whose weights have ``zero``."""
     torch.manual_seed(0)
     ref = build(torch)(C)
@@ -102,7 +103,8 @@ def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
 
     def forward_backward(batches):  # what a training loop replays (its step as written)
         for x, y in batches:
-            loss = model(x, y) / accumulate
+            with gtmpi.autocast(device_type="cpu", dtype=gtmpi.bfloat16, enabled=autocast):
+                loss = model(x, y) / accumulate
             loss.backward()
         if clip is not None:
             gtmpi.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -123,11 +125,12 @@ def _train(zero: int, optimizer: str, steps: int = 3, clip: float | None = None,
     after = gtmpi.debug.worker_stats()[first]["collectives"]
     ran = {k: v[0] - before.get(k, (0, 0))[0] for k, v in after.items()
            if v[0] != before.get(k, (0, 0))[0]}
+    moved = {k: v[1] - before.get(k, (0, 0))[1] for k, v in after.items()}
     state = opt.state[model.tokens.weight]
     if replay:
         assert run.replays == steps - 2, run.replays
     return {"losses": losses, "weights": [p.cpu_torch() for p in model.parameters()],
-            "ran": ran, "grads": grads, "model": model, "opt": opt,
+            "ran": ran, "moved": moved, "grads": grads, "model": model, "opt": opt,
             "state": {k: gtmpi.debug.placement(v) for k, v in state.items()
                       if isinstance(v, gtmpi.Tensor)}}
 
@@ -190,6 +193,43 @@ def test_gradients_reduce_scattered_in_buckets_or_one_by_one_give_the_same_piece
     pieces = [name for name, where in alone["grads"].items() if where == "S(0)"]
     assert alone["ran"]["reduce_scatter"] == 3 * len(pieces)
     assert bucketed["ran"]["reduce_scatter"] == 3
+
+
+@spread
+@pytest.mark.parametrize("replay", [False, True])
+def test_zero3_under_autocast_gathers_the_linears_weights_in_bf16_with_the_same_numbers(
+        replay, monkeypatch):
+    """GTMPI_ZERO_CAST=1 (off by default): under autocast a linear's float32 ZeRO-3 weight is
+    cast to bf16 where its pieces lie, once after each update, and that cast is gathered (half
+    the bytes), ahead as any weight; the numbers are those of gathering float32 and casting in
+    the kernel, and the weights, their gradients and the optimizer's state stay float32."""
+    from gtmpi.client.runtime import runtime
+    from gtmpi.dispatcher.placer import Placer
+    placer = runtime().dispatcher.placer
+    ahead = []
+    emit = Placer._emit
+
+    def spy(self, rank, ins):
+        if rank == WORKERS[0] and ins[0] == "all_gather":
+            ahead[-1] += bool(ins[4].get("ahead"))
+        emit(self, rank, ins)
+    monkeypatch.setattr(Placer, "_emit", spy)
+    ahead.append(0)
+    whole = _train(3, "adamw", autocast=True, replay=replay)
+    monkeypatch.setattr(placer, "cast_gathers", True)
+    ahead.append(0)
+    cast = _train(3, "adamw", autocast=True, replay=replay)
+    assert ahead[1] == ahead[0] > 0  # the casts gathered ahead as the weights were
+    assert cast["losses"] == whole["losses"]
+    for got, want in zip(cast["weights"], whole["weights"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert {p.dtype for p in cast["model"].parameters()} == {torch.float32}
+    assert all(p.grad is None or p.grad.dtype == torch.float32
+               for p in cast["model"].parameters())
+    # the linears' weights (all but the embeddings' and the norms') gathered in bf16
+    assert cast["moved"]["all_gather"] < 0.75 * whole["moved"]["all_gather"], \
+        (cast["moved"], whole["moved"])
+    assert cast["ran"]["all_gather"] == whole["ran"]["all_gather"]
 
 
 @spread

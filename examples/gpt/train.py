@@ -70,8 +70,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default by size)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps/10)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
-                   help="default: bf16 on GPUs, fp32 on CPUs")
+    p.add_argument("--dtype", choices=["bf16", "fp32", "amp"], default=None,
+                   help="default: bf16 on GPUs, fp32 on CPUs; amp: float32 weights and "
+                        "optimizer state, the forward under gtmpi.autocast in bf16")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=0, help="0: only at the end")
     p.add_argument("--eval-batches", type=int, default=4)
@@ -97,7 +98,10 @@ def main() -> None:
     dry = world["dry_run"] is not None
     device = world["workers"][min(world["workers"])]["device"]
     gpu = device.startswith("cuda")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if gpu else "fp32")]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "amp": torch.float32}[
+        args.dtype or ("bf16" if gpu else "fp32")]
+    autocast = gtmpi.autocast(device_type="cuda" if gpu else "cpu", dtype=torch.bfloat16,
+                              enabled=args.dtype == "amp")
     c = SIZES[args.size]
     seq = args.seq or c.seq
     lr = args.lr or {"tiny": 3e-3, "d384": 1e-3}.get(args.size, 6e-4)
@@ -152,6 +156,9 @@ def main() -> None:
     def stage_holding(chunk: int) -> int:
         return gtmpi.pipeline.worker_of(args.schedule, chunk, n_stages)
 
+    if n_stages and args.dtype == "amp":
+        sys.exit("train.py: --dtype amp runs without pipeline stages (their forward and "
+                 "backward are one call); use bf16 or fp32 there")
     if n_stages:
         parts = stages(model, chunks, stage_holding)
         name_of = {id(t): name for name, t in tensors.items()}
@@ -230,7 +237,8 @@ def main() -> None:
             "tensor parallel (Megatron)" if tensor_par else "one worker") + \
         (", sequence parallel" if seq_signal is not None else "")
     print(f"GPT {args.size}: {n_params:,} parameters ({c.layers} layers, dim {c.dim}, {c.heads} "
-          f"heads, vocab {c.vocab}), seq {seq}, batch {args.batch}, {str(dtype)[6:]}; "
+          f"heads, vocab {c.vocab}), seq {seq}, batch {args.batch}, "
+          f"{'float32 under bf16 autocast' if args.dtype == 'amp' else str(dtype)[6:]}; "
           f"{len(world['workers'])} worker(s), {mode}; data: {len(train):,} bytes, unigram "
           f"entropy {entropy:.3f} nats/byte", flush=True)
 
@@ -249,7 +257,8 @@ def main() -> None:
     def step_loss(x, y):
         if pipe is not None:
             return pipe.step(x, y)  # forward and backward, micro-batch by micro-batch
-        loss = model(x, y)
+        with autocast:
+            loss = model(x, y)
         loss.backward()
         return loss
 

@@ -85,6 +85,7 @@ class Runtime:
         self.dispatcher.placer.chunks = int(os.environ.get("GTMPI_OVERLAP_CHUNKS", "0"))
         self.dispatcher.placer.gather_ahead = os.environ.get("GTMPI_ZERO_AHEAD", "1") != "0"
         self.dispatcher.placer.scatter_buckets = os.environ.get("GTMPI_ZERO_BUCKETS", "1") != "0"
+        self.dispatcher.placer.cast_gathers = os.environ.get("GTMPI_ZERO_CAST", "0") == "1"
 
     @property
     def dry_run(self) -> str | None:

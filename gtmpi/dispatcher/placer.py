@@ -33,6 +33,9 @@ _COMM = {name for name, op in OPS.items() if op.kind is OpKind.COMM}
 _SHAPED = {"view", "reshape", "expand"}  # ops whose argument is the result's (global) shape
 _SHAPED_KW = {"getitem_grad": "shape"}  # ops whose keyword is the result's (global) shape
 _RANKED = {"save_pieces", "load_piece_"}  # ops told their worker's rank (its own file)
+# autocast's ops that cast their operands in the kernel: the position of the weight (the bias
+# after it) among the operands, read as a cast under GTMPI_ZERO_CAST=1
+_CASTING = {"linear": 1, "linear_grad": 2}
 # ops that take a ZeRO-3 weight as the pieces it is: a checkpoint's files hold the pieces
 _PIECEWISE = _RANKED
 # per-member values that may be read another way, with no data moved
@@ -77,6 +80,15 @@ class Placer:
         # ZeRO-2's and -3's gradients reduce-scattered a bucket of BUCKET_BYTES at a time
         # (GTMPI_ZERO_BUCKETS=0: one collective per gradient)
         self.scatter_buckets = True
+        # ZeRO-3 under autocast (GTMPI_ZERO_CAST=1; off until measured on GPUs): a linear
+        # that casts a float32 weight to bf16 in its kernel reads instead a bf16 cast of the
+        # weight's pieces, made at its first use after each update and gathered as any ZeRO-3
+        # weight (FSDP2's param_dtype: half the bytes gathered, float32 masters in the pieces).
+        # weight -> dtype -> its cast's id; cast -> (weight, sig, dtype), which is how the
+        # gathers ahead know a cast from one update to the next
+        self.cast_gathers = False
+        self._casts: dict[int, dict[torch.dtype, int]] = {}
+        self._cast_source: dict[int, tuple[int, tuple, torch.dtype]] = {}
         self._ahead: set[int] = set()  # ids with a gathered copy made ahead, not yet read
         self._read_next: dict[tuple, tuple[int, ...]] = {}  # (op, weights) -> the next's weights
         self._read_last: tuple | None = None
@@ -169,6 +181,9 @@ class Placer:
         if name == "upload":
             return self._upload(ins, host)
         op = OPS[name]
+        if self.cast_gathers and name in _CASTING and kw and kw.get("cast") is not None:
+            args, sigs, kw = self._cast_weights(name, args, tmask, sigs, kw)
+            ins = (name, out, args, tmask, kw)
         if op.kind is OpKind.CREATE:
             target = self._signal_target(outs[0])
             self._create(ins, outs[0], target)
@@ -584,11 +599,17 @@ class Placer:
             self._ahead.discard(tid)
             where = self.placement(tid).whole
             self._free_on(where.mesh, self.copies[tid].pop(where))
-        key = (name, tuple(read), self.recomputing > 0)
+        known = tuple(map(self._known, read))
+        key = (name, known, self.recomputing > 0)
         if self._read_last is not None and self._read_last != key:
-            self._read_next[self._read_last] = tuple(read)
+            self._read_next[self._read_last] = known
         self._read_last = key
         for tid in self._read_next.get(key, ()):
+            if type(tid) is tuple:  # a cast, made now if the weight changed since the last
+                source = self.table.get(tid[0])
+                if source is None:
+                    continue
+                tid = self._cast_of(tid[0], source[0], tid[1])
             entry = self.table.get(tid)
             if tid in self._ahead or tid not in self.gathered or entry is None:
                 continue
@@ -604,6 +625,55 @@ class Placer:
                     self._ahead_now = False
             self.copies.setdefault(tid, {})[have.whole] = copy
             self._ahead.add(tid)
+
+    def _cast_weights(self, name: str, args: tuple, tmask: int, sigs: list,
+                      kw: dict) -> tuple[tuple, list, dict]:
+        """A linear's (or its gradient's) ZeRO-3 weight and bias read as their casts to the
+        kernel's ``cast`` dtype (each made from the pieces where none is up to date), and the
+        gradient kernel told the operands' own dtypes, which its gradients go back to."""
+        to = kw["cast"]
+        args, sigs = list(args), list(sigs)
+        first = _CASTING[name]
+        dtypes = tuple(sig[1] if tmask >> i & 1 else None for i, sig in
+                       enumerate(sigs[first - 1:first + 2], first - 1))
+        cast = False
+        for i in (first, first + 1):
+            if i < len(args) and tmask >> i & 1 and args[i] in self.gathered \
+                    and sigs[i][1].is_floating_point and sigs[i][1].itemsize > to.itemsize:
+                args[i] = self._cast_of(args[i], sigs[i], to)
+                sigs[i] = (sigs[i][0], to)
+                cast = True
+        if cast and name == "linear_grad":
+            kw = {**kw, "dtypes": dtypes}
+        return tuple(args), sigs, kw
+
+    def _cast_of(self, tid: int, sig: tuple, to: torch.dtype) -> int:
+        """The id of ``tid``'s cast to ``to``: its pieces cast where they lie (no
+        communication), itself a ZeRO-3 weight, made again after each update of ``tid``."""
+        cid = self._casts.setdefault(tid, {}).get(to)
+        if cid is None:
+            cid = self._casts[tid][to] = self.new_temp()
+            self._cast_source[cid] = (tid, sig, to)
+            where = self.placement(tid)
+            for rank in where.mesh:
+                self._emit(rank, ("to", cid, (tid, to), 1, None))
+            self._record(cid, (sig[0], to), where)
+            self._agreed_as(tid, cid, where.mesh)
+            self.gathered.add(cid)
+        return cid
+
+    def _drop_casts(self, tid: int) -> None:
+        """``tid`` changed or is gone: its casts (and their gathered copies) are freed."""
+        for cid in self._casts.pop(tid, {}).values():
+            del self._cast_source[cid]
+            for rank, gone in self._forget(cid):
+                self._emit(rank, ("free", None, (gone,), 0, None))
+
+    def _known(self, tid: int) -> Any:
+        """How the gathers ahead name a weight from one step to the next: a cast as (its
+        weight, its dtype), made anew after each update."""
+        source = self._cast_source.get(tid)
+        return tid if source is None else (source[0], source[2])
 
     def release(self) -> None:
         """Free the gathered copies made for the instructions sent so far."""
@@ -815,6 +885,7 @@ class Placer:
         """An in-place op changed ``tid``: its copies are stale, its recipe too."""
         self.recipes.pop(tid, None)
         self._ahead.discard(tid)
+        self._drop_casts(tid)
         if tid in self.gathered and self._read_last is not None:
             # an update between two reads (the step between two passes): what was read before
             # it foretells nothing that would still hold after it
@@ -828,6 +899,7 @@ class Placer:
         if self.journal is not None:
             self.journal.append(tid)
         entry = self.table.pop(tid, None)
+        self._drop_casts(tid)
         self.viewed.discard(tid)
         self.gathered.discard(tid)
         self._ahead.discard(tid)

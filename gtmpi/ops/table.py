@@ -778,7 +778,7 @@ def _linear(x, w, b=None, group=None, partial=None, chunks=1, plane=None, cast=N
 
 
 def _linear_grad(g, x, w, b, grads, sole=False, group=None, partial=None, plane=None,
-                 cast=None):
+                 cast=None, dtypes=None):
     """The gradients of linear(x, w, b) wanted (``grads``: operand positions), each one matmul
     or sum, as torch's linear backward computes them. With ``group``, the input's gradient is
     a partial sum the dispatcher wants whole (tensor parallelism): its all-reduce starts as
@@ -786,8 +786,11 @@ def _linear_grad(g, x, w, b, grads, sole=False, group=None, partial=None, plane=
     gradient all-reduce); the worker waits for it where the input's gradient is first read.
     ``partial``: that gradient's (shape, dtype), for a member that must take part without it.
     ``cast``: the forward cast its operands to this dtype; each gradient goes back to its
-    operand's dtype, as the casts' own gradients would take it."""
-    dtypes = (x.dtype, w.dtype, b.dtype if b is not None else g.dtype)
+    operand's dtype, as the casts' own gradients would take it. ``dtypes``: those of x, w
+    and b where the dispatcher gave the kernel their casts already (ZeRO-3's weights gathered
+    in the cast dtype)."""
+    dtypes = (x.dtype, w.dtype, b.dtype if b is not None else g.dtype) if dtypes is None \
+        else tuple(d or g.dtype for d in dtypes)
     if cast is not None:
         x, w = x.to(cast), w.to(cast)
     out = []
