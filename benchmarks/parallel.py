@@ -11,6 +11,7 @@ way to run it, in one run:
 | DP=n ZeRO-3    | the same with zero: 3 (FSDP)             | FSDP2, fully_shard per block        |
 | DP=n ZeRO-3 at use | the same, GTMPI_ZERO_AHEAD=0 (no prefetch) | (none: the ZeRO-3 row's FSDP2) |
 | DP=n ZeRO-2/3 one by one | the same, GTMPI_ZERO_BUCKETS=0     | (none: the rows above)              |
+| DP=n ZeRO-3 coalesced | the same, GTMPI_ZERO_COALESCE=1      | (none: the ZeRO-3 row's FSDP2)      |
 | DP=n ZeRO-3 amp (bf16 gathers) | float32 weights, bf16 autocast (--dtype amp); GTMPI_ZERO_CAST=1 | (none) |
 | TP=2           | configs/gpt_tp2.yaml (Megatron)          | DTensor's Megatron plan             |
 | TP=2 serial    | the same, GTMPI_OVERLAP=0                | (the overlap's baseline)            |
@@ -115,6 +116,9 @@ def main() -> None:
         # each op's weights gathered where it reads them, not one op ahead (FSDP's prefetch)
         layout(f"DP={n} ZeRO-3 at use", n, per_gpu * n, dp_configs.get((n, 3)), None, per_gpu,
                env={"GTMPI_ZERO_AHEAD": "0"})
+        # an op's weights gathered ahead in one coalesced collective (GTMPI_ZERO_COALESCE=1)
+        layout(f"DP={n} ZeRO-3 coalesced", n, per_gpu * n, dp_configs.get((n, 3)), None,
+               per_gpu, env={"GTMPI_ZERO_COALESCE": "1"})
         # float32 weights under bf16 autocast: ZeRO-3 gathering float32 and casting in the
         # kernel, and gathering bf16 casts of the pieces (GTMPI_ZERO_CAST=1, off by default)
         for name, env in (("amp", None), ("amp bf16 gathers", {"GTMPI_ZERO_CAST": "1"})):

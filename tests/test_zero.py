@@ -234,6 +234,39 @@ def test_zero3_under_autocast_gathers_the_linears_weights_in_bf16_with_the_same_
 
 @spread
 @pytest.mark.parametrize("replay", [False, True])
+def test_zero3_gathers_an_ops_weights_ahead_in_one_collective_with_the_same_numbers(
+        replay, monkeypatch):
+    """GTMPI_ZERO_COALESCE=1 (off by default): the weights gathered ahead for one op (a
+    linear's weight and bias, a norm's) go in one coalesced collective instead of one each:
+    the same numbers and the same tensors gathered, in fewer instructions."""
+    from gtmpi.client.runtime import runtime
+    from gtmpi.dispatcher.placer import Placer
+    placer = runtime().dispatcher.placer
+    sent: list[list[tuple[str, int]]] = []  # (instruction, tensors it gathers)
+    emit = Placer._emit
+
+    def spy(self, rank, ins):
+        if rank == WORKERS[0] and ins[0].startswith("all_gather"):
+            sent[-1].append((ins[0], len(ins[2])))
+        emit(self, rank, ins)
+    monkeypatch.setattr(Placer, "_emit", spy)
+    sent.append([])
+    one = _train(3, "adamw", replay=replay)
+    monkeypatch.setattr(placer, "coalesce_gathers", True)
+    sent.append([])
+    many = _train(3, "adamw", replay=replay)
+    assert many["losses"] == one["losses"]
+    for got, want in zip(many["weights"], one["weights"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert many["ran"]["all_gather"] == one["ran"]["all_gather"]  # tensors gathered
+    names = [{name for name, _ in run} for run in sent]
+    assert names == [{"all_gather"}, {"all_gather", "all_gather_many"}]
+    assert sum(n for _, n in sent[1]) == sum(n for _, n in sent[0])
+    assert len(sent[1]) < len(sent[0]) - 15, (len(sent[1]), len(sent[0]))
+
+
+@spread
+@pytest.mark.parametrize("replay", [False, True])
 def test_zero3_gathers_the_next_ops_weights_ahead_with_the_same_numbers(replay, monkeypatch):
     """By default (GTMPI_ZERO_AHEAD=0 turns it off), as FSDP prefetches, each op's weights
     are gathered just before the op that read weights before it the last time (here: the step

@@ -86,6 +86,7 @@ class Runtime:
         self.dispatcher.placer.gather_ahead = os.environ.get("GTMPI_ZERO_AHEAD", "1") != "0"
         self.dispatcher.placer.scatter_buckets = os.environ.get("GTMPI_ZERO_BUCKETS", "1") != "0"
         self.dispatcher.placer.cast_gathers = os.environ.get("GTMPI_ZERO_CAST", "0") == "1"
+        self.dispatcher.placer.coalesce_gathers = os.environ.get("GTMPI_ZERO_COALESCE", "0") == "1"
 
     @property
     def dry_run(self) -> str | None:

@@ -87,6 +87,9 @@ class Placer:
         # weight -> dtype -> its cast's id; cast -> (weight, sig, dtype), which is how the
         # gathers ahead know a cast from one update to the next
         self.cast_gathers = False
+        # the weights gathered ahead for one op (a linear's weight and bias) in one coalesced
+        # collective rather than one each (GTMPI_ZERO_COALESCE=1; off until measured on GPUs)
+        self.coalesce_gathers = False
         self._casts: dict[int, dict[torch.dtype, int]] = {}
         self._cast_source: dict[int, tuple[int, tuple, torch.dtype]] = {}
         self._ahead: set[int] = set()  # ids with a gathered copy made ahead, not yet read
@@ -604,6 +607,7 @@ class Placer:
         if self._read_last is not None and self._read_last != key:
             self._read_next[self._read_last] = known
         self._read_last = key
+        together: dict[tuple, list[tuple[int, tuple, Placement]]] = {}
         for tid in self._read_next.get(key, ()):
             if type(tid) is tuple:  # a cast, made now if the weight changed since the last
                 source = self.table.get(tid[0])
@@ -617,14 +621,43 @@ class Placer:
             if tid in read:  # kept: not freed once this op is sent
                 copy = read[tid]
                 self._passing.remove((copy, have.mesh))
+            elif self.coalesce_gathers and have.kind == "S" and have.dim == 0 \
+                    and len(set(have.sizes(tuple(sig[0])))) == 1:
+                together.setdefault((have.mesh, sig[1]), []).append((tid, sig, have))
+                continue
             else:
-                self._ahead_now = True
-                try:
-                    copy = self._convert(tid, sig, have, have.whole)
-                finally:
-                    self._ahead_now = False
+                copy = self._gather_ahead_one(tid, sig, have)
             self.copies.setdefault(tid, {})[have.whole] = copy
             self._ahead.add(tid)
+        for batch in together.values():
+            copies = self._gather_many(batch) if len(batch) > 1 else \
+                [self._gather_ahead_one(*batch[0])]
+            for (tid, _, have), copy in zip(batch, copies):
+                self.copies.setdefault(tid, {})[have.whole] = copy
+                self._ahead.add(tid)
+
+    def _gather_ahead_one(self, tid: int, sig: tuple, have: Placement) -> int:
+        self._ahead_now = True
+        try:
+            return self._convert(tid, sig, have, have.whole)
+        finally:
+            self._ahead_now = False
+
+    def _gather_many(self, batch: list[tuple[int, tuple, Placement]]) -> list[int]:
+        """ZeRO-3 weights of one dtype, each in even pieces along dim 0 over one mesh,
+        gathered whole ahead by one coalesced collective (not waited for: what reads a copy
+        waits for it)."""
+        mesh = batch[0][2].mesh
+        tids = tuple(tid for tid, _, _ in batch)
+        outs = tuple(self.new_temp() for _ in batch)
+        pieces = tuple(have.local_shape(tuple(sig[0]), 0) for _, sig, have in batch)
+        kw = {"group": self._group(mesh), "members": len(mesh), "shapes": pieces,
+              "shape": (sum(map(_numel, pieces)),), "dtype": batch[0][1][1]}
+        for rank in mesh:
+            self._emit(rank, ("all_gather_many", outs, tids, (1 << len(tids)) - 1, kw))
+        for tid, out in zip(tids, outs):
+            self._agreed_as(tid, out, mesh)
+        return list(outs)
 
     def _cast_weights(self, name: str, args: tuple, tmask: int, sigs: list,
                       kw: dict) -> tuple[tuple, list, dict]:

@@ -1003,6 +1003,9 @@ _ops += [
     # ahead: ZeRO-3's gather of the next op's weight, not waited for (what reads it waits)
     Op("all_gather", Kind.COMM, lambda x, group, dim, sizes, shape, dtype, plane, ahead=False:
        plane.all_gather(x, group, dim, sizes, ahead)),
+    # ZeRO-3's weights gathered ahead for one op, in one coalesced collective (not waited for)
+    Op("all_gather_many", Kind.COMM, lambda *xs, group, members, shapes, shape, dtype, plane:
+       plane.all_gather_many(xs, group, members)),
     # ZeRO's updated pieces (the second half of the operands) gathered into their parameters
     # (the first half) in place, as one flat buffer: one collective for a bucket of parameters
     Op("gather_pieces_", Kind.COMM, lambda *xs, group, sizes, shapes, shape, dtype, plane:

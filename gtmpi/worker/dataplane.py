@@ -227,6 +227,28 @@ class DataPlane:
                                                async_op=True))
         return views_of(out, mine)
 
+    def all_gather_many(self, xs: tuple[torch.Tensor, ...], group: int,
+                        members: int) -> tuple[torch.Tensor, ...]:
+        """Several tensors' pieces of one size along dim 0 gathered whole, not waited for
+        (take_work() gives what to wait on): over NCCL one launch for them all (torch's
+        coalescing manager, one NCCL group), each gathered straight into its whole."""
+        if self._client is not None:
+            self._meet(("all_gather_many", tuple(tuple(x.shape) for x in xs), str(xs[0].dtype)),
+                       group)
+        pieces = [x.contiguous() for x in xs]
+        outs = [p.new_empty((members * p.shape[0], *p.shape[1:])) for p in pieces]
+        if self.backend == "nccl":
+            with dist._coalescing_manager(group=self.groups[group], async_ops=True) as together:
+                for out, piece in zip(outs, pieces):
+                    _ALL_GATHER(out, piece, group=self.groups[group])
+            self._works.append(together)
+        else:
+            for out, piece in zip(outs, pieces):
+                self.wait(_ALL_GATHER(out, piece, group=self.groups[group], async_op=True))
+        for piece in pieces:
+            self._count("all_gather", piece)
+        return tuple(outs)
+
     def take_work(self) -> Any:
         """The unfinished collectives the last kernel started, to wait on as one (None if it
         started none)."""

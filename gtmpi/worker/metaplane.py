@@ -240,6 +240,12 @@ class MetaPlane:
         shape[dim] = sum(sizes)
         return x.new_empty(shape)
 
+    def all_gather_many(self, xs: tuple[torch.Tensor, ...], group: int,
+                        members: int) -> tuple[torch.Tensor, ...]:
+        for x in xs:
+            self._count("all_gather", x)
+        return tuple(x.new_empty((members * x.shape[0], *x.shape[1:])) for x in xs)
+
     def gather_pieces(self, xs: tuple, group: int,
                       sizes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
         k = len(xs) // 2
