@@ -11,8 +11,9 @@ block's activations checkpointed and the loss in chunks of rows (F.linear_cross_
 torch: benchmarks/torch_peers.py, FSDP2 (fully_shard per block, then the model) on several
 GPUs, plain eager on one, every block checkpointed (torch.utils.checkpoint); torch before 2.13
 has no chunked loss, so it holds the whole logits. Both in bf16 (weights and optimizer state,
-as train.py and torch_peers.py run every size), AdamW, clipping at 1.0; --batch sequences per
-GPU. Prints a table (tokens/s, MFU, peak memory per GPU) and one JSON line.
+as train.py and torch_peers.py run every size; --dtype amp: float32 weights and state, bf16
+compute, FSDP2's MixedPrecisionPolicy beside gtmpi's bf16 gathers), AdamW, clipping at 1.0;
+--batch sequences per GPU. Prints a table (tokens/s, MFU, peak memory per GPU) and one JSON line.
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def main() -> None:
     p.add_argument("--checkpoint-activations", choices=["none", "full", "selective"],
                    default="full")
     p.add_argument("--loss-chunk-rows", type=int, default=2048, help="gtmpi's (0: whole)")
+    p.add_argument("--dtype", choices=["bf16", "amp"], default="bf16",
+                   help="bf16: weights and AdamW state in bf16; amp: in float32, bf16 compute "
+                        "(gtmpi: train.py --dtype amp with bf16 gathers, GTMPI_ZERO_CAST=1; "
+                        "torch: FSDP2's MixedPrecisionPolicy, autocast on one GPU)")
     p.add_argument("--logs", default=None, help="folder for every run's output")
     p.add_argument("--resume-check", default=None, metavar="DIR",
                    help="instead of the comparison: gtmpi's run stopped 2 steps short saving a "
@@ -51,16 +56,20 @@ def main() -> None:
     if args.resume_check:
         _resume_check(args, n, batch, config, ckpt, logs)
         return
+    amp = args.dtype == "amp"
     g = _gtmpi(f"FSDP={n}", n, batch, config, args, logs,
+               env={"GTMPI_ZERO_CAST": "1"} if amp else None,
                extra=(*ckpt, "--loss-chunk-rows", str(args.loss_chunk_rows),
-                      "--eval-batches", "1"))
-    t = _torch(f"FSDP={n}", "fsdp" if n > 1 else "one", n, batch, args, logs, extra=ckpt)
+                      "--eval-batches", "1", *(("--dtype", "amp") if amp else ())))
+    t = _torch(f"FSDP={n}", "fsdp" if n > 1 else "one", n, batch, args, logs,
+               extra=(*ckpt, *(("--amp",) if amp else ())))
     g, t = g or {}, t or {}
     gr, tr = g.get("tokens_per_s"), t.get("tokens_per_s")
     # the same model and tokens: torch's MFU is gtmpi's scaled by the speeds
     t_mfu = g["mfu"] * tr / gr if g.get("mfu") and gr and tr else None
     print(f"\nGPT {args.size} ({g.get('parameters', 0) / 1e9:.2f}B parameters), {n} GPU(s), "
-          f"{args.batch} sequences per GPU, bf16, AdamW, activations checkpointed: "
+          f"{args.batch} sequences per GPU, "
+          f"{'float32 weights, bf16 compute' if amp else 'bf16'}, AdamW, activations checkpointed: "
           f"{args.checkpoint_activations}")
     head = f"{'':<6} {'tokens/s':>10} {'MFU':>6} {'peak GB/GPU':>12} {'last loss':>10}"
     print(head + "\n" + "-" * len(head))
@@ -70,7 +79,7 @@ def main() -> None:
               f"{(f'{mfu * 100:.1f}%' if mfu else '-'):>6} "
               f"{_n(r.get('peak_gb_per_gpu'), 2):>12} {_n(losses[-1], 4):>10}")
     print(f"gtmpi/torch: {_n(gr / tr if gr and tr else None, 3)}")
-    print(json.dumps({"benchmark": "large", "size": args.size, "gpus": n,
+    print(json.dumps({"benchmark": "large", "size": args.size, "gpus": n, "dtype": args.dtype,
                       "batch_per_gpu": args.batch, "checkpointing": args.checkpoint_activations,
                       "gtmpi_tokens_per_s": gr, "gtmpi_mfu": g.get("mfu"),
                       "gtmpi_peak_gb": g.get("peak_gb_per_gpu"),

@@ -44,6 +44,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--checkpoint-activations", choices=["none", "full", "selective"],
                    default="none", help="each block checkpointed (torch.utils.checkpoint)")
+    p.add_argument("--amp", action="store_true",
+                   help="float32 weights and AdamW state, bf16 compute on GPUs: FSDP2 with "
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32), "
+                        "one GPU under torch.autocast (not with tp or pp)")
     p.add_argument("--fused", action="store_true",
                    help="AdamW(fused=True), the kernel gtmpi's GPU workers use (default: "
                         "torch's own default, foreach on GPUs)")
@@ -57,7 +61,9 @@ def main() -> None:
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group("nccl" if gpu else "gloo")
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = torch.bfloat16 if gpu and not args.amp else torch.float32
+    if args.amp and args.layout in ("tp", "pp"):
+        sys.exit("torch_peers.py: --amp runs the one, ddp and fsdp layouts")
     c = SIZES[args.size]
     torch.manual_seed(0)
     model = build(torch)(c)
@@ -75,10 +81,17 @@ def main() -> None:
         if args.layout == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
         if args.layout == "fsdp":  # FSDP2's recipe: each block its own unit, then the rest
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            # --amp: bf16 gathered and computed, gradients reduced in float32 (FSDP2's own
+            # mixed precision, not autocast)
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                          reduce_dtype=torch.float32) if args.amp else \
+                MixedPrecisionPolicy()
             for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                                  enabled=args.amp and args.layout != "fsdp")
         params = list(model.parameters())
 
         def step(x, y):
@@ -88,7 +101,8 @@ def main() -> None:
                     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
                     loss.backward()
                 return loss.full_tensor()
-            loss = model(x, y)
+            with autocast:
+                loss = model(x, y)
             loss.backward()
             return loss.detach()
 
