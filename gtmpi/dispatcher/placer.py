@@ -608,6 +608,7 @@ class Placer:
             self._read_next[self._read_last] = known
         self._read_last = key
         together: dict[tuple, list[tuple[int, tuple, Placement]]] = {}
+        made: list[tuple[int, Placement, int]] = []  # (weight, its placement, its copy)
         for tid in self._read_next.get(key, ()):
             if type(tid) is tuple:  # a cast, made now if the weight changed since the last
                 source = self.table.get(tid[0])
@@ -627,14 +628,14 @@ class Placer:
                 continue
             else:
                 copy = self._gather_ahead_one(tid, sig, have)
-            self.copies.setdefault(tid, {})[have.whole] = copy
-            self._ahead.add(tid)
+            made.append((tid, have, copy))
         for batch in together.values():
             copies = self._gather_many(batch) if len(batch) > 1 else \
                 [self._gather_ahead_one(*batch[0])]
-            for (tid, _, have), copy in zip(batch, copies):
-                self.copies.setdefault(tid, {})[have.whole] = copy
-                self._ahead.add(tid)
+            made += [(tid, have, copy) for (tid, _, have), copy in zip(batch, copies)]
+        for tid, have, copy in made:
+            self.copies.setdefault(tid, {})[have.whole] = copy
+            self._ahead.add(tid)
 
     def _gather_ahead_one(self, tid: int, sig: tuple, have: Placement) -> int:
         self._ahead_now = True

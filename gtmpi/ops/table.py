@@ -208,9 +208,15 @@ def _pieces(*xs: torch.Tensor, spans: tuple) -> tuple[torch.Tensor, ...]:
     rows = [x.narrow(0, start, length) for x, (start, length) in zip(xs, spans)]
     if len({(r.dtype, r.device) for r in rows}) > 1:
         return tuple(r.clone() for r in rows)
-    flat = torch.cat([r.reshape(-1) for r in rows])
-    return tuple(part.view(r.shape) for part, r in
-                 zip(flat.split([r.numel() for r in rows]), rows))
+    return views_of(torch.cat([r.reshape(-1) for r in rows]), [r.shape for r in rows])
+
+
+def views_of(flat: torch.Tensor, shapes: list) -> tuple[torch.Tensor, ...]:
+    """``flat``'s first elements as tensors of ``shapes``, laid end to end (one buffer's
+    parts: a bucket's sums, a bucket's pieces)."""
+    numels = [math.prod(s) for s in shapes]
+    return tuple(v.view(s) for v, s in
+                 zip(flat.narrow(0, 0, sum(numels)).split(numels), shapes))
 
 
 def _getitem(x, *tensors, key):

@@ -40,8 +40,9 @@ MEMORY_SHARE = 0.8   # of peak bandwidth that streaming kernels reach
 LAUNCH_NS = 3_000    # a kernel launched outside a graph
 COLLECTIVE_NS = 15_000  # a collective's latency
 # the bytes a member moves over its link, as a multiple of the whole tensor's and (n-1)/n
-RING = {"all_reduce": 2.0, "all_reduce_": 2.0, "all_reduce_bucket": 2.0, "all_gather": 1.0, "all_gather_many": 1.0,
-        "gather_pieces_": 1.0, "reduce_scatter": 1.0, "reduce_scatter_bucket": 1.0, "all_to_all": 1.0}
+RING = {"all_reduce": 2.0, "all_reduce_": 2.0, "all_reduce_bucket": 2.0, "all_gather": 1.0,
+        "all_gather_many": 1.0, "gather_pieces_": 1.0, "reduce_scatter": 1.0,
+        "reduce_scatter_bucket": 1.0, "all_to_all": 1.0}
 
 
 def instruction_ns(name: str, kind: Kind | None, inputs: list[torch.Tensor],

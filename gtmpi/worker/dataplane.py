@@ -10,7 +10,6 @@ its group in one global order, so workers never wait on mismatched collectives.
 from __future__ import annotations
 
 import math
-
 import os
 import socket
 from collections import defaultdict, deque
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ..ops.table import views_of
 from ..transport.mpi import ClientGone
 from ..transport.poll import wait_for
 from .meeting import Meeting
@@ -200,7 +200,7 @@ class DataPlane:
         flat = torch.cat([x.reshape(-1) for x in xs])
         self._works.append(dist.all_reduce(flat, group=self.groups[group], async_op=True))
         self._count("all_reduce", flat)
-        return tuple(v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs))
+        return views_of(flat, [x.shape for x in xs])
 
     def reduce_scatter_bucket(self, xs: tuple[torch.Tensor, ...], group: int,
                               sizes: tuple[tuple[int, ...], ...], index: int) -> tuple:
@@ -290,8 +290,7 @@ class DataPlane:
             self._meet(("gather_pieces", sizes, str(wholes[0].dtype)), group)
         rows = [w[0].numel() for w in wholes]  # elements per row
         members = len(sizes[0])
-        counts = [sum(n[m] * r for n, r in zip(sizes, rows)) for m in range(members)]
-        top = max(counts)
+        counts, top, _ = bucket_rows(wholes, sizes, 0)
         flat = _pad(_flat(pieces), 0, top)
         out = flat.new_empty(members * top)
         self.wait(_ALL_GATHER(out, flat, group=self.groups[group], async_op=True))
@@ -475,13 +474,6 @@ def bucket_rows(xs: tuple, sizes: tuple[tuple[int, ...], ...], index: int) -> tu
     counts = [sum(n[m] * r for n, r in zip(sizes, rows)) for m in range(len(sizes[0]))]
     mine = [(n[index], *x.shape[1:]) for x, n in zip(xs, sizes)]
     return counts, max(counts), mine
-
-
-def views_of(flat: torch.Tensor, shapes: list) -> tuple[torch.Tensor, ...]:
-    """``flat``'s first elements as tensors of ``shapes``, laid end to end."""
-    numels = [math.prod(s) for s in shapes]
-    return tuple(v.view(s) for v, s in
-                 zip(flat.narrow(0, 0, sum(numels)).split(numels), shapes))
 
 
 def _flat(parts: tuple) -> torch.Tensor:

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..ops.table import OPS, Kind
+from ..ops.table import OPS, Kind, views_of
 from . import costmodel
-from .dataplane import bucket_rows, views_of
+from .dataplane import bucket_rows
 from .devicequery import DeviceQueries
 from .executor import Executor
 
@@ -228,7 +228,7 @@ class MetaPlane:
     def reduce_bucket(self, xs: tuple[torch.Tensor, ...], group: int) -> tuple[torch.Tensor, ...]:
         flat = torch.cat([x.reshape(-1) for x in xs])
         self._count("all_reduce", flat)
-        return tuple(v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs))
+        return views_of(flat, [x.shape for x in xs])
 
     def take_work(self) -> Any:
         return None
@@ -249,8 +249,7 @@ class MetaPlane:
     def gather_pieces(self, xs: tuple, group: int,
                       sizes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
         k = len(xs) // 2
-        rows = [w[0].numel() for w in xs[:k]]
-        top = max(sum(n[m] * r for n, r in zip(sizes, rows)) for m in range(len(sizes[0])))
+        _, top, _ = bucket_rows(xs[:k], sizes, 0)
         self._count("all_gather", xs[0].new_empty(top))
         return xs[:k]
 
