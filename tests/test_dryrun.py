@@ -292,6 +292,38 @@ def test_a_dry_run_skips_replays_it_has_seen_with_the_same_counts(tmp_path):
     assert reports[0] == reports[1] and len(reports[0]) == 2, reports
 
 
+def test_a_dry_runs_skipped_replays_leave_what_attentions_gradient_reads(tmp_path):
+    """A replay skipped after the third leaves every result that outlives it, not only
+    tensors: attention's record for its gradient is None on meta, and the gradient of the
+    forward's replay reads it (nanoGPT's loop failed there with a KeyError)."""
+    program = """
+        import gtmpi
+        import gtmpi.nn as nn
+        import gtmpi.nn.functional as F
+        # blocks enough for a forward of several runs: records outlive the run that made them
+        blocks = nn.ModuleList(nn.ModuleList([nn.Linear(32, 96), nn.Linear(32, 32)])
+                               for _ in range(6))
+        opt = gtmpi.optim.AdamW(blocks.parameters(), lr=1e-3)
+        for i in range(8):
+            x = gtmpi.randn(2, 16, 32)
+            for qkv, out in blocks:
+                q, k, v = qkv(x).split(32, dim=2)
+                q, k, v = (t.view(2, 16, 2, 16).transpose(1, 2) for t in (q, k, v))
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + out(y.transpose(1, 2).reshape(2, 16, 32))
+            loss = x.square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            print("LOSS", loss.item())
+        print(gtmpi.debug.repeats())
+    """
+    proc, _ = run_job(tmp_path, program, 120, n=None, env={"GTMPI_DRY_RUN": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("LOSS 0.0") == 8
+    assert "replayed" in proc.stdout
+
+
 @serial
 def test_a_dry_runs_trace_lasts_what_the_cost_model_says(tmp_path):
     """A dry run's workers are stamped with a modeled clock: a float32 matmul of two 4096²

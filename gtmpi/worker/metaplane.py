@@ -83,9 +83,7 @@ class MetaExecutor(Executor):
                 self.stats["ops"] - ops,
                 {k: (n - comms.get(k, (0, 0))[0], b - comms.get(k, (0, 0))[1])
                  for k, (n, b) in self.plane.stats.items()},
-                [None if not isinstance(self.env.get(new), torch.Tensor) else
-                 (self.env[new].shape, self.env[new].stride(), self.env[new].dtype)
-                 for _, new in renames],
+                [_left(self.env, new) for _, new in renames],
                 self._modeled - began)
             return
         ops, comms, made, modeled = known
@@ -95,12 +93,15 @@ class MetaExecutor(Executor):
             entry = self.plane.stats[kind]
             entry[0] += n
             entry[1] += nbytes
-        for (_, new), like in zip(renames, made):
-            if like is not None:
-                t = self.env[new] = torch.empty_strided(like[0], like[1], dtype=like[2],
-                                                        device="meta")
-                if self._made.active:
-                    self._made.count(t)
+        for (_, new), left in zip(renames, made):
+            if left is _ABSENT:
+                continue
+            if type(left) is _Value:  # what a fused op's meta kernel keeps for backward
+                self.env[new] = left.value
+                continue
+            t = self.env[new] = torch.empty_strided(*left[:2], dtype=left[2], device="meta")
+            if self._made.active:
+                self._made.count(t)
 
     def _commit(self, out, args: tuple) -> None:
         # the capture refused here (meta has no graphs) is run op by op, holding every send's
@@ -156,6 +157,26 @@ class MetaExecutor(Executor):
                     for t in costmodel.tensors(env.get(o))]
             self._modeled += costmodel.instruction_ns(name, op.kind, inputs, made, self.gpu,
                                                       costmodel.members_of(kw, groups))
+
+
+_ABSENT = object()
+
+
+class _Value:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _left(env: dict, new: int) -> Any:
+    """What a metered replay left under ``new``, for later replays to leave alike: a tensor's
+    (shape, strides, dtype), any other value as it is (the None that stands for a fused op's
+    record of attention on meta, which its gradient reads), or _ABSENT."""
+    value = env.get(new, _ABSENT)
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.stride(), value.dtype)
+    return value if value is _ABSENT else _Value(value)
 
 
 class _Made(TorchDispatchMode):
