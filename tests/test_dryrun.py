@@ -292,6 +292,7 @@ def test_a_dry_run_skips_replays_it_has_seen_with_the_same_counts(tmp_path):
     assert reports[0] == reports[1] and len(reports[0]) == 2, reports
 
 
+@serial
 def test_a_dry_runs_skipped_replays_leave_what_attentions_gradient_reads(tmp_path):
     """A replay skipped after the third leaves every result that outlives it, not only
     tensors: attention's record for its gradient is None on meta, and the gradient of the
