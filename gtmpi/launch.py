@@ -134,7 +134,7 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     Finalize without any parting).
     """
     from mpi4py import MPI
-    from .transport.mpi import Comms, WorkerLink
+    from .transport.mpi import Comms, Sends, WorkerLink
 
     _unlink_segments(base)
     comms = Comms.dup(base)
@@ -154,7 +154,8 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     if rank != 0:
         _serve(comms, workers_comm, node_ranks, host0, detach)
         return
-    links = {r: WorkerLink(comms, r) for r in range(1, size)}
+    sends = Sends()  # rank 0's, to every worker: each wait moves every large one
+    links = {r: WorkerLink(comms, r, sends=sends) for r in range(1, size)}
     workers = {r: links[r].wait_reply(Tag.HELLO) for r in links}
     for w in workers.values():
         verbose(f"worker rank {w['rank']} on {w['host']} (pid {w['pid']}): {w['device']}")

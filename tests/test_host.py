@@ -126,6 +126,32 @@ def test_parameters_made_without_a_device_are_placed_at_first_use_or_by_to():
     assert n.weight._host is None and out.shape == (2, 3)
 
 
+def test_a_held_value_nothing_else_reaches_is_sent_without_a_copy(monkeypatch):
+    """A parameter's held weights go to the worker as they are (a copy of GPT-3 6.7B's float32
+    weights cost rank 0 minutes of page faults); a value a view made here shares is copied, so
+    an in-place op on the other after the upload leaves what was sent as it was."""
+    from gtmpi.client import tensor as client_tensor
+    sent = []
+    real = client_tensor.upload
+    monkeypatch.setattr(client_tensor, "upload", lambda value, copy=True: (
+        sent.append((value.data_ptr(), copy)), real(value, copy))[1])
+    m = gtmpi.nn.Linear(64, 32)
+    held = m.weight._host.data_ptr()
+    m.to("cuda")
+    assert sent[0] == (held, False)
+    w = gtmpi.tensor([[0.0] * 4] * 4)  # a value made here, no recipe: uploaded
+    row = w[1]  # a view of w's storage
+    assert w._host is not None and row._host is not None and row._shared and w._shared
+    placed = row + gtmpi.zeros(4, device="cuda")  # the view is uploaded, copied
+    assert sent[-1][1] is True
+    w.fill_(5.0)  # in place on the value the view shares, still held here
+    assert placed.tolist() == [0.0] * 4 and w.tolist() == [[5.0] * 4] * 4
+    alone = gtmpi.tensor([1.0, 2.0, 3.0]) * 2  # no recipe: uploaded
+    assert not alone._shared
+    (alone + gtmpi.zeros(3, device="cuda")).tolist()
+    assert sent[-1][1] is False
+
+
 def test_cuda_queries_answered_by_the_workers():
     gpu = gtmpi.cuda.is_available()
     assert gpu == any(str(w["device"]).startswith("cuda") for w in gtmpi.info()["workers"].values())

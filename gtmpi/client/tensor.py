@@ -37,7 +37,7 @@ Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
 
 class Tensor:
     __slots__ = ("_id", "_host", "_recipe", "_sig", "requires_grad", "grad", "_node", "_slot",
-                 "_strides", "_state", "_scope", "__weakref__")
+                 "_strides", "_state", "_scope", "_shared", "__weakref__")
     __array_priority__ = 1000  # numpy defers to our reflected operators instead of reading us
 
     def __init__(self, tensor_id: int | None, sig: tuple[torch.Size, torch.dtype],
@@ -49,6 +49,9 @@ class Tensor:
         self._state = False  # a module's parameter or buffer, or computed from them on the
         # client (placed by 'parameters')
         self._scope: tuple = ()  # the signal scopes open where a held value was made
+        # the held value's storage is another held tensor's too (a view made here): an in-place
+        # op there could change its bytes while they travel, so its upload sends a copy
+        self._shared = False
         self._sig = sig
         self.requires_grad = False
         self.grad: Tensor | None = None
@@ -107,7 +110,7 @@ class Tensor:
                         operand.id
             if recipe is None and value.is_meta:  # a dry run's: zeros, made where placed
                 recipe = ("zeros", tuple(value.shape), value.dtype)
-            made = apply(*recipe) if recipe is not None else upload(value)
+            made = apply(*recipe) if recipe is not None else upload(value, self._shared)
         self._id, made._id = made._id, None
         return self._id
 
@@ -264,7 +267,7 @@ class Tensor:
             # one read for the whole tensor, its rows then held here (indices read back one
             # at a time cost a round trip each)
             rows = self.cpu_torch().unbind(0)
-            return (Tensor.held(r) for r in rows)
+            return (_sharing(Tensor.held(r)) for r in rows)
         return (self[i] for i in range(len(self)))
 
     __hash__ = object.__hash__
@@ -780,6 +783,13 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
         return args[0]
     results = tuple(map(Tensor.held, out)) if isinstance(out, (tuple, list)) else \
         (Tensor.held(out),)
+    storages = {v.untyped_storage().data_ptr(): a for v, a in zip(values, args)
+                if isinstance(a, Tensor)}
+    for r in results:  # a view: the result and its operand share one storage
+        owner = storages.get(r._host.untyped_storage().data_ptr())
+        if owner is not None:
+            _sharing(r)
+            _sharing(owner)
     # computed from a module's state (a causal mask sliced and compared) and no data of the
     # program's: state too, placed by 'parameters', not split as an upload would be
     operands = [a for a in args if isinstance(a, Tensor)]
@@ -796,6 +806,11 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
     return results if isinstance(out, (tuple, list)) else results[0]
 
 
+def _sharing(t: Tensor) -> Tensor:
+    t._shared = True
+    return t
+
+
 def _mesh_beside(rt: Any, wire: list, tmask: int) -> tuple | None:
     """The mesh of an op's first placed operand, where it spans several workers."""
     placer = rt.dispatcher.placer
@@ -808,10 +823,14 @@ def _mesh_beside(rt: Any, wire: list, tmask: int) -> tuple | None:
     return None
 
 
-def upload(value: torch.Tensor) -> Tensor:
-    """Send a CPU tensor's bytes to the worker that will hold it (a private copy: the caller
-    may change its array afterwards)."""
-    value = value.contiguous().clone()
+def upload(value: torch.Tensor, copy: bool = True) -> Tensor:
+    """Send a CPU tensor's bytes to the worker that will hold it: a private copy, as the caller
+    may change its array afterwards, unless ``copy`` is False (a held value that nothing else
+    can reach: a parameter's, whose copy cost GPT-3 6.7B's float32 weights minutes of page
+    faults on rank 0)."""
+    value = value.contiguous()
+    if copy:
+        value = value.clone()
     rt = runtime()
     out = rt.new_id()
     sig = (value.shape, value.dtype)

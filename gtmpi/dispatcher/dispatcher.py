@@ -65,6 +65,7 @@ class Link(Protocol):
     def start_read(self, buf: np.ndarray) -> Any: ...
     def finish_read(self, handle: Any, watchdog: Callable[[], None]) -> Fault | None: ...
     def poll_ack(self) -> int | None: ...
+    def moving(self) -> bool: ...
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any: ...
     def poll_reply(self, tag: Tag) -> Any: ...
     def measure_clock(self, rounds: int) -> tuple[int, int, int]: ...
@@ -386,7 +387,8 @@ class Dispatcher:
                 if not batch:
                     return
             start = _clock()
-            wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None, self.watchdog)
+            wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None, self.watchdog,
+                     self.links[rank].moving)
             if rec is not None:
                 rec.event(Kind.WAIT, Lane.DISPATCHER, start, _clock(), "backpressure", peer=rank)
         self._seq[rank] += 1
@@ -643,7 +645,7 @@ class Dispatcher:
         for rank in self.links:
             if self._seq[rank] - self._acked[rank] >= MAX_INFLIGHT:
                 wait_for(lambda: True if self._poll(rank) < MAX_INFLIGHT else None,
-                         self.watchdog)
+                         self.watchdog, self.links[rank].moving)
 
     def shutdown(self, timeout_s: float) -> list[int]:
         """Stop every worker; return the ranks that did not confirm within the timeout."""

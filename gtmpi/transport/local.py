@@ -47,6 +47,9 @@ class LocalLink:
     def poll_ack(self) -> int:
         return self._seq
 
+    def moving(self) -> bool:
+        return False  # its uploads are handed over whole
+
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
         return self._replies[tag].popleft()
 

@@ -27,6 +27,7 @@ from .poll import wait_for
 from .tags import SLOT_STRIDE, Tag
 
 _EMPTY = np.empty(0, np.uint8)
+HEAVY_BYTES = 1 << 20  # a send this large makes waits spin until it has left (Sends.heavy)
 
 
 class Comms(NamedTuple):
@@ -46,11 +47,23 @@ class Sends:
 
     def __init__(self) -> None:
         self._pending: list[tuple[MPI.Request, Any]] = []
+        self._heavy: list[MPI.Request] = []  # those of HEAVY_BYTES or more
 
     def keep(self, req: MPI.Request, buf: Any = None) -> None:
         self._pending.append((req, buf))
+        if getattr(buf, "nbytes", 0) >= HEAVY_BYTES:
+            self._heavy.append(req)
         if len(self._pending) > 32:
             self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+
+    def heavy(self) -> bool:
+        """Whether a large send is still under way. Its bytes move only while this process
+        calls into MPI (Open MPI's shared memory hands them over a fragment of tens of KB at a
+        time), so a wait that sleeps meanwhile moved GPT-3 6.7B's weights to one H200 at
+        85 MB/s; one that spins, at the GB/s of a blocking send."""
+        if self._heavy:
+            self._heavy = [r for r in self._heavy if not r.Test()]
+        return bool(self._heavy)
 
     def drain(self) -> None:
         """Wait for every send."""
@@ -90,12 +103,14 @@ class WorkerLink:
     """Rank 0's end of the conversation with one worker: directly, or through a server
     (``peer``, the server's rank; the worker's rank then rides in every tag, see tags.py)."""
 
-    def __init__(self, comms: Comms, rank: int, peer: int | None = None):
+    def __init__(self, comms: Comms, rank: int, peer: int | None = None,
+                 sends: Sends | None = None):
         self.comms = comms
         self.rank = rank
         self.peer = rank if peer is None else peer
         self._o = 0 if peer is None else SLOT_STRIDE * rank
-        self._sends = Sends()
+        # one for every worker's link (``sends``): any wait of rank 0's moves them all
+        self._sends = sends if sends is not None else Sends()
         self._receiving: dict[Tag, MPI.Request] = {}  # replies whose bytes are still coming
 
     def send(self, batch: list, seq: int) -> None:
@@ -113,10 +128,14 @@ class WorkerLink:
 
     def finish_read(self, req: MPI.Request, watchdog: Callable[[], None]) -> Fault | None:
         status = MPI.Status()
-        wait_for(lambda: True if req.Test(status) else None, watchdog)
+        wait_for(lambda: True if req.Test(status) else None, watchdog, self._sends.heavy)
         if status.Get_tag() == Tag.READ_FAULT:
             return self.wait_reply(Tag.FAULT, watchdog)
         return None
+
+    def moving(self) -> bool:
+        """Whether large bytes to a worker are still under way (Sends.heavy)."""
+        return self._sends.heavy()
 
     def poll_ack(self) -> int | None:
         latest = None
@@ -127,8 +146,10 @@ class WorkerLink:
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
         req = self._receiving.pop(tag, None)
         if req is None:
-            return wait_for(lambda: self.comms.reply.improbe(self.peer, tag + self._o), watchdog).recv()
-        return wait_for(lambda: _finished(req), watchdog)[1]  # begun by poll_reply: it is first
+            return wait_for(lambda: self.comms.reply.improbe(self.peer, tag + self._o), watchdog,
+                            self._sends.heavy).recv()
+        # begun by poll_reply: it is first
+        return wait_for(lambda: _finished(req), watchdog, self._sends.heavy)[1]
 
     def poll_reply(self, tag: Tag) -> Any:
         """A reply if all of it has arrived, else None. Never waits: a big message moves only
@@ -265,8 +286,9 @@ class HostLink:
             buf[:] = taken.popleft()
             return
         req = self.comms.data.Irecv([buf, MPI.BYTE], 0, Tag.UPLOAD + self._o)
-        if not self.slot:
-            wait_for(lambda: True if req.Test() else None)
+        if not self.slot:  # large bytes move only while this worker calls into MPI too
+            wait_for(lambda: True if req.Test() else None,
+                     busy=(lambda: True) if buf.nbytes >= HEAVY_BYTES else None)
             return
         # a server's client that counted an upload it never sent would hold this worker, and
         # every client's work on it, for good

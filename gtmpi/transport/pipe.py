@@ -98,6 +98,9 @@ class ChildLink:
         self._take()
         return self._acked
 
+    def moving(self) -> bool:
+        return False  # a pipe's writes block until they are taken
+
     def wait_reply(self, tag: Tag, watchdog: Callable[[], None] | None = None) -> Any:
         return self._wait(self._replies.setdefault(tag, deque()), watchdog)
 

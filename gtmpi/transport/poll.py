@@ -16,8 +16,11 @@ MAX_SLEEP_S = 0.001  # an idle rank wakes up at least this often
 WATCH_EVERY_S = 1.0
 
 
-def wait_for(test: Callable[[], T | None], watchdog: Callable[[], None] | None = None) -> T:
-    """Call ``test`` until it returns something other than None; return that."""
+def wait_for(test: Callable[[], T | None], watchdog: Callable[[], None] | None = None,
+             busy: Callable[[], bool] | None = None) -> T:
+    """Call ``test`` until it returns something other than None; return that. While
+    ``busy()`` says so (large bytes under way, which MPI moves only while this process calls
+    into it), it spins instead of sleeping."""
     start = time.perf_counter()
     sleep = 2e-5
     next_watch = start + WATCH_EVERY_S
@@ -26,7 +29,7 @@ def wait_for(test: Callable[[], T | None], watchdog: Callable[[], None] | None =
         if result is not None:
             return result
         now = time.perf_counter()
-        if now - start > SPIN_S:
+        if now - start > SPIN_S and not (busy is not None and busy()):
             time.sleep(sleep)
             sleep = min(sleep * 2, MAX_SLEEP_S)
             if watchdog is not None and now > next_watch:
