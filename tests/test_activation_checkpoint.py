@@ -381,6 +381,34 @@ def test_a_chunked_loss_under_autocast_is_the_whole_logits_loss(device_type):
     torch.testing.assert_close(gw_, ww, rtol=2e-2, atol=1e-4)
 
 
+def test_a_recompute_runs_under_the_forwards_autocast():
+    """Backward outside the autocast region recomputes a checkpointed block under the region
+    its forward ran in, as torch's checkpoint does: the gradients are those of the block kept
+    (bit for bit) and torch's own under torch.autocast with torch.utils.checkpoint."""
+    grads = {}
+    for lib, how in ((gtmpi, "kept"), (gtmpi, "each"), (torch, "each")):
+        blocks, head = _model(lib, seed=3)
+        # no dropout: torch and gtmpi draw masks apart
+        blocks = [lib.nn.Sequential(*list(b)[:3]) for b in blocks]
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(16, 8, generator=gen)
+        x = gtmpi.tensor(x) if lib is gtmpi else x
+        with lib.autocast("cpu", dtype=lib.bfloat16):
+            h = x
+            for b in blocks:
+                h = b(h) if how == "kept" else (
+                    checkpoint(b, h, use_reentrant=False) if lib is gtmpi else
+                    torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False))
+            loss = head(h).float().square().mean()
+        loss.backward()
+        grads[lib.__name__, how] = [p.grad.cpu_torch() if lib is gtmpi else p.grad
+                                    for m in [*blocks, head] for p in m.parameters()]
+    kept, each, ref = grads["gtmpi", "kept"], grads["gtmpi", "each"], grads["torch", "each"]
+    for k, e, r in zip(kept, each, ref):
+        assert k.dtype == torch.float32 and torch.equal(k, e)
+        torch.testing.assert_close(e, r, rtol=2e-2, atol=1e-3)  # bfloat16's rounding
+
+
 @pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
 def test_a_chunked_loss_keeps_a_split_batch_split():
     gen = torch.Generator().manual_seed(9)
