@@ -31,10 +31,15 @@ def freeze(v: Any) -> Any:
     t = type(v)
     if t in SCALARS:
         return (t, v)
+    if v is None:
+        return None
     if t is Seed:  # a random op's seed changes no shape, placement or program
         return ("seed",)
-    if t is tuple and all(type(x) is int for x in v):  # a shape, the commonest constant
-        return ("ints", v)
+    if t is tuple:
+        if all(type(x) is int for x in v):  # a shape, the commonest constant
+            return ("ints", v)
+        if len(v) == 2 and type(v[0]) is torch.Size and type(v[1]) is torch.dtype:
+            return v  # a tensor's Sig: ints and a dtype, hashable as it is
     if isinstance(v, slice):
         return ("slice", v.start, v.stop, v.step)
     if isinstance(v, (list, tuple)):
