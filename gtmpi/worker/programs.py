@@ -1,0 +1,325 @@
+"""Recorded programs on a worker: kept once, replayed on one word each, op by op or as the
+CUDA graph captured of them (worker/graphs.py), with their inputs bound and their outputs
+renamed per replay. A mixin of worker.executor.Executor, whose state (env, programs, graphs,
+the data plane) it reads and writes."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import Fault
+from ..ops.table import Graph, derive_seed
+from ..recording import events
+from ..transport.tags import GRAPH_LATER, Tag
+from . import graphs
+
+_ABSENT = object()
+
+
+class Programs:
+    def _program(self, out, args: tuple) -> None:
+        """(key, instructions): keep a recorded sequence; (key, None): drop it."""
+        key, instructions = args
+        self.graphs.pop(key)
+        if instructions is None:
+            self.programs.pop(key, None)
+            self.seeded.pop(key, None)
+        else:
+            self.programs[key] = instructions
+            self.seeded[key] = graphs.seeded(instructions)
+
+
+    def _replay(self, out, args: tuple) -> None:
+        """(key, binds, renames, mode, seeds): run a kept sequence again. Its inputs are bound
+        to the ids it was recorded with, (current, recorded) in ``binds``, for the run only;
+        every tensor it makes keeps its recorded id, and those that outlive it move to fresh
+        ids (``renames``), so that the next run cannot overwrite what the program still holds.
+        Its random ops take seeds derived from ``seeds`` (session seed, count before the call).
+        ``mode``: 'plain', op by op; 'capture', capture it as a CUDA graph and say whether that
+        worked (the dispatcher's 'commit' then runs it); 'emulate', the same with the stand-in
+        backend (tests); 'graph', launch the graph."""
+        key, binds, renames, mode, seeds = args
+        if self.profiler is not None:
+            self.profiler.replay()
+        start = self.now()
+        if mode == "graph":
+            if self._launch(self.graphs[key], binds, renames, seeds) is not None:
+                self._run_program(self._instructions(key, seeds), binds, renames)
+        elif mode == "emulate":
+            self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
+        elif mode == "capture":
+            if self._cuda_backend is None:
+                alone = self.plane is None or self.plane.workers == 1
+                self._cuda_backend = graphs.cuda_backend(self.device, shared=alone)
+            self._try_capture(key, binds, renames, seeds, self._cuda_backend)
+        else:
+            self._run_program(self._instructions(key, seeds), binds, renames)
+        if self.device.type == "cuda" and mode != "capture":
+            self._note_ready(new for _, new in renames)
+        if self.trace is not None:
+            self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, self.now(), mode,
+                             key, count=len(self.programs[key]))
+
+
+    def _instructions(self, key: int, seeds: tuple[int, int] | None) -> list[tuple]:
+        program, where = self.programs[key], self.seeded[key]
+        if not where:
+            return program
+        session, base = seeds
+        return graphs.with_seeds(program, where, lambda s: derive_seed(session, base + s.offset))
+
+
+    def _run_program(self, program: list[tuple], binds: tuple, renames: tuple) -> None:
+        # a recorded input may still be alive (a batch used again): it is itself again after
+        saved = self._saved(recorded for _, recorded in binds)
+        self._move(binds, keep=True)
+        self._execute(program)
+        self._restore(saved)
+        self._move(renames, keep=False)
+
+
+    def _by_id(self) -> tuple[dict, ...]:
+        """Every table that says what an id is here: its value, its fault, the collective still
+        making it, the GPU event it is final at. Moving, saving and restoring an id touch them
+        all (a run that restored the value but not the event kept a bound input alive through
+        its event: an iteration's activations, for good)."""
+        return self.env, self.poison, self.waits, self.ready
+
+
+    def _saved(self, ids) -> list:
+        """What ``ids`` are now, for _restore."""
+        tables = self._by_id()
+        return [(i, [t.get(i, _ABSENT) for t in tables]) for i in ids]
+
+
+    def _restore(self, saved: list) -> None:
+        tables = self._by_id()
+        for recorded, values in saved:
+            for table, value in zip(tables, values):
+                if value is _ABSENT:
+                    table.pop(recorded, None)
+                else:
+                    table[recorded] = value
+
+
+    def _try_capture(self, key: int, binds: tuple, renames: tuple, seeds, backend) -> None:
+        """Capture a program as a graph (nothing runs yet) and tell rank 0 whether it worked
+        (None) or why not; the capture waits for the dispatcher's commit."""
+        captured, why = None, backend if isinstance(backend, str) else None
+        if why is None:
+            try:
+                captured = self._capture_graph(key, binds, renames, backend)
+            except Exception as e:  # what cannot be captured: a host sync, a data-dependent shape
+                why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        self._capture = (key, binds, renames, seeds, captured)
+        self.link.reply(Tag.GRAPH, why)
+
+
+    def _capture_graph(self, key: int, binds: tuple, renames: tuple,
+                       backend: graphs.CudaBackend | graphs.EmulatedBackend) -> graphs.Captured:
+        program = [ins for ins in self.programs[key] if ins[0] not in graphs.HOST_WORDS]
+        for i, ins in enumerate(program):
+            if ins[0] in ("upload", "read", "sync"):
+                raise RuntimeError(f"instruction {i} ({ins[0]}) waits for the host")
+        env, poison = self.env, self.poison
+        # one list of inputs serves every worker: a pipeline stage holds only its own
+        binds = tuple((cur, recorded) for cur, recorded in binds if cur in env or cur in poison)
+        reads = graphs.outside_reads(program, {recorded for _, recorded in binds})
+        for tid in [cur for cur, _ in binds] + reads:
+            if tid in poison:
+                raise RuntimeError(f"tensor {tid} it reads failed: {poison[tid].error}")
+            if tid not in env:
+                raise RuntimeError(f"tensor {tid} it reads is not here")
+        if self.waits:
+            self._settle_all()
+        if self.plane is not None:
+            self.plane.settle_sends()
+        if not backend.emulated and any(  # tags.GRAPH_LATER (the stand-in makes records afresh)
+                isinstance(env[cur], Graph) and not self.graphs.made(env[cur]) for cur, _ in binds):
+            raise RuntimeError(f"an autograd record it reads is made outside a graph {GRAPH_LATER}")
+        inputs, shared = {}, set()
+        for cur, recorded in binds:
+            inputs[recorded], same = self.graphs.bind(env[cur])
+            if same and isinstance(inputs[recorded], torch.Tensor):
+                shared.add(recorded)
+            elif not same:
+                self.stats["graph_input_bytes"] += inputs[recorded].nbytes
+        saved = self._saved(inputs)
+
+        def execute(instructions: list[tuple]) -> None:
+            env.update(inputs)
+            try:
+                if backend.emulated:  # as a graph's end joins them, every collective is waited
+                    self._execute(instructions)
+                    self._settle_all()
+                else:
+                    self._captured(instructions)
+            finally:
+                self._restore(saved)
+
+        held, poisoned = set(env), set(poison)
+        counts = self._comm_counts()
+        skipped, pending = self.stats["skipped"], self.skipped
+        try:
+            handle = backend.capture(program, execute)
+            failed = [poison[t] for t in set(poison) - poisoned]
+            if failed or self.stats["skipped"] != skipped:
+                bad = failed[0] if failed else self.skipped
+                raise RuntimeError(f"op '{bad.op}' failed while captured: {bad.error}")
+        except BaseException:
+            # what the capture made, or failed to make: none of it ran, nor is it reported
+            for tid in (set(env) - held) | (set(poison) - poisoned):
+                env.pop(tid, None)
+                poison.pop(tid, None)
+                self.waits.pop(tid, None)
+            self.skipped = pending
+            self._count_as(counts)
+            raise
+        after = self._comm_counts()
+        comm = {} if backend.emulated else {  # an emulated launch runs (and counts) them itself
+            k: (v[0] - counts.get(k, (0, 0))[0], v[1] - counts.get(k, (0, 0))[1])
+            for k, v in after.items() if v != counts.get(k)}
+        self._count_as(counts)  # captured, not run: each launch counts them
+        return graphs.Captured(handle, inputs, [(tid, env[tid]) for tid in reads], comm,
+                               len(program), graphs.written_inputs(program, set(inputs)),
+                               frozenset(shared))
+
+
+    def _captured(self, program: list[tuple]) -> None:
+        """The program's instructions inside a capture: no GPU timing events, and every
+        collective and send joined back before the capture ends."""
+        gpu_every, self._gpu_every = self._gpu_every, 0
+        self._plane_capture(True)
+        try:
+            self._execute(program)
+            self._settle_all()
+        finally:
+            self._plane_capture(False)
+            self._gpu_every = gpu_every
+
+
+    def _plane_capture(self, on: bool) -> None:
+        if self.plane is not None and self.plane.started:
+            if on:
+                self.plane.begin_capture()
+            else:
+                self.plane.end_capture()
+
+
+    def _comm_counts(self) -> dict[str, tuple[int, int]]:
+        return {k: tuple(v) for k, v in self.plane.stats.items()} if self.plane else {}
+
+
+    def _count_as(self, counts: dict[str, tuple[int, int]]) -> None:
+        """The collectives counted as ``counts`` says (what a capture recorded never ran)."""
+        if self.plane is not None:
+            stats = self.plane.stats
+            for k in list(stats):
+                if k in counts:
+                    stats[k][:] = counts[k]
+                else:
+                    del stats[k]
+
+
+    def _commit(self, out, args: tuple) -> None:
+        """(key, ok): every worker of the program captured it (launch the graph, and from now
+        on every replay), or one could not (run it op by op; the graph is dropped)."""
+        key, ok = args
+        _, binds, renames, seeds, captured = self._capture
+        self._capture = None
+        if ok:
+            self.graphs.add(key, captured)
+        if not ok or self._launch(captured, binds, renames, seeds) is not None:
+            self._run_program(self._instructions(key, seeds), binds, renames)
+        if self.device.type == "cuda":
+            self._note_ready(new for _, new in renames)
+
+
+    def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple,
+                seeds) -> str | None:
+        """One call of a captured program: inputs into its static buffers, the graph launched,
+        its outputs handed out under the call's ids. An input or read that failed (or is not
+        what was captured) fails the outputs with it, but the graph still runs: the other
+        members' collectives inside it wait for this one's. Where the graph cannot keep what
+        the client holds, it launches nothing and says why (Captured.unlaunchable): run it op by
+        op."""
+        env, poison = self.env, self.poison
+        if self.waits:
+            self._settle_all()
+        why = captured.unlaunchable(env, binds)
+        if why is not None:
+            self.stats["graph_fallbacks"] += 1
+            reasons = self.stats["graph_fallback_reasons"]
+            reasons[why] = reasons.get(why, 0) + 1
+            return why
+        outputs = tuple(recorded for recorded, _ in renames)
+        aside = self.graphs.clear_way(captured, env)
+        # before the inputs are copied in: an output may view one
+        copied = captured.copy_out(env) if captured.outputs else []
+        self.stats["graph_copies"] += len(copied) + len(aside)
+        if copied and self.ready:
+            self._note_ready(i for i in copied if i in self.ready)
+        fault = None
+        inputs = captured.inputs
+        for cur, recorded in binds:
+            static = inputs.get(recorded)
+            if static is None:
+                continue
+            t = env.get(cur)
+            if t is not None:
+                # through .data: an autograd record may have saved the buffer, and a graph
+                # rewrites what it saved without a version change, as this copy must too
+                if t is not static:  # an autograd record is the captured one (unlaunchable)
+                    static.data.copy_(t)
+            elif fault is None:
+                fault = poison.get(cur) or Fault(cur, "replay", self.rank, "an input is not here")
+        for tid, t in captured.reads:
+            if env.get(tid) is not t and fault is None:
+                fault = poison.get(tid) or Fault(tid, "replay", self.rank,
+                                                 f"tensor {tid} is not the one captured")
+        captured.handle.seed(seeds)
+        captured.handle.replay(env, outputs)
+        for storage, saved in aside:
+            storage.copy_(saved)
+        if captured.written and fault is None:
+            for cur, recorded in binds:
+                if recorded in captured.written and env[cur] is not inputs[recorded]:
+                    env[cur].copy_(inputs[recorded])
+        if not captured.outputs:  # the first launch: its outputs are the graph's for good
+            captured.set_outputs(env, outputs)
+            self.graphs.launched(captured)
+        # an op of the stand-in's program failed (a real graph's kernels never fail on the
+        # host): every output fails with it, as with a failed input
+        failed = [poison.pop(recorded) for recorded in outputs if recorded in poison]
+        fault = fault or (failed[0] if failed else None)
+        # a graph leaves its outputs where they were captured; the stand-in puts them (and
+        # the autograd records it made afresh) under the recorded ids
+        made = {recorded: env.pop(recorded) for recorded in outputs if recorded in env}
+        if fault is None:
+            statics = captured.outputs
+            env.update((new, made.get(recorded, statics.get(recorded))) for recorded, new in
+                       renames if recorded in made or recorded in statics)
+            captured.handed = [new for _, new in renames]
+        else:
+            self._fail(tuple(new for _, new in renames), fault)
+        self.stats["graph_launches"] += 1
+        self.stats["graphed_ops"] += captured.size
+        if self.plane is not None:
+            for k, (count, nbytes) in captured.comm.items():
+                entry = self.plane.stats[k]
+                entry[0] += count
+                entry[1] += nbytes
+        return None
+
+
+    def _rename(self, out, pairs: tuple) -> None:
+        self._move(pairs, keep=False)
+
+
+    def _move(self, pairs: tuple, keep: bool) -> None:
+        """Each (a, b) of ``pairs``: b becomes what a is (Executor._by_id); a keeps it too if
+        ``keep``. Ids not held here are skipped: one list serves every worker."""
+        tables = self._by_id()
+        for a, b in pairs:
+            for table in tables:
+                if a in table:
+                    table[b] = table[a] if keep else table.pop(a)
