@@ -557,6 +557,10 @@ HOSTILE_CASES = {
                        "rank 2 was never sent",
     "lone receive": "worker rank 2 waits at send((3,), 'torch.float32'), which worker rank 1 "
                     "was never sent"}
+# a lone collective's partner may still be busy with the client's own earlier work (its data
+# plane's start, met by both) when the grace passes: then the waiting member's backstop drops
+# the client, which says so (seen on a busy 2-core machine)
+CROSSED = "each waiting in another of its collectives or transfers"
 
 
 @pytest.mark.timeout(300)
@@ -574,7 +578,8 @@ def test_hostile_clients_messages_run_nothing_and_drop_them_alone(server, tmp_pa
     for n, (case, proc) in enumerate(hostile.items()):
         out = finish(proc)
         assert "before [1.0, 1.0, 1.0]" in out and "told:" in out, (case, out)
-        assert HOSTILE_CASES[case] in out and "dropped the client" in out, (case, out)
+        told = HOSTILE_CASES[case] in out or (case.startswith("lone") and CROSSED in out)
+        assert told and "dropped the client" in out, (case, out)
         assert not (tmp_path / f"ran{n}").exists(), case
     assert "reads 9600.0" in finish(bystander)
     assert "reads 4800.0" in finish(server.client(tmp_path, "late", READS, "1"))
