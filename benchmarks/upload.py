@@ -35,8 +35,9 @@ def timed(lib, cfg: Config, device: str) -> dict:
      torch.cuda.synchronize if device == "cuda" else (lambda: None))()
     moved = time.perf_counter()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    took = max(moved - built, 1e-9)
     return {"build_s": round(built - start, 2), "move_s": round(moved - built, 2),
-            "gb": round(nbytes / 1e9, 2), "gb_per_s": round(nbytes / 1e9 / max(moved - built, 1e-9), 2)}
+            "gb": round(nbytes / 1e9, 2), "gb_per_s": round(nbytes / 1e9 / took, 2)}
 
 
 def main() -> None:
