@@ -6,9 +6,9 @@
 The GPT of examples/gpt/model.py (--layers blocks of --dim, vocabulary 50304) is built in
 float32 with torch's initialisation, as nanoGPT builds it, then moved to the first GPU (the
 CPU where there is none): torch by ``model.to(device)``; gtmpi by ``model.to("cuda")``, which
-places every parameter the client holds on its worker, then ``synchronize()``, so its time includes every
-byte's arrival on the worker. Rank 0's time for each part, and the move's rate. A table, then
-one JSON line.
+places every parameter the client holds on its worker, then ``synchronize()``, so that its
+time includes every byte's arrival on the worker. Rank 0's time for each part, and the move's
+rate. A table, then one JSON line.
 """
 from __future__ import annotations
 
