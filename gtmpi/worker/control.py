@@ -44,7 +44,6 @@ class Control:
         self.env[out] = host if self.device.type == "cpu" else \
             host.to(self.device, non_blocking=gpu)
 
-
     def _read(self, out, args: tuple) -> None:
         (tid,) = args
         if self.waits:
@@ -72,13 +71,11 @@ class Control:
         if self.trace is not None:
             self.trace.annotate(nbytes=host.nbytes, peer=0, id=tid)
 
-
     def _reader(self) -> Any:
         """The stream reads copy on, beside the work still queued."""
         if self._read_stream is None:
             self._read_stream = torch.cuda.Stream(self.device)
         return self._read_stream
-
 
     def _read_after(self, t: torch.Tensor, event: Any) -> torch.Tensor:
         """``t`` copied to the host once ``event`` has passed, on a stream of its own."""
@@ -90,7 +87,6 @@ class Control:
         stream.synchronize()
         return host
 
-
     def _note_ready(self, ids) -> None:
         """What ``ids`` hold now is final once the GPU gets past this point."""
         event = torch.cuda.Event()
@@ -100,7 +96,6 @@ class Control:
             t = env.get(i)
             if isinstance(t, torch.Tensor):  # not an autograd record a replay handed out
                 self.ready[i] = (event, t)
-
 
     def _free(self, out, ids: tuple) -> None:
         env, poison = self.env, self.poison
@@ -113,7 +108,6 @@ class Control:
         if self.trace is not None:
             self.trace.annotate(count=len(ids))
 
-
     def _sync(self, out, args) -> None:
         self._settle_all()
         if self.plane is not None:  # what synchronize() leaves held is the program's alone
@@ -122,7 +116,6 @@ class Control:
             torch.cuda.synchronize(self.device)
         fault = self._index_fault(-1)
         self.link.reply(Tag.SYNC, fault if fault is not None else self.take_skipped())
-
 
     def _index_fault(self, tid: int, event: Any = None) -> Fault | None:
         """The fault of every read and sync once an index of this client was out of range (in
@@ -135,7 +128,6 @@ class Control:
         first, name = self.index_guard.culprit()  # the program's line that asked for it
         return Fault(first, name, self.rank, bounds.ORDINARY)
 
-
     def _stats(self, out, args: tuple) -> None:
         """(reset,): after replying, start the peaks afresh."""
         comm = {k: tuple(v) for k, v in self.plane.stats.items()} if self.plane else {}
@@ -147,10 +139,8 @@ class Control:
         if args and args[0] and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-
     def _clock(self, out, args: tuple) -> None:
         self.link.clock_pongs(*args)
-
 
     def _trace(self, out, args: tuple) -> None:
         """("start", gpu_every): record from the next instruction on; ("part",): send what was
@@ -174,16 +164,13 @@ class Control:
         rec.marks.append((self.now(), None, None))  # this instruction ends the part
         self.link.reply_later(Tag.TRACE, rec.take())
 
-
     def received(self, start: int, seq: int, nbytes: int, count: int) -> None:
         """A batch arrived (traces only): from when it was noticed until it was unpickled."""
         self.trace.event(events.Kind.RECV, events.Lane.WORKER, start, self.now(), "batch", seq, 0, nbytes, count)
 
-
     def _serving(self, out, args: tuple) -> None:
         """(quota,): this worker serves a server's clients (the server's own word, slot 0)."""
         (self.client_quota,) = args
-
 
     def _monitor(self, out, args: tuple) -> None:
         """(address, token): push this worker's figures to rank 0's monitor hub from now on."""
@@ -193,15 +180,12 @@ class Control:
             self._pusher = push.Pusher(tuple(args[0]), args[1], self.rank,
                                        lambda: push.figures(executors))
 
-
     def _dist_init(self, out, args: tuple) -> None:
         self.plane.init(*args)
         self._inject[Kind.COMM] = {"plane": self.plane}
 
-
     def _new_group(self, out, args: tuple) -> None:
         self.plane.new_group(*args)
-
 
     def _agree(self, out, args: tuple) -> None:
         """(ids, group): if any of the ids is poisoned on any member of the group, it is on
@@ -214,7 +198,6 @@ class Control:
         fault = self.plane.agree(mine, group)
         if fault is not None and mine is None:
             self._fail(tuple(ids), fault)
-
 
     def memory(self) -> dict[str, int]:
         """Bytes of tensor memory in use and at peak (torch's allocator on a GPU: allocated and

@@ -27,7 +27,6 @@ class Programs:
             self.programs[key] = instructions
             self.seeded[key] = graphs.seeded(instructions)
 
-
     def _replay(self, out, args: tuple) -> None:
         """(key, binds, renames, mode, seeds): run a kept sequence again. Its inputs are bound
         to the ids it was recorded with, (current, recorded) in ``binds``, for the run only;
@@ -59,14 +58,12 @@ class Programs:
             self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, self.now(), mode,
                              key, count=len(self.programs[key]))
 
-
     def _instructions(self, key: int, seeds: tuple[int, int] | None) -> list[tuple]:
         program, where = self.programs[key], self.seeded[key]
         if not where:
             return program
         session, base = seeds
         return graphs.with_seeds(program, where, lambda s: derive_seed(session, base + s.offset))
-
 
     def _run_program(self, program: list[tuple], binds: tuple, renames: tuple) -> None:
         # a recorded input may still be alive (a batch used again): it is itself again after
@@ -76,7 +73,6 @@ class Programs:
         self._restore(saved)
         self._move(renames, keep=False)
 
-
     def _by_id(self) -> tuple[dict, ...]:
         """Every table that says what an id is here: its value, its fault, the collective still
         making it, the GPU event it is final at. Moving, saving and restoring an id touch them
@@ -84,12 +80,10 @@ class Programs:
         its event: an iteration's activations, for good)."""
         return self.env, self.poison, self.waits, self.ready
 
-
     def _saved(self, ids) -> list:
         """What ``ids`` are now, for _restore."""
         tables = self._by_id()
         return [(i, [t.get(i, _ABSENT) for t in tables]) for i in ids]
-
 
     def _restore(self, saved: list) -> None:
         tables = self._by_id()
@@ -99,7 +93,6 @@ class Programs:
                     table.pop(recorded, None)
                 else:
                     table[recorded] = value
-
 
     def _try_capture(self, key: int, binds: tuple, renames: tuple, seeds, backend) -> None:
         """Capture a program as a graph (nothing runs yet) and tell rank 0 whether it worked
@@ -112,7 +105,6 @@ class Programs:
                 why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         self._capture = (key, binds, renames, seeds, captured)
         self.link.reply(Tag.GRAPH, why)
-
 
     def _capture_graph(self, key: int, binds: tuple, renames: tuple,
                        backend: graphs.CudaBackend | graphs.EmulatedBackend) -> graphs.Captured:
@@ -183,7 +175,6 @@ class Programs:
                                len(program), graphs.written_inputs(program, set(inputs)),
                                frozenset(shared))
 
-
     def _captured(self, program: list[tuple]) -> None:
         """The program's instructions inside a capture: no GPU timing events, and every
         collective and send joined back before the capture ends."""
@@ -196,7 +187,6 @@ class Programs:
             self._plane_capture(False)
             self._gpu_every = gpu_every
 
-
     def _plane_capture(self, on: bool) -> None:
         if self.plane is not None and self.plane.started:
             if on:
@@ -204,10 +194,8 @@ class Programs:
             else:
                 self.plane.end_capture()
 
-
     def _comm_counts(self) -> dict[str, tuple[int, int]]:
         return {k: tuple(v) for k, v in self.plane.stats.items()} if self.plane else {}
-
 
     def _count_as(self, counts: dict[str, tuple[int, int]]) -> None:
         """The collectives counted as ``counts`` says (what a capture recorded never ran)."""
@@ -218,7 +206,6 @@ class Programs:
                     stats[k][:] = counts[k]
                 else:
                     del stats[k]
-
 
     def _commit(self, out, args: tuple) -> None:
         """(key, ok): every worker of the program captured it (launch the graph, and from now
@@ -232,7 +219,6 @@ class Programs:
             self._run_program(self._instructions(key, seeds), binds, renames)
         if self.device.type == "cuda":
             self._note_ready(new for _, new in renames)
-
 
     def _launch(self, captured: graphs.Captured, binds: tuple, renames: tuple,
                 seeds) -> str | None:
@@ -310,10 +296,8 @@ class Programs:
                 entry[1] += nbytes
         return None
 
-
     def _rename(self, out, pairs: tuple) -> None:
         self._move(pairs, keep=False)
-
 
     def _move(self, pairs: tuple, keep: bool) -> None:
         """Each (a, b) of ``pairs``: b becomes what a is (Executor._by_id); a keeps it too if

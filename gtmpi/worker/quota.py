@@ -21,7 +21,6 @@ class Quota:
         self._execute(batch[start:])
         self._enforce_quota(limit, before)
 
-
     def _enforce_quota(self, limit: int, before: set[int]) -> None:
         """A server's client may hold at most ``limit`` bytes here: past it, what the last
         batch made (the ids not in ``before``) is dropped and poisoned with a MemoryError that
@@ -37,7 +36,6 @@ class Quota:
                       "ask for a larger quota: python -m gtmpi.server --quota-gb)")
         for i in fresh:
             self._fail(i, fault)
-
 
     def _held_bytes(self) -> int:
         """Bytes of the storages behind the tensors held here, each storage once."""
