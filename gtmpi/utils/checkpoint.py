@@ -41,9 +41,9 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool | None = None
         (contextlib.nullcontext(), contextlib.nullcontext())
     rt = runtime()
     drawn = rt.draws()
-    # the recompute runs under the forward's autocast, as torch's does (backward is usually
-    # outside the region: recomputed there as written, a float32 model's matmuls ran in
-    # float32, 7x slower on an H200 than the forward's bf16, with other activations)
+    # the recompute runs under the forward's autocast, as torch's does: backward is usually
+    # outside the region, and recomputed there as written a float32 model's matmuls ran in
+    # float32, with activations other than the forward's
     region = rt.autocast
     first = _inputs(args)
     with forward_ctx:
