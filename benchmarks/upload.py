@@ -8,7 +8,8 @@ float32 with torch's initialisation, as nanoGPT builds it, then moved to the fir
 CPU where there is none): torch by ``model.to(device)``; gtmpi by ``model.to("cuda")``, which
 places every parameter the client holds on its worker, then ``synchronize()``, so that its
 time includes every byte's arrival on the worker. Rank 0's time for each part, and the move's
-rate. A table, then one JSON line.
+rate; then every parameter gtmpi moved is read back and compared with torch's (both built from
+the same seed). A table, then one JSON line.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import gtmpi  # noqa: E402
 from examples.gpt.model import Config, build  # noqa: E402
 
 
-def timed(lib, cfg: Config, device: str) -> dict:
+def timed(lib, cfg: Config, device: str) -> tuple[dict, object]:
+    torch.manual_seed(0)  # gtmpi's held parameters draw from torch's generator: equal weights
     start = time.perf_counter()
     model = build(lib)(cfg)
     built = time.perf_counter()
@@ -37,7 +39,7 @@ def timed(lib, cfg: Config, device: str) -> dict:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     took = max(moved - built, 1e-9)
     return {"build_s": round(built - start, 2), "move_s": round(moved - built, 2),
-            "gb": round(nbytes / 1e9, 2), "gb_per_s": round(nbytes / 1e9 / took, 2)}
+            "gb": round(nbytes / 1e9, 2), "gb_per_s": round(nbytes / 1e9 / took, 2)}, model
 
 
 def main() -> None:
@@ -49,15 +51,21 @@ def main() -> None:
     cfg = Config(vocab=50304, seq=1024, layers=args.layers, heads=max(args.dim // 128, 1),
                  dim=args.dim)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = {"torch": timed(torch, cfg, device), "gtmpi": timed(gtmpi, cfg, device)}
+    theirs, peer = timed(torch, cfg, device)
+    ours, model = timed(gtmpi, cfg, device)
+    rows = {"torch": theirs, "gtmpi": ours}
+    # what arrived on the worker is what torch moved: every parameter, read back whole
+    equal = all(torch.equal(p.cpu_torch(), q.cpu()) for p, q in
+                zip(model.parameters(), peer.parameters()))
     print(f"GPT of {args.layers} blocks of {args.dim}, float32, built on the host, moved to "
           f"{device}")
     print(f"{'':<6} {'build s':>8} {'move s':>7} {'GB':>6} {'GB/s':>6}")
     for name, r in rows.items():
         print(f"{name:<6} {r['build_s']:>8.2f} {r['move_s']:>7.2f} {r['gb']:>6.2f} "
               f"{r['gb_per_s']:>6.2f}")
+    print(f"gtmpi's parameters on its worker equal torch's: {equal}")
     print(json.dumps({"benchmark": "upload", "layers": args.layers, "dim": args.dim,
-                      "device": device, **{f"{n}_{k}": v for n, r in rows.items()
+                      "device": device, "equal": equal, **{f"{n}_{k}": v for n, r in rows.items()
                                            for k, v in r.items()}}))
 
 

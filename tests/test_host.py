@@ -177,3 +177,25 @@ def test_cuda_queries_answered_by_the_workers():
     gtmpi.cuda.empty_cache()
     gtmpi.cuda.set_device(0)
     assert gtmpi.cuda.current_device() == 0
+
+
+def test_an_upload_larger_than_a_piece_travels_in_pieces_and_arrives_whole(monkeypatch):
+    """An upload of more than UPLOAD_PIECE_BYTES goes as one message a piece, which a GPU
+    worker receives into a pinned buffer it reuses, copying each to the GPU while the next
+    arrives; the value arrives whole, its bytes in order. A smaller one goes as one message."""
+    from gtmpi.client.runtime import runtime
+    from gtmpi.transport.buffers import UPLOAD_PIECE_BYTES
+    d = runtime().dispatcher
+    sent = []
+    link = d.links[d.home]
+    real = link.upload
+    monkeypatch.setattr(link, "upload", lambda data: (sent.append(data.nbytes), real(data))[1])
+    n = UPLOAD_PIECE_BYTES // 4 * 2 + 1000  # two pieces and 4,000 bytes
+    value = torch.arange(n, dtype=torch.int32)
+    big = gtmpi.tensor(value, device="cuda")
+    assert sent == [UPLOAD_PIECE_BYTES, UPLOAD_PIECE_BYTES, 4000]
+    small = gtmpi.tensor(value[:1000], device="cuda")
+    assert sent[3:] == [4000]
+    assert torch.equal(big.cpu_torch(), value) and torch.equal(small.cpu_torch(), value[:1000])
+    assert torch.equal((big[n - 1000:] - small).cpu_torch(), torch.full((1000,), n - 1000,
+                                                                        dtype=torch.int32))

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 import numpy as np
 import torch
 
-from ..transport.buffers import as_bytes
+from ..transport.buffers import as_bytes, upload_pieces
 from ..errors import Fault, ReplayError
 from ..recording.events import Flag, Kind, Lane
 from ..transport.poll import wait_for
@@ -305,7 +305,9 @@ class Dispatcher:
                               "numpy, torch or Python values): its replays would use these "
                               "values again. Make the tensor before the call and pass it in")
         data = as_bytes(host.contiguous())
-        self.links[rank].upload(data)
+        link = self.links[rank]
+        for a, b in upload_pieces(data.nbytes):
+            link.upload(data[a:b])
         if self.trace is not None:
             t = _clock()
             self.trace.event(Kind.TRANSFER, Lane.DISPATCHER, t, t, "upload", tid, rank,

@@ -3,6 +3,7 @@ stats, traces, the data plane's set-up, agreements, the monitor). A mixin of
 worker.executor.Executor, whose state it reads and writes."""
 from __future__ import annotations
 
+import math
 import resource
 import sys
 from typing import Any
@@ -14,7 +15,7 @@ from ..ops import settings
 from ..ops.table import Kind
 from ..recording import events
 from ..recording.recorder import Recorder
-from ..transport.buffers import as_bytes
+from ..transport.buffers import UPLOAD_PIECE_BYTES, as_bytes, upload_pieces
 from ..transport.tags import Tag
 from . import bounds
 
@@ -31,18 +32,39 @@ def cuda_event() -> torch.cuda.Event:
 class Control:
     def _upload(self, out: int, args: tuple) -> None:
         shape, dtype = args
-        gpu = self.device.type == "cuda"
-        # pinned, so that the copy joins the stream without waiting for it: a copy from
-        # pageable memory holds this host until the GPU has finished all it was given, and
-        # the next step's graph is launched only after it (the GPU idles meanwhile). torch's
-        # pinned-memory cache keeps the buffer until the copy is done.
-        host = torch.empty(shape, dtype=dtype, pin_memory=gpu)
-        self.link.recv_upload(as_bytes(host))
-        self.stats["bytes_received"] += host.nbytes
+        if self.device.type == "cuda" and math.prod(shape) * dtype.itemsize > UPLOAD_PIECE_BYTES:
+            value = self._upload_in_pieces(shape, dtype)
+        else:
+            # pinned, so that the copy joins the stream without waiting for it: a copy from
+            # pageable memory holds this host until the GPU has finished all it was given,
+            # and the next step's graph is launched only after it (the GPU idles meanwhile).
+            # torch's pinned-memory cache keeps the buffer until the copy is done.
+            gpu = self.device.type == "cuda"
+            host = torch.empty(shape, dtype=dtype, pin_memory=gpu)
+            buf = as_bytes(host)
+            for a, b in upload_pieces(buf.nbytes):
+                self.link.recv_upload(buf[a:b])
+            value = host if self.device.type == "cpu" else host.to(self.device, non_blocking=gpu)
+        self.stats["bytes_received"] += value.nbytes
         if self.trace is not None:
-            self.trace.annotate(nbytes=host.nbytes, peer=0)
-        self.env[out] = host if self.device.type == "cpu" else \
-            host.to(self.device, non_blocking=gpu)
+            self.trace.annotate(nbytes=value.nbytes, peer=0)
+        self.env[out] = value
+
+    def _upload_in_pieces(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A large upload received a piece at a time into two pinned buffers kept for it, each
+        piece copied to the GPU while the next one arrives."""
+        if not self.staging:
+            self.staging = [(torch.empty(UPLOAD_PIECE_BYTES, dtype=torch.uint8, pin_memory=True),
+                             torch.cuda.Event()) for _ in range(2)]
+        value = torch.empty(shape, dtype=dtype, device=self.device)
+        dst = value.view(-1).view(torch.uint8)
+        for i, (a, b) in enumerate(upload_pieces(value.nbytes)):
+            stage, copied = self.staging[i % len(self.staging)]
+            copied.synchronize()  # the piece before last has left this buffer
+            self.link.recv_upload(as_bytes(stage)[:b - a])
+            dst[a:b].copy_(stage[:b - a], non_blocking=True)
+            copied.record()
+        return value
 
     def _read(self, out, args: tuple) -> None:
         (tid,) = args

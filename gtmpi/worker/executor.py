@@ -72,6 +72,9 @@ class Executor(Programs, Control, Quota):
         # exec_ns: host time in batches; wait_ns: the part of it in reads and syncs, which wait
         # for the device; graph_input_bytes: the buffers graphs copy their inputs into;
         # graph_copies: outputs of graphs still held, copied out of a launch's way (or aside)
+        # pinned buffers a large upload passes through on its way to the GPU, and each one's
+        # event of its last copy out (worker/control.py, made at the first such upload)
+        self.staging: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._control = {"upload": self._upload, "read": self._read, "free": self._free,
                          "sync": self._sync, "stats": self._stats, "clock": self._clock,
                          "trace": self._trace, "dist_init": self._dist_init,
