@@ -96,8 +96,10 @@ def _resume_check(args, n: int, batch: int, config: str | None, ckpt: tuple, log
     whole = _gtmpi(f"whole={n}", n, batch, config, args, logs, extra=extra)
     stop = str(args.steps - 2)
     _gtmpi(f"saved={n}", n, batch, config, args, logs, extra=(*extra, *where, "--stop-at", stop))
+    # the resumed run saves nothing: a second 6.7B checkpoint beside the first fills one
+    # GPU host's disk (68.7 GB each, 2026-12-04)
     resumed = _gtmpi(f"resumed={n}", n, batch, config, args, logs,
-                     extra=(*extra, *where, "--resume"))
+                     extra=(*extra, *where, "--resume", "--save-every", "-1"))
     said = {}
     for name in ("saved", "resumed"):
         for line in open(os.path.join(logs, f"gtmpi{name}{n}{batch}.log")):

@@ -84,7 +84,8 @@ def main() -> None:
                    help="the head and loss this many rows at a time, the logits never whole "
                    "(0: all at once)")
     p.add_argument("--checkpoint", default=None, help="file to save to (and --resume from)")
-    p.add_argument("--save-every", type=int, default=0, help="0: only at the end")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="0: only at the end; -1: never (a run that only resumes from it)")
     p.add_argument("--sharded", action="store_true",
                    help="--checkpoint is a folder of every worker's own pieces")
     p.add_argument("--resume", action="store_true")
@@ -298,8 +299,8 @@ def main() -> None:
         opt.step()
         sched.step()
         pending.append((step, loss))
-        saving = args.checkpoint and ((args.save_every and (step + 1) % args.save_every == 0)
-                                      or step == end_at - 1)
+        saving = args.checkpoint and args.save_every >= 0 and (
+            (args.save_every and (step + 1) % args.save_every == 0) or step == end_at - 1)
         if len(pending) > 2 or step == end_at - 1 or saving:
             # a checkpoint holds every loss up to its step: the pending ones are read first
             while pending and (len(pending) > 2 or step == end_at - 1 or saving):
