@@ -8,11 +8,10 @@ import numpy as np
 import torch
 
 from . import host
-from .gradmode import no_grad
 from .dtypes import as_dtype
 from .generator import Generator, host_generator, worker_seed
 from .runtime import runtime
-from .tensor import Tensor, _sizes, apply, upload, with_device
+from .tensor import Tensor, _sizes, apply, constant, filled, from_data, hold, with_device
 
 
 def _grad(t: Tensor, requires_grad: bool) -> Tensor:
@@ -21,45 +20,14 @@ def _grad(t: Tensor, requires_grad: bool) -> Tensor:
 
 def tensor(data: Any, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
     """Like torch.tensor: copies ``data`` (nested lists, scalars, numpy, torch, gtmpi)."""
-    device = with_device(kw)
-    dtype = as_dtype(dtype)
-    if isinstance(data, Tensor):
-        with no_grad():
-            copy = data.clone() if dtype is None or dtype == data.dtype else data.to(dtype)
-        return _grad(copy, requires_grad)
-    if isinstance(data, torch.Tensor):
-        value = data.detach().to("cpu", dtype or data.dtype)
-    elif isinstance(data, np.ndarray):
-        value = torch.from_numpy(np.ascontiguousarray(data))
-        value = value.to(dtype) if dtype is not None else value
-    else:
-        value = torch.tensor(data, dtype=dtype)
-    return _grad(_held(value.clone(), device), requires_grad)
+    return from_data(data, dtype, requires_grad, kw)
 
 
 def from_numpy(array: np.ndarray, requires_grad: bool = False) -> Tensor:
     """torch's from_numpy (a copy, not a view of the array); GT's ``requires_grad=`` too."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"expected np.ndarray (got {type(array).__name__})")
-    return _grad(_held(torch.from_numpy(np.array(array, order="C")), None), requires_grad)
-
-
-def _held(value: torch.Tensor, device, recipe: tuple | None = None) -> Tensor:
-    """A CPU value kept by the client until a worker needs it (client/host.py), or on the
-    workers at once where it is placed now (a GPU device, a signal's scope): by its recipe,
-    else by its bytes, straight to where the signal places it."""
-    rt = runtime()
-    if host.allowed(rt, device) and not rt.dispatcher.placer.signals:
-        return Tensor.held(value, recipe)
-    return apply(*recipe) if recipe is not None else upload(value)
-
-
-def _constant(name: str, make, args: tuple, device, numel: int) -> Tensor:
-    """A small tensor of known values, held by the client with its recipe (a worker that needs
-    it runs the recipe: no bytes move); a large one made by a worker."""
-    if numel <= host.HOST_NUMEL and host.allowed(runtime(), device):
-        return _held(make(), device, (name, *args))
-    return apply(name, *args)  # not held: made by a worker, with no value computed here
+    return _grad(hold(torch.from_numpy(np.array(array, order="C")), None), requires_grad)
 
 
 def _drawn(make, name: str, args: tuple, device, generator: Any = None) -> Tensor:
@@ -69,7 +37,7 @@ def _drawn(make, name: str, args: tuple, device, generator: Any = None) -> Tenso
     rt = runtime()
     if host.allowed(rt, device) and not isinstance(generator, Generator) and \
             not host.varying(rt):
-        return _held(make(), device)
+        return hold(make(), device)
     return apply(name, *args, worker_seed(generator))
 
 
@@ -79,15 +47,11 @@ def _default(dtype) -> torch.dtype:
 
 
 def zeros(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
-    return _grad(_constant("zeros", lambda: torch.zeros(shape, dtype=dtype), (shape, dtype),
-                           device, math.prod(shape)), requires_grad)
+    return filled("zeros", size, _default(dtype), requires_grad, kw)
 
 
 def ones(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
-    return _grad(_constant("ones", lambda: torch.ones(shape, dtype=dtype), (shape, dtype),
-                           device, math.prod(shape)), requires_grad)
+    return filled("ones", size, _default(dtype), requires_grad, kw)
 
 
 def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
@@ -106,9 +70,7 @@ def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
 
 
 def full(size, fill_value, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
-    device, shape, dtype = with_device(kw), _sizes((size,)), as_dtype(dtype)
-    return _grad(_constant("full", lambda: torch.full(shape, fill_value, dtype=dtype),
-                           (shape, fill_value, dtype), device, math.prod(shape)), requires_grad)
+    return filled("full", (size,), as_dtype(dtype), requires_grad, kw, fill_value)
 
 
 def arange(start, end=None, step=1, dtype=None, requires_grad: bool = False,
@@ -117,14 +79,14 @@ def arange(start, end=None, step=1, dtype=None, requires_grad: bool = False,
     if end is None:
         start, end = 0, start
     count = max(0, math.ceil((end - start) / step)) if step else 0
-    return _grad(_constant("arange", lambda: torch.arange(start, end, step, dtype=dtype),
+    return _grad(constant("arange", lambda: torch.arange(start, end, step, dtype=dtype),
                            (start, end, step, dtype), device, count), requires_grad)
 
 
 def eye(n: int, m: int | None = None, dtype=None, requires_grad: bool = False,
         **kw: Any) -> Tensor:
     device, dtype, m = with_device(kw), _default(dtype), n if m is None else m
-    return _grad(_constant("eye", lambda: torch.eye(n, m, dtype=dtype), (n, m, dtype), device,
+    return _grad(constant("eye", lambda: torch.eye(n, m, dtype=dtype), (n, m, dtype), device,
                            n * m), requires_grad)
 
 
@@ -163,7 +125,7 @@ def linspace(start, end, steps: int, dtype=None, requires_grad: bool = False,
              **kw: Any) -> Tensor:
     """Made on the host: a constant of a few numbers, as torch.linspace makes it."""
     device = with_device(kw)
-    return _grad(_held(torch.linspace(start, end, steps, dtype=_default(dtype)), device),
+    return _grad(hold(torch.linspace(start, end, steps, dtype=_default(dtype)), device),
                  requires_grad)
 
 

@@ -497,24 +497,22 @@ class Tensor:
     def reshape_as(self, other: Tensor) -> Tensor:
         return self.reshape(other.shape)
 
-    def new_zeros(self, *size, dtype=None, **kw) -> Tensor:
-        from .creation import zeros
-        return zeros(*size, dtype=dtype or self.dtype, **kw)
+    def new_zeros(self, *size, dtype=None, requires_grad: bool = False, **kw) -> Tensor:
+        return filled("zeros", size, as_dtype(dtype) or self.dtype, requires_grad, kw)
 
-    def new_ones(self, *size, dtype=None, **kw) -> Tensor:
-        from .creation import ones
-        return ones(*size, dtype=dtype or self.dtype, **kw)
+    def new_ones(self, *size, dtype=None, requires_grad: bool = False, **kw) -> Tensor:
+        return filled("ones", size, as_dtype(dtype) or self.dtype, requires_grad, kw)
 
-    def new_full(self, size, fill_value, dtype=None, **kw) -> Tensor:
-        from .creation import full
-        return full(size, fill_value, dtype=dtype or self.dtype, **kw)
+    def new_full(self, size, fill_value, dtype=None, requires_grad: bool = False,
+                 **kw) -> Tensor:
+        return filled("full", (size,), as_dtype(dtype) or self.dtype, requires_grad, kw,
+                      fill_value)
 
     def new_empty(self, *size, dtype=None, **kw) -> Tensor:
         return self.new_zeros(*size, dtype=dtype, **kw)
 
-    def new_tensor(self, data: Any, dtype=None, **kw) -> Tensor:
-        from .creation import tensor
-        return tensor(data, dtype=dtype or self.dtype, **kw)
+    def new_tensor(self, data: Any, dtype=None, requires_grad: bool = False, **kw) -> Tensor:
+        return from_data(data, as_dtype(dtype) or self.dtype, requires_grad, kw)
 
     def type(self, dtype: Any) -> Tensor:
         return self.to(dtype)
@@ -848,11 +846,57 @@ _RECORDED = frozenset(FUSED_FNS)
 def _operand(a) -> Any:
     """Numpy arrays and torch tensors become gtmpi tensors; numpy scalars Python scalars."""
     if isinstance(a, (np.ndarray, torch.Tensor)):
-        from .creation import tensor
-        return tensor(a)
+        return from_data(a, None, False, {})
     if isinstance(a, numbers.Number):
         return a.item() if hasattr(a, "item") else a
     return a
+
+
+def hold(value: torch.Tensor, device, recipe: tuple | None = None) -> Tensor:
+    """A CPU value kept by the client until a worker needs it (client/host.py), or on the
+    workers at once where it is placed now (a GPU device, a signal's scope): by its recipe,
+    else by its bytes, straight to where the signal places it."""
+    rt = runtime()
+    if host.allowed(rt, device) and not rt.dispatcher.placer.signals:
+        return Tensor.held(value, recipe)
+    return apply(*recipe) if recipe is not None else upload(value)
+
+
+def constant(name: str, make, args: tuple, device, numel: int) -> Tensor:
+    """A small tensor of known values, held by the client with its recipe (a worker that needs
+    it runs the recipe: no bytes move); a large one made by a worker."""
+    if numel <= host.HOST_NUMEL and host.allowed(runtime(), device):
+        return hold(make(), device, (name, *args))
+    return apply(name, *args)  # not held: made by a worker, with no value computed here
+
+
+def filled(name: str, size: tuple, dtype: torch.dtype | None, requires_grad: bool, kw: dict,
+           *values: Any) -> Tensor:
+    """torch's zeros, ones or full (``values``: its fill value) of ``size``, on the device
+    ``kw`` names."""
+    device, shape = with_device(kw), _sizes(size)
+    t = constant(name, lambda: getattr(torch, name)(shape, *values, dtype=dtype),
+                 (shape, *values, dtype), device, math.prod(shape))
+    return t.requires_grad_() if requires_grad else t
+
+
+def from_data(data: Any, dtype: Any, requires_grad: bool, kw: dict) -> Tensor:
+    """torch.tensor's copy of ``data`` (nested lists, scalars, numpy, torch, gtmpi)."""
+    device = with_device(kw)
+    dtype = as_dtype(dtype)
+    if isinstance(data, Tensor):
+        with gradmode.no_grad():
+            t = data.clone() if dtype is None or dtype == data.dtype else data.to(dtype)
+    else:
+        if isinstance(data, torch.Tensor):
+            value = data.detach().to("cpu", dtype or data.dtype)
+        elif isinstance(data, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(data))
+            value = value.to(dtype) if dtype is not None else value
+        else:
+            value = torch.tensor(data, dtype=dtype)
+        t = hold(value.clone(), device)
+    return t.requires_grad_() if requires_grad else t
 
 
 def _sizes(args: tuple) -> tuple:
