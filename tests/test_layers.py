@@ -103,3 +103,32 @@ def test_autograd_sits_over_the_client_and_not_beside_it():
              for path in sorted((PACKAGE / "client").glob("*.py"))
              for target, line in _imports(path) if target.startswith("gtmpi.autograd")]
     assert not wrong, wrong
+
+
+def test_no_import_circle_among_gtmpi_modules():
+    """No module reaches itself through what it imports, lazy imports included: client/tensor
+    makes tensors from values itself rather than through client/creation, which builds on it."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        graph[".".join(p for p in rel.parts if p != "__init__")] = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(p for p in rel.parts if p != "__init__")
+        for target, _ in _imports(path):
+            # 'from .x import y' names y in x: a module of x's package, or a name x defines
+            module = target if target in graph else target.rsplit(".", 1)[0]
+            if module in graph and module != name and module != "gtmpi":
+                graph[name].add(module)
+    circles = []
+    for start in sorted(graph):
+        todo, seen = list(graph[start]), set()
+        while todo:
+            name = todo.pop()
+            if name == start:
+                circles.append(start)
+                break
+            if name not in seen:
+                seen.add(name)
+                todo += graph[name]
+    assert not circles, circles
