@@ -10,6 +10,7 @@ import builtins as _builtins
 import difflib as _difflib
 import sys as _sys
 import warnings as _warnings
+from typing import Any
 
 import torch as _torch
 
@@ -59,7 +60,7 @@ gpu_workers = workers
 Tensor.__torch_function__ = _torch_function(_sys.modules[__name__], nn.functional)
 
 
-def compile(model=None, **options):
+def compile(model: Any = None, **options: Any) -> Any:
     """torch.compile's place: a function (a training step) becomes gtmpi.replayable, recorded
     once and replayed by the workers, as CUDA graphs on GPUs. A Module is returned as it is,
     with a warning: its forward alone cannot be replayed (the backward runs outside it);

@@ -132,3 +132,23 @@ def test_no_import_circle_among_gtmpi_modules():
                 seen.add(name)
                 todo += graph[name]
     assert not circles, circles
+
+
+def test_every_public_function_has_type_hints():
+    """Module-level functions and public classes' methods not named with a leading underscore
+    annotate every argument and their result."""
+    bare = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        fns += [f for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
+                for f in c.body if isinstance(f, ast.FunctionDef)]
+        for f in fns:
+            a = f.args
+            args = [x for x in a.posonlyargs + a.args + a.kwonlyargs
+                    if x.arg not in ("self", "cls")]
+            args += [x for x in (a.vararg, a.kwarg) if x is not None]
+            if not f.name.startswith("_") and (f.returns is None or
+                                               any(x.annotation is None for x in args)):
+                bare.append(f"{path.relative_to(PACKAGE.parent)}:{f.lineno} {f.name}")
+    assert not bare, "\n".join(bare)

@@ -12,6 +12,8 @@ import weakref
 from contextlib import nullcontext
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from ..client.creation import ones_like, tensor, zeros_like
 from ..client.gradmode import Autograd, no_grad, set_autograd
 from ..client.runtime import current, runtime
@@ -59,11 +61,11 @@ class Ghost:
         self._node, self._slot = t._node, t._slot
 
     @property
-    def shape(self):
+    def shape(self) -> torch.Size:
         return self._sig[0]
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         return self._sig[1]
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..client.creation import zeros
 from ..client.functions import cat, where
@@ -49,7 +49,7 @@ def kept(op: str, n: int) -> tuple[frozenset[int] | range, bool]:
     return frozenset(range(n)[keep] if isinstance(keep, slice) else keep), uses_output
 
 
-def rule(*names: str):
+def rule(*names: str) -> Callable[[Rule], Rule]:
     def register(fn: Rule) -> Rule:
         for name in names:
             GRADS[name] = fn
@@ -57,7 +57,7 @@ def rule(*names: str):
     return register
 
 
-def sum_to(g: Tensor, shape) -> Tensor:
+def sum_to(g: Tensor, shape: Sequence[int]) -> Tensor:
     """Undo broadcasting: sum g over the dims that broadcasting added or stretched."""
     lead = g.ndim - len(shape)
     if lead:

@@ -2,7 +2,7 @@
 what the engine walks (engine.py)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 
 # backward names of torch's where they are not the op's own name in CamelCase
@@ -47,7 +47,7 @@ class Node:
     def __repr__(self) -> str:
         return f"<{self.name()} object at {id(self):#x}>"
 
-    def parents(self):
+    def parents(self) -> Iterator[Node]:
         for a in self.operands:
             node = getattr(a, "_node", None)
             if node is not None:

@@ -2,23 +2,26 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Sequence, Union
 
 import numpy as np
 import torch
 
 from . import host
-from .dtypes import as_dtype
+from .dtypes import DTypeLike, as_dtype
 from .generator import Generator, host_generator, worker_seed
 from .runtime import runtime
 from .tensor import Tensor, _sizes, apply, constant, filled, from_data, hold, with_device
+
+Drawer = Union[Generator, torch.Generator, None]  # what random draws take as generator=
 
 
 def _grad(t: Tensor, requires_grad: bool) -> Tensor:
     return t.requires_grad_() if requires_grad else t
 
 
-def tensor(data: Any, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+def tensor(data: Any, dtype: DTypeLike = None, requires_grad: bool = False, **kw: Any) -> Tensor:
     """Like torch.tensor: copies ``data`` (nested lists, scalars, numpy, torch, gtmpi)."""
     return from_data(data, dtype, requires_grad, kw)
 
@@ -46,15 +49,15 @@ def _default(dtype) -> torch.dtype:
     return torch.get_default_dtype() if dtype is None else dtype
 
 
-def zeros(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+def zeros(*size: int, dtype: DTypeLike = None, requires_grad: bool = False, **kw: Any) -> Tensor:
     return filled("zeros", size, _default(dtype), requires_grad, kw)
 
 
-def ones(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+def ones(*size: int, dtype: DTypeLike = None, requires_grad: bool = False, **kw: Any) -> Tensor:
     return filled("ones", size, _default(dtype), requires_grad, kw)
 
 
-def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+def empty(*size: int, dtype: DTypeLike = None, requires_grad: bool = False, **kw: Any) -> Tensor:
     """Zero-filled: a worker never hands out uninitialised memory. Held by the client at any
     size where torch would make it on the CPU, inside a signal's scope too: a parameter's
     storage, which torch's init functions then fill with torch's numbers (nn.Linear,
@@ -69,41 +72,44 @@ def empty(*size, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
     return zeros(shape, dtype=dtype, requires_grad=requires_grad, device=device)
 
 
-def full(size, fill_value, dtype=None, requires_grad: bool = False, **kw: Any) -> Tensor:
+def full(size: Sequence[int], fill_value: float, dtype: DTypeLike = None,
+         requires_grad: bool = False, **kw: Any) -> Tensor:
     return filled("full", (size,), as_dtype(dtype), requires_grad, kw, fill_value)
 
 
-def arange(start, end=None, step=1, dtype=None, requires_grad: bool = False,
-           **kw: Any) -> Tensor:
+def arange(start: float, end: float | None = None, step: float = 1, dtype: DTypeLike = None,
+           requires_grad: bool = False, **kw: Any) -> Tensor:
     device, dtype = with_device(kw), as_dtype(dtype)
     if end is None:
         start, end = 0, start
     count = max(0, math.ceil((end - start) / step)) if step else 0
     return _grad(constant("arange", lambda: torch.arange(start, end, step, dtype=dtype),
-                           (start, end, step, dtype), device, count), requires_grad)
+                          (start, end, step, dtype), device, count), requires_grad)
 
 
-def eye(n: int, m: int | None = None, dtype=None, requires_grad: bool = False,
+def eye(n: int, m: int | None = None, dtype: DTypeLike = None, requires_grad: bool = False,
         **kw: Any) -> Tensor:
     device, dtype, m = with_device(kw), _default(dtype), n if m is None else m
     return _grad(constant("eye", lambda: torch.eye(n, m, dtype=dtype), (n, m, dtype), device,
-                           n * m), requires_grad)
+                          n * m), requires_grad)
 
 
-def randn(*size, dtype=None, requires_grad: bool = False, generator=None, **kw: Any) -> Tensor:
+def randn(*size: int, dtype: DTypeLike = None, requires_grad: bool = False,
+          generator: Drawer = None, **kw: Any) -> Tensor:
     device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
     return _grad(_drawn(lambda: torch.randn(shape, dtype=dtype, generator=host_generator(
         generator)), "randn", (shape, dtype), device, generator), requires_grad)
 
 
-def rand(*size, dtype=None, requires_grad: bool = False, generator=None, **kw: Any) -> Tensor:
+def rand(*size: int, dtype: DTypeLike = None, requires_grad: bool = False,
+         generator: Drawer = None, **kw: Any) -> Tensor:
     device, shape, dtype = with_device(kw), _sizes(size), _default(dtype)
     return _grad(_drawn(lambda: torch.rand(shape, dtype=dtype, generator=host_generator(
         generator)), "rand", (shape, dtype), device, generator), requires_grad)
 
 
-def randint(low: int, high: int | None = None, size=None, dtype=None, generator=None,
-            **kw: Any) -> Tensor:
+def randint(low: int, high: int | None = None, size: Sequence[int] | None = None,
+            dtype: DTypeLike = None, generator: Drawer = None, **kw: Any) -> Tensor:
     """torch.randint(high, size) or (low, high, size); int64 unless told."""
     device = with_device(kw)
     if size is None:
@@ -114,15 +120,16 @@ def randint(low: int, high: int | None = None, size=None, dtype=None, generator=
                   "randint", (low, high, shape, dtype), device, generator)
 
 
-def randperm(n: int, dtype=None, generator=None, **kw: Any) -> Tensor:
+def randperm(n: int, dtype: DTypeLike = None, generator: Drawer = None,
+             **kw: Any) -> Tensor:
     """A random permutation of 0..n-1 (int64 unless told)."""
     device, dtype = with_device(kw), as_dtype(dtype) or torch.int64
     return _drawn(lambda: torch.randperm(int(n), dtype=dtype, generator=host_generator(generator)),
                   "randperm", (int(n), dtype), device, generator)
 
 
-def linspace(start, end, steps: int, dtype=None, requires_grad: bool = False,
-             **kw: Any) -> Tensor:
+def linspace(start: float, end: float, steps: int, dtype: DTypeLike = None,
+             requires_grad: bool = False, **kw: Any) -> Tensor:
     """Made on the host: a constant of a few numbers, as torch.linspace makes it."""
     device = with_device(kw)
     return _grad(hold(torch.linspace(start, end, steps, dtype=_default(dtype)), device),
@@ -130,7 +137,7 @@ def linspace(start, end, steps: int, dtype=None, requires_grad: bool = False,
 
 
 def multinomial(probs: Tensor, num_samples: int, replacement: bool = False, *,
-                generator=None) -> Tensor:
+                generator: Drawer = None) -> Tensor:
     """Drawn where ``probs`` lives: from torch's CPU generator (or ``generator``) for
     probabilities the client holds, else by the worker, seeded per op (or by ``generator``)."""
     if probs._host is not None and host.allowed(runtime()) and not isinstance(generator, Generator):
@@ -158,31 +165,31 @@ def _like(fn: str, t: Any, dtype, kw: dict, name: str, *args: Any) -> Tensor:
         return apply(name, tuple(t.shape), *args, dtype, *seed)
 
 
-def zeros_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+def zeros_like(t: Tensor, dtype: DTypeLike = None, **kw: Any) -> Tensor:
     return _like("zeros_like", t, dtype, kw, "zeros")
 
 
-def ones_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+def ones_like(t: Tensor, dtype: DTypeLike = None, **kw: Any) -> Tensor:
     return _like("ones_like", t, dtype, kw, "ones")
 
 
-def empty_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+def empty_like(t: Tensor, dtype: DTypeLike = None, **kw: Any) -> Tensor:
     return zeros_like(t, dtype, **kw)
 
 
-def full_like(t: Tensor, fill_value, dtype=None, **kw: Any) -> Tensor:
+def full_like(t: Tensor, fill_value: float, dtype: DTypeLike = None, **kw: Any) -> Tensor:
     return _like("full_like", t, dtype, kw, "full", fill_value)
 
 
-def randn_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+def randn_like(t: Tensor, dtype: DTypeLike = None, **kw: Any) -> Tensor:
     return _like("randn_like", t, dtype, kw, "randn")
 
 
-def rand_like(t: Tensor, dtype=None, **kw: Any) -> Tensor:
+def rand_like(t: Tensor, dtype: DTypeLike = None, **kw: Any) -> Tensor:
     return _like("rand_like", t, dtype, kw, "rand")
 
 
-def beside(t: Tensor):
+def beside(t: Tensor) -> AbstractContextManager:
     """Tensors made inside are laid out like t."""
     return runtime().dispatcher.placer.beside(t.id)
 

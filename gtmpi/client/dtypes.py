@@ -1,7 +1,7 @@
 """gtmpi's dtypes are torch's; numpy dtypes, Python types and names are accepted too."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -12,6 +12,10 @@ int8, int16, uint8 = torch.int8, torch.int16, torch.uint8
 half, double, long = torch.float16, torch.float64, torch.int64
 
 _PY = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+# what the API's dtype= takes: a torch dtype, a numpy one, a Python type or a name ('float32')
+DTypeLike = Union[torch.dtype, np.dtype, type, str, None]
 
 
 def as_dtype(d: Any) -> torch.dtype | None:

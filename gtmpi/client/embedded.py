@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import traceback
+from types import TracebackType
 
 import torch
 
@@ -72,7 +73,7 @@ def _quiet_interrupt(previous):
     return hook
 
 
-def stop_line(kind: type, tb) -> str:
+def stop_line(kind: type, tb: TracebackType | None) -> str:
     """The one line that says a stop request ended the program (Ctrl-C, SIGTERM), or ''."""
     if issubclass(kind, KeyboardInterrupt):
         return f"gtmpi: interrupted (Ctrl-C){user_line(tb)}"
@@ -116,7 +117,7 @@ def _outside_finalisers(handler):
     return deliver
 
 
-def user_line(tb) -> str:
+def user_line(tb: TracebackType | None) -> str:
     """' at file:line' of the program's innermost frame, if any: outside gtmpi, the libraries
     it runs on (Python's own, installed packages) and generated code."""
     where = ""

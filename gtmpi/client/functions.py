@@ -1,11 +1,11 @@
 """torch-style free functions (gtmpi.exp(x), gtmpi.cat([...]), ...), all through tensor.apply."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from .tensor import Tensor, apply
+from .tensor import Dims, MinMax, Operand, Sort, Tensor, TopK, apply
 
 
 def _unary(name: str):
@@ -32,26 +32,26 @@ def log_softmax(x: Tensor, dim: int) -> Tensor:
     return apply("log_softmax", x, dim)
 
 
-def matmul(a, b) -> Tensor:
+def matmul(a: Operand, b: Operand) -> Tensor:
     return apply("matmul", a, b)
 
 
-def where(condition, x, y) -> Tensor:
+def where(condition: Operand, x: Operand, y: Operand) -> Tensor:
     return apply("where", condition, x, y)
 
 
-def clamp(x: Tensor, min=None, max=None) -> Tensor:
+def clamp(x: Tensor, min: Operand | None = None, max: Operand | None = None) -> Tensor:
     return apply("clamp", x, min, max)
 
 
 clip = clamp
 
 
-def maximum(a, b) -> Tensor:
+def maximum(a: Operand, b: Operand) -> Tensor:
     return apply("maximum", a, b)
 
 
-def minimum(a, b) -> Tensor:
+def minimum(a: Operand, b: Operand) -> Tensor:
     return apply("minimum", a, b)
 
 
@@ -67,7 +67,8 @@ def stack(tensors: Sequence[Tensor], dim: int = 0, *, axis: int | None = None) -
     return apply("stack", *tensors, dim=dim if axis is None else axis)
 
 
-def split(x: Tensor, split_size_or_sections=None, dim: int = 0, **gt) -> tuple[Tensor, ...]:
+def split(x: Tensor, split_size_or_sections: int | Sequence[int] | None = None, dim: int = 0,
+          **gt: Any) -> tuple[Tensor, ...]:
     return x.split(split_size_or_sections, dim, **gt)
 
 
@@ -75,7 +76,7 @@ def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
     return x.chunk(chunks, dim)
 
 
-def reshape(x: Tensor, shape) -> Tensor:
+def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
     return x.reshape(shape)
 
 
@@ -83,11 +84,11 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
     return x.transpose(dim0, dim1)
 
 
-def permute(x: Tensor, dims) -> Tensor:
+def permute(x: Tensor, dims: Sequence[int]) -> Tensor:
     return x.permute(dims)
 
 
-def squeeze(x: Tensor, dim=None) -> Tensor:
+def squeeze(x: Tensor, dim: Dims = None) -> Tensor:
     return x.squeeze(dim)
 
 
@@ -99,35 +100,37 @@ def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     return x.flatten(start_dim, end_dim)
 
 
-def sum(x: Tensor, dim=None, keepdim: bool = False, **kw) -> Tensor:
+def sum(x: Tensor, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
     return x.sum(dim, keepdim, **kw)
 
 
-def mean(x: Tensor, dim=None, keepdim: bool = False, **kw) -> Tensor:
+def mean(x: Tensor, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
     return x.mean(dim, keepdim, **kw)
 
 
-def max(x: Tensor, dim=None, keepdim: bool = False, **kw):
+def max(x: Tensor, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor | MinMax:
     return x.max(dim, keepdim, **kw)
 
 
-def min(x: Tensor, dim=None, keepdim: bool = False, **kw):
+def min(x: Tensor, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor | MinMax:
     return x.min(dim, keepdim, **kw)
 
 
-def argmax(x: Tensor, dim=None, keepdim: bool = False, **kw) -> Tensor:
+def argmax(x: Tensor, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
     return x.argmax(dim, keepdim, **kw)
 
 
-def argmin(x: Tensor, dim=None, keepdim: bool = False, **kw) -> Tensor:
+def argmin(x: Tensor, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
     return x.argmin(dim, keepdim, **kw)
 
 
-def var(x: Tensor, dim=None, unbiased=None, keepdim: bool = False, **kw) -> Tensor:
+def var(x: Tensor, dim: Dims = None, unbiased: bool | None = None, keepdim: bool = False,
+        **kw: Any) -> Tensor:
     return x.var(dim, unbiased, keepdim, **kw)
 
 
-def std(x: Tensor, dim=None, unbiased=None, keepdim: bool = False, **kw) -> Tensor:
+def std(x: Tensor, dim: Dims = None, unbiased: bool | None = None, keepdim: bool = False,
+        **kw: Any) -> Tensor:
     return x.std(dim, unbiased, keepdim, **kw)
 
 
@@ -137,15 +140,15 @@ reciprocal, square, logical_not = _unary("reciprocal"), _unary("square"), _unary
 isnan, isinf, isfinite = _unary("isnan"), _unary("isinf"), _unary("isfinite")
 
 
-def logical_and(a, b) -> Tensor:
+def logical_and(a: Operand, b: Operand) -> Tensor:
     return apply("logical_and", a, b)
 
 
-def logical_or(a, b) -> Tensor:
+def logical_or(a: Operand, b: Operand) -> Tensor:
     return apply("logical_or", a, b)
 
 
-def masked_fill(x: Tensor, mask, value) -> Tensor:
+def masked_fill(x: Tensor, mask: Operand, value: Operand) -> Tensor:
     return x.masked_fill(mask, value)
 
 
@@ -170,7 +173,7 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
     return apply("matmul", a, b)
 
 
-def einsum(equation: str, *operands) -> Tensor:
+def einsum(equation: str, *operands: Tensor | Sequence[Tensor]) -> Tensor:
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     return apply("einsum", *operands, equation=equation)
@@ -184,11 +187,11 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
     return x.index_select(dim, index)
 
 
-def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> TopK:
     return x.topk(k, dim, largest, sorted)
 
 
-def sort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False):
+def sort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False) -> Sort:
     return x.sort(dim, descending, stable)
 
 
@@ -200,11 +203,11 @@ def prod(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
     return x.prod(dim, keepdim)
 
 
-def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
+def logsumexp(x: Tensor, dim: Dims, keepdim: bool = False) -> Tensor:
     return x.logsumexp(dim, keepdim)
 
 
-def norm(x: Tensor, p="fro", dim=None, keepdim: bool = False) -> Tensor:
+def norm(x: Tensor, p: float | str = "fro", dim: Dims = None, keepdim: bool = False) -> Tensor:
     return x.norm(p, dim, keepdim)
 
 
@@ -216,11 +219,11 @@ def all(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
     return x.all(dim, keepdim)
 
 
-def flip(x: Tensor, dims) -> Tensor:
+def flip(x: Tensor, dims: Sequence[int]) -> Tensor:
     return x.flip(dims)
 
 
-def roll(x: Tensor, shifts, dims=None) -> Tensor:
+def roll(x: Tensor, shifts: int | Sequence[int], dims: Dims = None) -> Tensor:
     return x.roll(shifts, dims)
 
 
@@ -228,12 +231,13 @@ def unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
     return x.unbind(dim)
 
 
-def allclose(a, b, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> bool:
+def allclose(a: Operand, b: Operand, rtol: float = 1e-5, atol: float = 1e-8,
+             equal_nan: bool = False) -> bool:
     """A read of both: the answer is a Python bool, as in torch."""
     return torch.allclose(_host(a), _host(b), rtol, atol, equal_nan)
 
 
-def equal(a, b) -> bool:
+def equal(a: Operand, b: Operand) -> bool:
     return torch.equal(_host(a), _host(b))
 
 
@@ -241,16 +245,17 @@ def _host(x) -> torch.Tensor:
     return x.cpu_torch() if isinstance(x, Tensor) else torch.as_tensor(x)
 
 
-def is_tensor(x) -> bool:
+def is_tensor(x: Any) -> bool:
     return isinstance(x, Tensor)
 
 
-def addmm(input, mat1: Tensor, mat2: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
+def addmm(input: Operand, mat1: Tensor, mat2: Tensor, *, beta: float = 1,
+          alpha: float = 1) -> Tensor:
     """beta * input + alpha * (mat1 @ mat2), composed: each part keeps its own gradient."""
     return _scaled_sum(input, mm(mat1, mat2), beta, alpha)
 
 
-def baddbmm(input, batch1: Tensor, batch2: Tensor, *, beta: float = 1,
+def baddbmm(input: Operand, batch1: Tensor, batch2: Tensor, *, beta: float = 1,
             alpha: float = 1) -> Tensor:
     return _scaled_sum(input, bmm(batch1, batch2), beta, alpha)
 
@@ -259,7 +264,7 @@ def _scaled_sum(input, product: Tensor, beta: float, alpha: float) -> Tensor:
     return (input if beta == 1 else input * beta) + (product if alpha == 1 else product * alpha)
 
 
-def scatter(x: Tensor, dim: int, index: Tensor, src) -> Tensor:
+def scatter(x: Tensor, dim: int, index: Tensor, src: Operand) -> Tensor:
     return x.scatter(dim, index, src)
 
 

@@ -12,7 +12,7 @@ import operator
 import time
 from collections import namedtuple
 from contextlib import ExitStack
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from ..ops.table import FUSED_FNS
 from ..ops.shapes import RESTRIDING, SCALARS, VIEWS, signature_key, view_strides
 from ..transport.buffers import NUMPY_DTYPES
 from ..placement.types import Placement
-from .dtypes import as_dtype
+from .dtypes import DTypeLike, as_dtype
 from . import gradmode, host
 from .generator import Generator, worker_seed
 from .runtime import current, runtime
@@ -33,6 +33,7 @@ Sort = namedtuple("Sort", ["values", "indices"])
 _clock = time.perf_counter_ns
 _CPU = torch.device("cpu")
 Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
+Dims = Union[int, Sequence[int], None]  # one dim, several, or all
 
 
 class Tensor:
@@ -331,8 +332,8 @@ class Tensor:
     def tanh(self) -> Tensor: return apply("tanh", self)
     def sigmoid(self) -> Tensor: return apply("sigmoid", self)
     def relu(self) -> Tensor: return apply("relu", self)
-    def softmax(self, dim: int): return apply("softmax", self, dim)
-    def log_softmax(self, dim: int): return apply("log_softmax", self, dim)
+    def softmax(self, dim: int) -> Tensor: return apply("softmax", self, dim)
+    def log_softmax(self, dim: int) -> Tensor: return apply("log_softmax", self, dim)
 
     def clamp(self, min: Operand | None = None, max: Operand | None = None) -> Tensor:
         return apply("clamp", self, min, max)
@@ -373,18 +374,18 @@ class Tensor:
     def any(self, dim: int | None = None, keepdim: bool = False) -> Tensor: return apply("any", self, dim, keepdim)
     def all(self, dim: int | None = None, keepdim: bool = False) -> Tensor: return apply("all", self, dim, keepdim)
 
-    def logsumexp(self, dim, keepdim: bool = False) -> Tensor:
+    def logsumexp(self, dim: Dims, keepdim: bool = False) -> Tensor:
         return apply("logsumexp", self, _dims(dim), keepdim)
 
-    def norm(self, p: float | str = "fro", dim=None, keepdim: bool = False) -> Tensor:
+    def norm(self, p: float | str = "fro", dim: Dims = None, keepdim: bool = False) -> Tensor:
         """The vector 2-norm ("fro" over all elements is the same), or any p-norm."""
         p = 2 if p in ("fro", None) else float("inf") if p == "inf" else p
         return apply("vector_norm", self, _dims(dim), keepdim, p)
 
-    def topk(self, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    def topk(self, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> TopK:
         return TopK(*apply("topk", self, dim, k, largest, sorted))
 
-    def sort(self, dim: int = -1, descending: bool = False, stable: bool = False):
+    def sort(self, dim: int = -1, descending: bool = False, stable: bool = False) -> Sort:
         return Sort(*apply("sort", self, dim, descending, stable))
 
     def gather(self, dim: int, index: Tensor) -> Tensor: return apply("gather", self, dim, index)
@@ -393,9 +394,10 @@ class Tensor:
     def index_select(self, dim: int, index: Tensor) -> Tensor: return apply("index_select", self, dim, index)
     def tril(self, diagonal: int = 0) -> Tensor: return apply("tril", self, diagonal)
     def triu(self, diagonal: int = 0) -> Tensor: return apply("triu", self, diagonal)
-    def repeat(self, *sizes) -> Tensor: return apply("repeat", self, _sizes(sizes))
-    def flip(self, *dims) -> Tensor: return apply("flip", self, _sizes(dims))
-    def roll(self, shifts, dims=None) -> Tensor: return apply("roll", self, shifts, dims)
+    def repeat(self, *sizes: int) -> Tensor: return apply("repeat", self, _sizes(sizes))
+    def flip(self, *dims: int) -> Tensor: return apply("flip", self, _sizes(dims))
+    def roll(self, shifts: int | Sequence[int], dims: Dims = None) -> Tensor:
+        return apply("roll", self, shifts, dims)
 
     def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
         return tuple(self.select(dim, i) for i in range(self.shape[dim]))
@@ -497,21 +499,24 @@ class Tensor:
     def reshape_as(self, other: Tensor) -> Tensor:
         return self.reshape(other.shape)
 
-    def new_zeros(self, *size, dtype=None, requires_grad: bool = False, **kw) -> Tensor:
+    def new_zeros(self, *size: int, dtype: DTypeLike = None, requires_grad: bool = False,
+                  **kw: Any) -> Tensor:
         return filled("zeros", size, as_dtype(dtype) or self.dtype, requires_grad, kw)
 
-    def new_ones(self, *size, dtype=None, requires_grad: bool = False, **kw) -> Tensor:
+    def new_ones(self, *size: int, dtype: DTypeLike = None, requires_grad: bool = False,
+                 **kw: Any) -> Tensor:
         return filled("ones", size, as_dtype(dtype) or self.dtype, requires_grad, kw)
 
-    def new_full(self, size, fill_value, dtype=None, requires_grad: bool = False,
-                 **kw) -> Tensor:
+    def new_full(self, size: Sequence[int], fill_value: float, dtype: DTypeLike = None,
+                 requires_grad: bool = False, **kw: Any) -> Tensor:
         return filled("full", (size,), as_dtype(dtype) or self.dtype, requires_grad, kw,
                       fill_value)
 
-    def new_empty(self, *size, dtype=None, **kw) -> Tensor:
+    def new_empty(self, *size: int, dtype: DTypeLike = None, **kw: Any) -> Tensor:
         return self.new_zeros(*size, dtype=dtype, **kw)
 
-    def new_tensor(self, data: Any, dtype=None, requires_grad: bool = False, **kw) -> Tensor:
+    def new_tensor(self, data: Any, dtype: DTypeLike = None, requires_grad: bool = False,
+                   **kw: Any) -> Tensor:
         return from_data(data, as_dtype(dtype) or self.dtype, requires_grad, kw)
 
     def type(self, dtype: Any) -> Tensor:
@@ -527,35 +532,42 @@ class Tensor:
 
     # reductions: torch's dim/keepdim and GT's axis/keepdims -----------------------------------
 
-    def sum(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("sum", self, dim, keepdim, kw)
-    def mean(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("mean", self, dim, keepdim, kw)
-    def argmax(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("argmax", self, dim, keepdim, kw)
-    def argmin(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("argmin", self, dim, keepdim, kw)
+    def sum(self, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
+        return _reduce("sum", self, dim, keepdim, kw)
+    def mean(self, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
+        return _reduce("mean", self, dim, keepdim, kw)
+    def argmax(self, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
+        return _reduce("argmax", self, dim, keepdim, kw)
+    def argmin(self, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
+        return _reduce("argmin", self, dim, keepdim, kw)
 
-    def max(self, dim=None, keepdim: bool = False, **kw) -> Tensor | MinMax:
+    def max(self, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor | MinMax:
         return _extreme("max", self, dim, keepdim, kw)
 
-    def min(self, dim=None, keepdim: bool = False, **kw) -> Tensor | MinMax:
+    def min(self, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor | MinMax:
         return _extreme("min", self, dim, keepdim, kw)
 
-    def amax(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("amax", self, dim, keepdim, kw)
-    def amin(self, dim=None, keepdim=False, **kw) -> Tensor: return _reduce("amin", self, dim, keepdim, kw)
+    def amax(self, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
+        return _reduce("amax", self, dim, keepdim, kw)
+    def amin(self, dim: Dims = None, keepdim: bool = False, **kw: Any) -> Tensor:
+        return _reduce("amin", self, dim, keepdim, kw)
 
-    def var(self, dim=None, unbiased: bool | None = None, keepdim: bool = False, *,
-            correction: int | None = None, ddof: int | None = None, **kw) -> Tensor:
+    def var(self, dim: Dims = None, unbiased: bool | None = None, keepdim: bool = False, *,
+            correction: int | None = None, ddof: int | None = None, **kw: Any) -> Tensor:
         return _spread("var", self, dim, unbiased, keepdim, correction, ddof, kw)
 
-    def std(self, dim=None, unbiased: bool | None = None, keepdim: bool = False, *,
-            correction: int | None = None, ddof: int | None = None, **kw) -> Tensor:
+    def std(self, dim: Dims = None, unbiased: bool | None = None, keepdim: bool = False, *,
+            correction: int | None = None, ddof: int | None = None, **kw: Any) -> Tensor:
         return _spread("std", self, dim, unbiased, keepdim, correction, ddof, kw)
 
     # shape ------------------------------------------------------------------------------------
 
-    def reshape(self, *shape): return apply("reshape", self, _sizes(shape))
-    def view(self, *shape): return apply("view", self, _sizes(shape))
-    def permute(self, *dims): return apply("permute", self, _sizes(dims))
-    def unsqueeze(self, dim: int): return apply("unsqueeze", self, dim)
-    def flatten(self, start_dim: int = 0, end_dim: int = -1): return apply("flatten", self, start_dim, end_dim)
+    def reshape(self, *shape: int) -> Tensor: return apply("reshape", self, _sizes(shape))
+    def view(self, *shape: int) -> Tensor: return apply("view", self, _sizes(shape))
+    def permute(self, *dims: int) -> Tensor: return apply("permute", self, _sizes(dims))
+    def unsqueeze(self, dim: int) -> Tensor: return apply("unsqueeze", self, dim)
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+        return apply("flatten", self, start_dim, end_dim)
 
     def narrow(self, dim: int, start: int, length: int) -> Tensor:
         size = self.shape[dim]
@@ -576,15 +588,16 @@ class Tensor:
             raise RuntimeError(f"unflatten: Provided sizes {sizes} don't multiply up to the "
                                f"size of dim {dim} ({whole}) in the input tensor")
         return self.reshape(*self.shape[:dim], *sizes, *self.shape[dim + 1:])
-    def expand(self, *sizes): return apply("expand", self, _sizes(sizes))
-    def expand_as(self, other): return apply("expand", self, tuple(other.shape))
+    def expand(self, *sizes: int) -> Tensor: return apply("expand", self, _sizes(sizes))
+    def expand_as(self, other: Tensor) -> Tensor: return apply("expand", self, tuple(other.shape))
     def contiguous(self) -> Tensor: return apply("contiguous", self)
     def is_contiguous(self) -> bool:
         if self._host is not None:
             return self._host.is_contiguous()
         return view_strides(self._strides) is None
     def clone(self) -> Tensor: return apply("clone", self)
-    def split(self, split_size_or_sections=None, dim: int = 0, *, split_size=None,
+    def split(self, split_size_or_sections: int | Sequence[int] | None = None, dim: int = 0, *,
+              split_size: int | Sequence[int] | None = None,
               axis: int | None = None) -> tuple[Tensor, ...]:
         """torch's split; GT's ``split_size=`` and ``axis=`` too."""
         sections = split_size if split_size_or_sections is None else split_size_or_sections
@@ -593,7 +606,8 @@ class Tensor:
         if isinstance(sections, list):
             sections = tuple(sections)
         return apply("split", self, sections, dim if axis is None else axis)
-    def chunk(self, chunks: int, dim: int = 0): return apply("chunk", self, chunks, dim)
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+        return apply("chunk", self, chunks, dim)
 
     def squeeze(self, dim: int | Sequence[int] | None = None) -> Tensor:
         return apply("squeeze", self, tuple(dim) if isinstance(dim, list) else dim)
@@ -630,8 +644,8 @@ class Tensor:
     # in place -----------------------------------------------------------------------------------
 
     def zero_(self) -> Tensor: return apply("zero_", self)
-    def fill_(self, value): return apply("fill_", self, value)
-    def copy_(self, src): return apply("copy_", self, src)
+    def fill_(self, value: Operand) -> Tensor: return apply("fill_", self, value)
+    def copy_(self, src: Operand) -> Tensor: return apply("copy_", self, src)
 
 
 # the one path every op takes -------------------------------------------------------------------
@@ -852,7 +866,7 @@ def _operand(a) -> Any:
     return a
 
 
-def hold(value: torch.Tensor, device, recipe: tuple | None = None) -> Tensor:
+def hold(value: torch.Tensor, device: torch.device | None, recipe: tuple | None = None) -> Tensor:
     """A CPU value kept by the client until a worker needs it (client/host.py), or on the
     workers at once where it is placed now (a GPU device, a signal's scope): by its recipe,
     else by its bytes, straight to where the signal places it."""
@@ -862,7 +876,8 @@ def hold(value: torch.Tensor, device, recipe: tuple | None = None) -> Tensor:
     return apply(*recipe) if recipe is not None else upload(value)
 
 
-def constant(name: str, make, args: tuple, device, numel: int) -> Tensor:
+def constant(name: str, make: Callable[[], torch.Tensor], args: tuple,
+             device: torch.device | None, numel: int) -> Tensor:
     """A small tensor of known values, held by the client with its recipe (a worker that needs
     it runs the recipe: no bytes move); a large one made by a worker."""
     if numel <= host.HOST_NUMEL and host.allowed(runtime(), device):

@@ -5,7 +5,7 @@ Semantics and defaults follow torch.nn.functional."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -32,13 +32,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return apply("linear", x, weight, bias)
 
 
-def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
-           dilation=1, groups: int = 1) -> Tensor:
+def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int | tuple = 1,
+           padding: int | tuple | str = 0, dilation: int | tuple = 1,
+           groups: int = 1) -> Tensor:
     return _conv("conv1d", x, weight, bias, stride, padding, dilation, groups)
 
 
-def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
-           dilation=1, groups: int = 1) -> Tensor:
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int | tuple = 1,
+           padding: int | tuple | str = 0, dilation: int | tuple = 1,
+           groups: int = 1) -> Tensor:
     return _conv("conv2d", x, weight, bias, stride, padding, dilation, groups)
 
 
@@ -95,17 +97,17 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     return x * keep * (1.0 / (1.0 - p))
 
 
-def normalized(shape) -> tuple[int, ...]:
+def normalized(shape: int | Sequence[int]) -> tuple[int, ...]:
     """A normalized_shape as a tuple (torch accepts an int for one dim)."""
     return (shape,) if isinstance(shape, int) else tuple(shape)
 
 
-def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
+def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     return apply("layer_norm", x, normalized(normalized_shape), weight, bias, eps)
 
 
-def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None,
+def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
              eps: float | None = None) -> Tensor:
     return apply("rms_norm", x, normalized(normalized_shape), weight, eps)
 

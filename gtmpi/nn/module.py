@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, ItemsView, Iterator, KeysView, NamedTuple, ValuesView
 
 import numpy as np
 import torch
@@ -381,11 +381,11 @@ class ModuleDict(Module):
     def __iter__(self) -> Iterator[str]:
         return iter(self._modules)
 
-    def keys(self):
+    def keys(self) -> KeysView[str]:
         return self._modules.keys()
 
-    def items(self):
+    def items(self) -> ItemsView[str, Module]:
         return self._modules.items()
 
-    def values(self):
+    def values(self) -> ValuesView[Module]:
         return self._modules.values()

@@ -21,7 +21,7 @@ Rule = Callable[[tuple, int, dict], "tuple | None"]
 RULES: dict[str, Rule] = {}
 
 
-def rule(*names: str):
+def rule(*names: str) -> Callable[[Rule], Rule]:
     def register(fn: Rule) -> Rule:
         for name in names:
             RULES[name] = fn

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from .optimizer import Optimizer
 
@@ -200,7 +200,7 @@ class ReduceLROnPlateau:
             return value < (self.best * (1 - self.threshold) if rel else self.best - self.threshold)
         return value > (self.best * (1 + self.threshold) if rel else self.best + self.threshold)
 
-    def step(self, metrics) -> None:
+    def step(self, metrics: float | Any) -> None:
         current = float(metrics)
         self.last_epoch += 1
         if self._better(current):

@@ -180,10 +180,10 @@ class SGD(Optimizer):
     def bucket_key(self, state: dict) -> Any:
         return "momentum_buffer" in state  # a buffer's first step copies the gradient
 
-    def fresh(self, p, group):
+    def fresh(self, p: Tensor, group: dict) -> dict:
         return {"momentum_buffer": zero_state(p)} if group["momentum"] else {}
 
-    def update(self, params, states, group):
+    def update(self, params: list[Tensor], states: list[dict], group: dict) -> None:
         bufs = []
         first = False
         if group["momentum"]:
@@ -219,10 +219,10 @@ class Adam(Optimizer):
     def bucket_key(self, state: dict) -> Any:
         return state.get("step", 0)  # bias corrections depend on it
 
-    def fresh(self, p, group):
+    def fresh(self, p: Tensor, group: dict) -> dict:
         return {"step": 0, "exp_avg": zero_state(p), "exp_avg_sq": zero_state(p)}
 
-    def update(self, params, states, group):
+    def update(self, params: list[Tensor], states: list[dict], group: dict) -> None:
         for p, state in zip(params, states):
             if not state:
                 state.update(self.fresh(p, group))

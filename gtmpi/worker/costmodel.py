@@ -9,7 +9,7 @@ right order, not measurements: no overlap, no caches, no waiting for other worke
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -96,7 +96,7 @@ def members_of(kw: dict | None, groups: dict[int, int]) -> int:
     return groups.get(kw["group"], 2)
 
 
-def tensors(value) -> list[torch.Tensor]:
+def tensors(value: Any) -> list[torch.Tensor]:
     """The tensors among an instruction's results (a tensor, a tuple of them, or other)."""
     if isinstance(value, torch.Tensor):
         return [value]
