@@ -1,16 +1,31 @@
 """A real program, unchanged: nanoGPT's train.py beside torch's original on this machine.
 
     python benchmarks/real.py PATH [--iters 40] [--batch 8] [--gpus N] [--runs torch,embedded,...]
+    python benchmarks/real.py PATH --config train_shakespeare_char [--iters 500]
 
 PATH is a checkout of karpathy/nanoGPT. In a temporary folder, its train.py, model.py and
 configurator.py are copied twice: as they are (torch), and with only their torch import lines
 switched to gtmpi (``import torch`` -> ``import gtmpi as torch``, ``import torch.nn as nn`` ->
 ``import gtmpi.nn as nn``, ``from torch.nn import functional as F`` -> ``from gtmpi.nn import
-functional as F``). A dataset of random GPT-2 tokens stands in for OpenWebText. Each run trains
-GPT-2 small (12 layers, 768 wide, 1024 tokens, bf16 autocast on GPUs, no torch.compile,
-dropout 0, one micro-step per iteration) for --iters iterations:
+functional as F``). Two ways to run it:
+
+- by default, a dataset of random GPT-2 tokens stands in for OpenWebText, and each run trains
+  GPT-2 small (12 layers, 768 wide, 1024 tokens, bf16 autocast on GPUs, no torch.compile,
+  dropout 0, one micro-step per iteration, the loss read every iteration) for --iters
+  iterations;
+- ``--config NAME``: nanoGPT's own config/NAME.py as its README runs it (for
+  train_shakespeare_char: the character-level baby GPT, 6 layers of 384 on 256 characters,
+  batch 64, dropout 0.2, the loss read every 10th iteration, 200 evaluation batches of each
+  split every 250, a checkpoint when the validation loss improves, torch.compile on), with
+  only --max_iters set (and the device on a machine with no GPU). Its dataset is made by the
+  checkout's own data/<dataset>/prepare.py, from a generated text where the download would be
+  (GPU hosts reach nothing). "torch" runs the config as it is (compiled); "torch-eager" with
+  --compile=False; gtmpi's runs as they are (gtmpi.compile(model) returns the model).
+
+The runs:
 
   torch        python train.py (the original), one GPU
+  torch-eager  the same with --compile=False (--config only: the default runs are eager)
   embedded     python train.py (gtmpi, the embedded worker), one GPU
   mpiexec      mpiexec -n 2 python train.py (gtmpi), one GPU
   embedded-eager, mpiexec-eager
@@ -23,10 +38,14 @@ dropout 0, one micro-step per iteration) for --iters iterations:
                the same with GTMPI_AUTO_REPLAY_PLACED=1 (every worker's placed runs replayed,
                as CUDA graphs with the gradients' all-reduces inside)
 
-Figures per run: ms per iteration (median of iterations 10 on, as train.py prints them),
-tokens/s, the peak GPU memory (torch.cuda.max_memory_allocated, read by a wrapper after the
-program returns: the program is not changed), iteration 0's loss and the last one. A table,
-then one JSON line.
+Figures per run: ms per iteration, the median over windows between two of train.py's log lines
+from iteration 10 on with no evaluation inside, by the wall clock at which each line arrived
+(a line follows a read of the loss, so the work before it is done; train.py's own "time" is
+one iteration's host time, which for an asynchronous runtime need not be the work's when the
+loss is read every 10th iteration only); the whole run's wall time (start-up, compilation,
+evaluations and checkpoints included) and the evaluations' share of it; tokens/s; the peak GPU
+memory (torch.cuda.max_memory_allocated, read by a wrapper after the program returns: the
+program is not changed); iteration 0's loss and the last one. A table, then one JSON line.
 """
 from __future__ import annotations
 
@@ -39,6 +58,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import numpy as np
 
@@ -70,16 +91,57 @@ if hasattr(torch, "debug"):
     for rank, s in torch.debug.worker_stats().items():
         print("worker", rank, {{k: s.get(k) for k in keys}}, flush=True)
 """
-LINE = re.compile(r"iter (\d+): loss ([0-9.]+), time ([0-9.]+)ms")
+LINE = re.compile(r"^iter (\d+): loss ([0-9.]+), time ([0-9.]+)ms")
+EVAL = re.compile(r"^step (\d+): train loss")
+RUNS = "torch,embedded,mpiexec,embedded-eager,mpiexec-eager,ddp,dp-config,dp-config-replayed"
+TOKENS = re.compile(r"tokens per iteration will be: ([0-9,]+)")
 
 
-def prepare(src: str, where: str) -> dict[str, str]:
-    """Two copies of the program (torch's and gtmpi's) sharing one dataset."""
-    data = os.path.join(where, "data", "openwebtext")
+def _text(chars: int = 1_100_000) -> str:
+    """A play-like text of about tiny Shakespeare's size, for a prepare.py that would download
+    it: words of letters, capitalised lines with punctuation, speakers' names."""
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, rng.integers(1, 9))) for _ in range(3000)]
+    speakers = ["ROMEO", "JULIET", "KING HENRY", "First Citizen", "MENENIUS"]
+    lines, n = [], 0
+    while n < chars:
+        line = " ".join(rng.choice(words, rng.integers(3, 13))).capitalize() + \
+            str(rng.choice(list(".,;:!?"))) + "\n"
+        if rng.random() < 0.1:
+            line = str(rng.choice(speakers)) + ":\n" + line
+        lines.append(line)
+        n += len(line)
+    return "".join(lines)
+
+
+def _dataset(src: str, where: str, config: str | None) -> None:
+    """data/<dataset>/ as train.py reads it: made by the checkout's own prepare.py where the
+    config names a dataset that has one (its download replaced by a generated text), else
+    random GPT-2 tokens standing in for OpenWebText."""
+    name = "openwebtext"
+    if config:
+        said = re.search(r"^dataset\s*=\s*['\"](\w+)['\"]", open(config).read(), re.M)
+        name = said.group(1) if said else name
+    data = os.path.join(where, "data", name)
     os.makedirs(data)
+    script = os.path.join(src, "data", name, "prepare.py")
+    if name != "openwebtext" and os.path.exists(script):
+        shutil.copy(script, data)
+        if not os.path.exists(os.path.join(src, "data", name, "input.txt")):
+            open(os.path.join(data, "input.txt"), "w").write(_text())
+        subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True,
+                       capture_output=True)
+        return
     rng = np.random.default_rng(0)
     rng.integers(0, 50257, size=4_000_000, dtype=np.uint16).tofile(os.path.join(data, "train.bin"))
     rng.integers(0, 50257, size=400_000, dtype=np.uint16).tofile(os.path.join(data, "val.bin"))
+
+
+def prepare(src: str, where: str, config: str | None = None) -> dict[str, str]:
+    """Two copies of the program (torch's and gtmpi's) sharing one dataset; ``config`` a
+    file of the checkout's config/ the runs are given."""
+    _dataset(src, where, config and os.path.join(src, "config", config))
     dirs = {}
     for kind in ("torch", "gtmpi"):
         d = dirs[kind] = os.path.join(where, kind)
@@ -90,6 +152,9 @@ def prepare(src: str, where: str) -> dict[str, str]:
                 for pattern, repl in SWITCH:
                     text, n = pattern.subn(repl, text)
             open(os.path.join(d, name), "w").write(text)
+        if config:
+            os.makedirs(os.path.join(d, "config"))
+            shutil.copy(os.path.join(src, "config", config), os.path.join(d, "config"))
         os.symlink(os.path.join(where, "data"), os.path.join(d, "data"))
         module = "torch" if kind == "torch" else "gtmpi"
         report = "int(__import__('os').environ.get('RANK', '0')) == 0"
@@ -97,7 +162,43 @@ def prepare(src: str, where: str) -> dict[str, str]:
     return dirs
 
 
-def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
+def _timed_lines(cmd: list[str], cwd: str, env: dict, timeout: int) -> tuple[int, list, float]:
+    """The program's output lines, each with the wall time it arrived at (seconds from the
+    start); its return code; its whole wall time."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    try:
+        lines = [(time.perf_counter() - start, line.rstrip("\n")) for line in proc.stdout]
+        rc = proc.wait()
+    finally:
+        killer.cancel()
+    return rc, lines, time.perf_counter() - start
+
+
+def _windows(lines: list) -> tuple[list[float], float]:
+    """ms per iteration of each window between two log lines from iteration 10 on with no
+    evaluation inside; and the seconds the windows with one spent beyond their iterations'
+    share of the median (the evaluations and the checkpoints they save)."""
+    steady, with_eval, last, evaluated = [], [], None, False
+    for at, line in lines:
+        if EVAL.match(line):
+            evaluated = True
+        said = LINE.match(line)
+        if not said:
+            continue
+        i = int(said.group(1))
+        if last is not None and last[0] >= 10:
+            (with_eval if evaluated else steady).append((i - last[0], at - last[1]))
+        last, evaluated = (i, at), False
+    per_iter = [s / n * 1e3 for n, s in steady]
+    ms = statistics.median(per_iter) if per_iter else float("nan")
+    return per_iter, sum(s - n * ms / 1e3 for n, s in with_eval)
+
+
+def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int | None,
         timeout: int, trace: str | None = None, memory: str | None = None) -> dict:
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     if trace and name.startswith("gtmpi"):
@@ -105,21 +206,28 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int,
     if memory:
         memory = os.path.join(memory, re.sub(r"\W+", "_", name))
         env = {**env, "GTMPI_MEMORY_HISTORY": memory}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    iters = [(int(i), float(loss), float(ms)) for i, loss, ms in LINE.findall(out)]
+    rc, lines, wall = _timed_lines(cmd, cwd, env, timeout)
+    out = "\n".join(line for _, line in lines)
+    iters = [(int(i), float(loss), float(ms)) for i, loss, ms in
+             (m.groups() for m in map(LINE.match, (line for _, line in lines)) if m)]
     peaks = [int(p) for p in re.findall(r"PEAK_BYTES (\d+)", out)]
-    if proc.returncode != 0 or not iters:
+    if rc != 0 or not iters:
         print(out[-4000:], flush=True)
-        return {"run": name, "rc": proc.returncode}
+        return {"run": name, "rc": rc}
     for said in re.findall(r"^(?:repeated runs|worker \d+ ).*$", out, re.M):
         print(said, flush=True)
-    steady = [ms for i, _, ms in iters if i >= 10] or [ms for _, _, ms in iters[1:]]
-    ms = statistics.median(steady)
-    result = {"run": name, "rc": 0, "ms": round(ms, 2), "tokens_per_s": round(tokens_per_iter / ms * 1e3),
-              "loss0": iters[0][1], "loss_last": iters[-1][1], "iters": len(iters),
+    tokens = TOKENS.search(out)
+    tokens_per_iter = int(tokens.group(1).replace(",", "")) if tokens else tokens_per_iter
+    per_iter, eval_s = _windows(lines)
+    printed = [ms for i, _, ms in iters if i >= 10] or [ms for _, _, ms in iters[1:]]
+    ms = statistics.median(per_iter) if per_iter else statistics.median(printed)
+    result = {"run": name, "rc": 0, "ms": round(ms, 2),
+              "tokens_per_s": round(tokens_per_iter / ms * 1e3),
+              "ms_printed": round(statistics.median(printed), 2), "wall_s": round(wall, 1),
+              "eval_s": round(eval_s, 1), "loss0": iters[0][1], "loss_last": iters[-1][1],
+              "iters": iters[-1][0],
               "peak_gb": round(max(peaks) / 1e9, 3) if peaks else None,
-              "ms_each": [round(ms, 1) for _, _, ms in iters]}
+              "ms_each": [round(ms, 1) for ms in per_iter]}
     print(json.dumps(result), flush=True)
     if memory and os.path.isdir(memory):
         from gtmpi.trace.memory import main as memory_report
@@ -140,6 +248,9 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
     out = []
     if "torch" in runs:
         out.append(one("torch", [py, "run.py", *args_], dirs["torch"], env))
+    if "torch-eager" in runs:
+        out.append(one("torch eager", [py, "run.py", *args_, "--compile=False"], dirs["torch"],
+                       env))
     for eager in ("", "-eager"):
         genv = {**env, "GTMPI_AUTO_REPLAY": "0"} if eager else env
         if "embedded" + eager in runs:
@@ -150,14 +261,60 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
     return out
 
 
+def _launch() -> tuple[dict, list[str], str]:
+    """The runs' environment, mpiexec's command and the Python that runs them."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    mpiexec = [shutil.which("mpiexec") or "mpiexec"]
+    if "Open MPI" in subprocess.run(mpiexec + ["--version"], capture_output=True,
+                                    text=True).stdout:
+        mpiexec += ["--bind-to", "none", "--oversubscribe"]
+    return env, mpiexec, sys.executable
+
+
+def _config_main(args, gpus: int) -> None:
+    """nanoGPT's own config, as its README runs it: one GPU, every run beside torch's."""
+    runs = args.runs.split(",") if args.runs != RUNS else ["torch", "torch-eager", "embedded",
+                                                            "mpiexec"]
+    given = [f"config/{args.config}.py", f"--max_iters={args.iters}"] + \
+        ([] if gpus else ["--device=cpu", "--dtype=float32", "--compile=False"]) + \
+        [f"--{kv}" for kv in args.set]
+    env, mpiexec, py = _launch()
+    results = []
+    with tempfile.TemporaryDirectory() as where:
+        dirs = prepare(args.path, where, f"{args.config}.py")
+        for round_ in range(args.rounds):
+            results += one_gpu_runs(runs, round_, py, mpiexec, given, dirs, env, None, args)
+    print(f"\nnanoGPT train.py {' '.join(given)}")
+    print(f"{'run':24} {'round':>5} {'ms/iter':>8} {'vs torch':>9} {'vs eager':>9} {'run s':>7} "
+          f"{'eval s':>7} {'peak GB':>8} {'loss 0':>8} {'loss last':>9}")
+    for r in results:
+        if r["rc"]:
+            print(f"{r['run']:24} failed (rc {r['rc']})")
+            continue
+        ratios = []
+        for peer in ("torch", "torch eager"):  # the peer of the same round: the host drifts
+            base = next((b for b in results if b["run"] == peer and b["rc"] == 0 and
+                         b["round"] == r["round"]), None)
+            ratios.append(round(base["ms"] / r["ms"], 3) if base else None)
+        r["vs_torch"], r["vs_torch_eager"] = ratios
+        shown = [f"{x:8.3f}x" if x else f"{'-':>9}" for x in ratios]
+        print(f"{r['run']:24} {r['round']:5d} {r['ms']:8.2f} {shown[0]} {shown[1]} "
+              f"{r['wall_s']:7.1f} {r['eval_s']:7.1f} {r['peak_gb'] or '-':>8} "
+              f"{r['loss0']:8.4f} {r['loss_last']:9.4f}")
+    print(json.dumps({"benchmark": "real", "program": "nanoGPT train.py", "config": args.config,
+                      "iters": args.iters, "set": args.set, "runs": results}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path", help="a checkout of karpathy/nanoGPT")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for the DP runs (default: all)")
-    ap.add_argument("--runs", default="torch,embedded,mpiexec,embedded-eager,mpiexec-eager,ddp,"
-                    "dp-config,dp-config-replayed")
+    ap.add_argument("--runs", default=RUNS)
     ap.add_argument("--size", default="gpt2", choices=["gpt2", "tiny"],
                     help="tiny: 2 layers of 64 on 64 tokens, to try it on CPUs")
     ap.add_argument("--timeout", type=int, default=900)
@@ -168,9 +325,18 @@ def main() -> None:
                     "one-GPU runs into DIR/round<N>/<run>.h5)")
     ap.add_argument("--memory", metavar="DIR", help="every run's GPU allocations recorded into "
                     "DIR/<run>/ (GTMPI_MEMORY_HISTORY) and what was live at its peak printed")
+    ap.add_argument("--config", metavar="NAME", help="nanoGPT's config/NAME.py as it is, only "
+                    "--max_iters set to --iters (runs: torch,torch-eager,embedded,mpiexec unless "
+                    "--runs says)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --config: passed on to train.py as --KEY=VALUE (e.g. a smaller "
+                    "model to try it on CPUs)")
     args = ap.parse_args()
     import torch
     gpus = args.gpus or torch.cuda.device_count()
+    if args.config:
+        _config_main(args, gpus)
+        return
     shape = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--block_size=1024"] \
         if args.size == "gpt2" else ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64"]
     block = 1024 if args.size == "gpt2" else 64
@@ -179,15 +345,7 @@ def main() -> None:
               "--eval_interval=100000", "--eval_iters=1", "--log_interval=1",
               "--always_save_checkpoint=False"]
     one = [f"--batch_size={args.batch}", "--gradient_accumulation_steps=1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    mpiexec = [shutil.which("mpiexec") or "mpiexec"]
-    if "Open MPI" in subprocess.run(mpiexec + ["--version"], capture_output=True,
-                                    text=True).stdout:
-        mpiexec += ["--bind-to", "none", "--oversubscribe"]
-    py = sys.executable
+    env, mpiexec, py = _launch()
     runs = args.runs.split(",")
     results = []
     with tempfile.TemporaryDirectory() as where:
