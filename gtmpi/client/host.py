@@ -31,6 +31,8 @@ _KINDS = frozenset({Kind.ELEMENTWISE, Kind.REDUCE, Kind.MATMUL, Kind.SHAPE, Kind
 _ON_WORKERS = frozenset({"normal_", "uniform_", "multinomial", "vjp", "getitem_grad",
                      "batch_norm_update_", "adam_foreach", "sgd_foreach", "adam_steps",
                      "norm_foreach", "zero_foreach", "mul_foreach", "add_foreach"})
+# GTMPI_HOST_TENSORS=0: every tensor to a worker at once (read at import: every op asks)
+HELD = os.environ.get("GTMPI_HOST_TENSORS", "1") != "0"
 HOST_OPS = frozenset(name for name, op in OPS.items() if op.kind in _KINDS) - _ON_WORKERS
 
 
@@ -45,7 +47,7 @@ def allowed(rt: Any, device: Any = None) -> bool:
     """Whether a tensor made now with ``device`` may be made by the client: not on a named GPU,
     nor inside a replayable function (a replay cannot repeat an upload, and its calls draw
     alike, from the workers' generators)."""
-    if os.environ.get("GTMPI_HOST_TENSORS", "1") == "0":
+    if not HELD:
         return False
     if device is not None and torch.device(device).type != "cpu":
         return False

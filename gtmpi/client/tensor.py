@@ -63,7 +63,8 @@ class Tensor:
     @staticmethod
     def held(value: torch.Tensor, recipe: tuple | None = None, scope: tuple = ()) -> "Tensor":
         """A tensor whose value the client holds (client/host.py)."""
-        if not value.is_meta and host.meta(runtime(), value.numel()):
+        if value.numel() > host.HOST_NUMEL and not value.is_meta and \
+                host.meta(runtime(), value.numel()):
             value = value.to("meta")
         t = Tensor(None, (value.shape, value.dtype), value, recipe)
         t._scope = scope
@@ -250,6 +251,8 @@ class Tensor:
         return self.item()
 
     def __index__(self) -> int:
+        if self._host is not None and not self._host.is_meta:  # torch's own check and value
+            return self._host.__index__()
         if self.dtype.is_floating_point or self.dtype.is_complex or self.numel() != 1:
             raise TypeError("only integer tensors of a single element can be converted to an index")
         return int(self.item())
@@ -262,13 +265,20 @@ class Tensor:
     def __iter__(self) -> Iterator["Tensor"]:
         if not self.shape:
             raise TypeError("iteration over a 0-d tensor")
-        rt = runtime()
-        if self._host is None and self.numel() <= host.HOST_NUMEL and host.allowed(rt) and \
-                not (self.requires_grad and gradmode.is_grad_enabled()):
-            # one read for the whole tensor, its rows then held here (indices read back one
-            # at a time cost a round trip each)
-            rows = self.cpu_torch().unbind(0)
-            return (_sharing(Tensor.held(r)) for r in rows)
+        if self.numel() <= host.HOST_NUMEL and not self._scope and host.allowed(runtime()) \
+                and not (self.requires_grad and gradmode.is_grad_enabled()):
+            # rows held here, as torch's unbind makes them: a placed tensor read once for all
+            # (indices read back one at a time cost a round trip each), a held one's rows views
+            # of its value (an op each would cost the client its whole path per row)
+            if self._host is None:
+                rows = self.cpu_torch().unbind(0)
+            else:
+                rows = _sharing(self)._host.unbind(0)
+            rows = [_sharing(Tensor.held(r)) for r in rows]
+            if self._state:  # rows of a module's state: state too, as an op's results
+                for r in rows:
+                    r._state = True
+            return iter(rows)
         return (self[i] for i in range(len(self)))
 
     __hash__ = object.__hash__
@@ -765,7 +775,7 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
     """The op run here, as torch's CPU runs it, when every tensor operand is held by the
     client and small (in place on a held tensor: any size), no gradient is recorded, and
     nothing places what it makes; else None (a worker runs it)."""
-    total, held, values = 0, None, []
+    total, held, values, foreign = 0, None, [], False
     for a in args:
         if isinstance(a, Tensor):
             value = a._host
@@ -777,6 +787,7 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
         elif isinstance(a, (np.ndarray, torch.Tensor)):
             a = torch.as_tensor(a)
             total += a.numel()
+            foreign = True
         values.append(a)
     if held is None:
         return None
@@ -788,13 +799,30 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
         return None  # an autocast region's op runs as the workers cast it
     if key is not None:
         kw = {**kw, "key": key}
-    with torch.no_grad():
+    if foreign:  # a program's own torch tensor may require grad: held values never do
+        with torch.no_grad():
+            out = OPS[name].kernel(*values, **kw)
+    else:
         out = OPS[name].kernel(*values, **kw)
     if inplace:
         args[0]._recipe = None  # changed: its recipe no longer makes it
         return args[0]
     results = tuple(map(Tensor.held, out)) if isinstance(out, (tuple, list)) else \
         (Tensor.held(out),)
+    if name in _FRESH:  # a new value, or an operand itself (to() of its own dtype)
+        for r in results:
+            for v, a in zip(values, args):
+                if r._host is v and isinstance(a, Tensor):
+                    _sharing(r)
+                    _sharing(a)
+    else:
+        _share_storages(results, values, args)
+    _inherit(name, args, key, kw, results)
+    return results if isinstance(out, (tuple, list)) else results[0]
+
+
+def _share_storages(results: tuple, values: list, args: tuple) -> None:
+    """Marks a result and its operand that share one storage (a view made here)."""
     storages = {v.untyped_storage().data_ptr(): a for v, a in zip(values, args)
                 if isinstance(a, Tensor)}
     for r in results:  # a view: the result and its operand share one storage
@@ -802,20 +830,27 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
         if owner is not None:
             _sharing(r)
             _sharing(owner)
-    # computed from a module's state (a causal mask sliced and compared) and no data of the
-    # program's: state too, placed by 'parameters', not split as an upload would be
-    operands = [a for a in args if isinstance(a, Tensor)]
-    if any(a._state for a in operands) and all(a._state or a._recipe is not None
-                                               for a in operands):
+
+
+def _inherit(name: str, args: tuple, key: tuple | None, kw: dict, results: tuple) -> None:
+    """What held results take from their operands: a module's state, or a recipe."""
+    state, kept, made = False, True, True
+    for a in args:
+        if isinstance(a, Tensor):
+            state = state or a._state
+            if a._recipe is None:
+                made = False
+                kept = kept and a._state
+    if state and kept:
+        # computed from a module's state (a causal mask sliced and compared) and no data of the
+        # program's: state too, placed by 'parameters', not split as an upload would be
         for r in results:
             r._state = True
-    elif len(results) == 1 and key is None and not kw and \
-            all(a._recipe is not None for a in operands):
+    elif made and len(results) == 1 and key is None and not kw:
         # computed from constants alone (a causal mask made in forward: tril of ones, compared):
         # a constant too, made again by the same op where it is used, not uploaded as the
         # program's data (which a data-parallel config splits)
         results[0]._recipe = (name, *args)
-    return results if isinstance(out, (tuple, list)) else results[0]
 
 
 def _sharing(t: Tensor) -> Tensor:
@@ -855,6 +890,10 @@ _PLAIN = (Tensor, *SCALARS)  # operands that need no conversion
 _URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker
 _INPLACE = frozenset(name for name, op in OPS.items() if op.kind is Kind.INPLACE)
 _RECORDED = frozenset(FUSED_FNS)
+# ops whose result is a new value or, at most, an operand itself: no view of one
+_FRESH = frozenset(name for name, op in OPS.items()
+                   if op.kind in (Kind.ELEMENTWISE, Kind.REDUCE, Kind.MATMUL)) | \
+    {"cat", "stack", "clone", "contiguous"}
 
 
 def _operand(a) -> Any:
