@@ -123,9 +123,9 @@ def test_between_forward_and_backward_only_the_blocks_inputs_are_held():
         loss = _loss(blocks, head, x, how)
         counts[how] = held() - before
         loss.backward()
-    # one output per block and the loss, against every block's linears', GELU's and
-    # dropout's saved tensors
-    assert counts["each"] <= 4 + 2 and counts["none"] >= 4 * 5, counts
+    # one output per block and the loss, against every block's saved tensors: its two
+    # linears' inputs, GELU's input and dropout's mask (what torch saves)
+    assert counts["each"] <= 4 + 2 and counts["none"] >= 4 * 4, counts
 
 
 def test_a_replayed_step_with_checkpointed_blocks_gives_the_steps_as_written():

@@ -186,6 +186,18 @@ def test_dropout_train_and_eval():
     assert GF.dropout(x, 0.3, training=False) is x
 
 
+def test_dropout_gradient_applies_the_forwards_mask():
+    x = gtmpi.randn(4000, requires_grad=True)
+    y = GF.dropout(x, 0.25)
+    assert y.grad_fn.name() == "NativeDropoutBackward0"  # torch's: one fused op, its mask saved
+    y.sum().backward()
+    xs, ys, gs = x.detach().numpy(), y.detach().numpy(), x.grad.numpy()
+    kept = gs != 0
+    assert 0.7 < kept.mean() < 0.8 and (ys[~kept] == 0).all()
+    assert abs(gs[kept] - 1 / 0.75).max() < 1e-6
+    assert abs(ys[kept] - xs[kept] / 0.75).max() < 1e-5
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_clip_grad_norm_matches_torch(norm_type):
     t_model, g_model = mlp_pair(3)

@@ -63,6 +63,8 @@ def test_pointwise_rule_matches_meta(op):
                 args = args + (0.1,)
             elif op.name == "masked_fill":  # (x, mask, value): the mask is boolean
                 args = (args[0], (args[1][0], torch.bool), 1.5)
+            elif op.name == "masked_scale":  # (x, mask, scale): dropout's, the mask boolean
+                args = (args[0], (args[1][0], torch.bool), 2.0)
             tmask = (1 << sum(isinstance(a, tuple) for a in args)) - 1
             try:
                 want = meta_oracle(op, args, tmask)

@@ -37,6 +37,7 @@ SAVES: dict[str, tuple[tuple[int, ...] | slice, bool]] = {
     "linear": ((0, 1, 2), False),  # the bias too: its placement decides its gradient's
     "getitem": (slice(1, None), False),  # the index tensors, not the indexed one
     "square": ((0,), False),
+    "masked_scale": ((1,), False),  # the mask: as torch's dropout, which saves its mask alone
 }
 
 
@@ -182,6 +183,12 @@ def _sigmoid(node, g):
 @rule("relu")
 def _relu(node, g):
     return (g * (_out(node) > 0),)
+
+
+@rule("masked_scale")
+def _masked_scale(node, g):
+    x, mask, scale = node.operands
+    return (apply("masked_scale", g, mask, scale) if _t(x) else None, None, None)
 
 
 @rule("gelu")

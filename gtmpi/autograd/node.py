@@ -10,7 +10,8 @@ _TORCH_NAMES = {"cross_entropy": "NllLossBackward0", "layer_norm": "NativeLayerN
                 "to": "ToCopyBackward0", "reshape": "ViewBackward0", "flatten": "ViewBackward0",
                 "contiguous": "CloneBackward0", "alias": "AliasBackward0",
                 "clamp": "ClampBackward1", "max_dim": "MaxBackward0", "min_dim": "MinBackward0",
-                "vector_norm": "LinalgVectorNormBackward0", "getitem": "IndexBackward0"}
+                "vector_norm": "LinalgVectorNormBackward0", "getitem": "IndexBackward0",
+                "masked_scale": "NativeDropoutBackward0"}
 
 
 class Node:

@@ -879,7 +879,7 @@ class Placer:
         name, out, args, tmask, kw = ins
         varying = [a for a, (k, _) in enumerate(target.per_axis()) if k == "V"]
         for m, rank in enumerate(target.mesh):
-            if varying and name in ("randn", "rand"):  # each member draws its own numbers
+            if varying and name in ("randn", "rand", "dropout_mask"):  # each its own draw
                 position = sum(target.coords(m)[a] for a in varying) + 1
                 ins = (name, out, (*args[:-1], (args[-1] * 1_000_003 + position) % (1 << 63)),
                        tmask, kw)

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..client.creation import rand_like
+from ..client.creation import beside, rand_like
+from ..client.generator import worker_seed
 from ..client.functions import (gelu, log_softmax, relu, sigmoid, silu, softmax, stack, tanh,
                                 where)
 from ..autograd import no_grad
@@ -93,8 +94,14 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
         return x
     if p == 1.0:
         return x * 0.0
-    keep = rand_like(x) >= p
-    return x * keep * (1.0 / (1.0 - p))
+    # as torch's fused dropout on a GPU: the mask drawn (one kernel, laid out like x), then
+    # applied and scaled (one more); the gradient applies the same mask, the one tensor saved
+    if x._host is not None:  # held by the client: drawn from torch's CPU generator, as torch's
+        mask = rand_like(x) >= p
+    else:
+        with beside(x):
+            mask = apply("dropout_mask", tuple(x.shape), float(p), worker_seed())
+    return apply("masked_scale", x, mask, 1.0 / (1.0 - p))
 
 
 def normalized(shape: int | Sequence[int]) -> tuple[int, ...]:

@@ -155,6 +155,13 @@ def _seeded(sample: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return kernel
 
 
+def _dropout_mask(shape, p, seed, device):
+    """Dropout's mask: each element kept (True) with probability 1 - p, drawn from the op's
+    seed as rand's numbers are (the same on every run, whatever the number of workers)."""
+    return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(
+        1.0 - p, generator=_generator(seed, device))
+
+
 def _meta_empty(shape, dtype, seed, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -853,6 +860,8 @@ _ops = [
     Op("randint", Kind.CREATE, _randint,
        meta=lambda low, high, shape, dtype, seed, device: torch.empty(shape, dtype=dtype, device=device)),
     Op("rand", Kind.CREATE, _seeded(torch.rand), meta=_meta_empty),
+    Op("dropout_mask", Kind.CREATE, _dropout_mask,
+       meta=lambda shape, p, seed, device: torch.empty(shape, dtype=torch.bool, device=device)),
     Op("randperm", Kind.CREATE,
        lambda n, dtype, seed, device: torch.randperm(n, dtype=dtype, device=device,
                                                      generator=_generator(seed, device)),
@@ -881,6 +890,10 @@ _ops = [
        lambda g, x, approximate="none": torch.ops.aten.gelu_backward(g, x, approximate=approximate)),
     Op("silu_grad", Kind.ELEMENTWISE, torch.ops.aten.silu_backward),
     Op("to", Kind.ELEMENTWISE, lambda x, dtype: x.to(dtype)),
+    # x * mask * scale in one pass, as torch's fused dropout applies its mask (and its
+    # gradient: the same op on the output's gradient)
+    Op("masked_scale", Kind.ELEMENTWISE, torch.ops.aten.native_dropout_backward,
+       scalar_by_type=True),
     Op("matmul", Kind.MATMUL, operator.matmul),
     Op("linear", Kind.MATMUL, _linear),
     Op("linear_grad", Kind.MATMUL, _linear_grad),

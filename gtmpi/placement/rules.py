@@ -70,7 +70,7 @@ def written(name: str, args: tuple, tmask: int) -> tuple[int, ...]:
 _LINEAR = {"add", "sub", "neg", "to", "sum", "mean", "alias", "contiguous", "clone", "transpose",
            "permute", "unsqueeze", "reshape", "view", "flatten", "squeeze", "expand"}
 # linear in one operand at a time: exactly one P factor, the others R, gives P
-_MULTILINEAR = {"mul", "matmul", "linear"}
+_MULTILINEAR = {"mul", "matmul", "linear", "masked_scale"}
 _DIM_REDUCTIONS = {"sum", "mean", "amax", "amin", "var", "std", "argmax", "argmin",
                    "max_dim", "min_dim"}
 
