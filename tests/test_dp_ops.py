@@ -12,6 +12,7 @@ import torch
 
 import gtmpi
 from conftest import assert_same
+from gtmpi.client.tensor import apply
 from gtmpi.ops.table import OPS, Kind
 from gtmpi.placement.rules import PlacementError
 
@@ -35,6 +36,13 @@ INPUTS = {
 }
 WHOLE = {"w", "b", "wc1", "wc2", "table", "sel"}
 GRAD = {"x", "x3", "c3", "c4", "q", "k", "v", "w", "b", "wc1", "wc2", "table"}
+
+
+def _masked_scale(L, x, mask, scale):
+    """Dropout's mask applied (nn.functional.dropout draws the mask): aten's op on torch."""
+    if L is torch:
+        return torch.ops.aten.native_dropout_backward(x, mask, scale)
+    return apply("masked_scale", x, mask, scale)
 
 
 def _elementwise_cases() -> dict:
@@ -76,6 +84,7 @@ def _elementwise_cases() -> dict:
         "isinf": (lambda L, F, x: L.isinf(x), "x"),
         "isfinite": (lambda L, F, x: L.isfinite(x), "x"),
         "masked_fill": (lambda L, F, x, y: x.masked_fill(y > 0, 0.0), "x y"),
+        "masked_scale": (lambda L, F, x, y: _masked_scale(L, x, y > 0, 2.0), "x y"),
         "to": (lambda L, F, x: x.to(L.float64), "x"),
     })
     return cases
