@@ -108,6 +108,18 @@ def test_attention_dropout_follows_the_seed():
     assert x.grad.shape == x.shape and torch.isfinite(x.grad.cpu_torch()).all()
 
 
+def test_attention_dropout_leaves_the_programs_own_draws_alone():
+    """A CPU worker draws attention's mask from torch's default generator, which an embedded
+    worker shares with the program: the program's own draws go on as without it."""
+    q = gtmpi.tensor(r(1, 2, 8, 16).float())
+    torch.manual_seed(3)
+    first = torch.rand(4)
+    GF.scaled_dot_product_attention(q, q, q, dropout_p=0.5).numpy()
+    second = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(torch.cat([first, second]), torch.rand(8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_embedding_with_padding_row(dtype):
     idx = torch.tensor([[0, 3, 1, 3], [2, 2, 0, 1]])

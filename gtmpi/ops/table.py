@@ -505,11 +505,17 @@ def _attention(q, k, v, mask, dropout_p, is_causal, scale, seed=None):
                                               is_causal=is_causal, scale=scale)
     # dropout: the same mask from the same gtmpi seed, on any worker. torch's kernel draws from
     # the device's default generator, so that generator is lent this op's state for the call
-    # (graph-safe on a GPU, where a captured graph passes its own generator)
+    # (graph-safe on a GPU, where a captured graph passes its own generator). On the CPU it is
+    # the process's own: an embedded worker shares it with the program, whose draws (a batch's
+    # indices) must go on as if no attention ran, so its state is put back after
     if q.device.type != "cuda":
-        torch.manual_seed(seed)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale)
+        kept = torch.default_generator.get_state()
+        torch.default_generator.manual_seed(seed)
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale)
+        finally:
+            torch.default_generator.set_state(kept)
     default = torch.cuda.default_generators[q.device.index or 0]
     kept = default.graphsafe_get_state()
     default.graphsafe_set_state(_generator(seed, q.device))
