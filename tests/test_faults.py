@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
 
 import gtmpi
 import gtmpi.nn.functional as F
-from conftest import HOME_DEVICE
+from conftest import HOME_DEVICE, UNDER_MPI, run_job
 
 # On a GPU an index or label out of range is a device-side assert, which breaks the process's
 # CUDA context for good, in gtmpi's worker as in torch: those cases run on CPU workers.
@@ -321,3 +322,36 @@ def test_a_checkpoint_counts_the_adam_steps_the_workers_ran():
     again = gtmpi.optim.AdamW(m.parameters(), lr=0.1)
     again.load_state_dict(opt.state_dict())
     assert [int(s["step"]) for s in again.state_dict()["state"].values()] == [2, 2]
+
+
+# the workers' allocator refuses one shape, as a GPU too small for a model's weight would
+_NO_ROOM = """
+import os, torch
+if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")) != "0":
+    _empty = torch.empty
+    def empty(*size, **kw):
+        if size and not isinstance(size[0], int) and tuple(size[0]) == (1237, 8500):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.11 MiB")
+        return _empty(*size, **kw)
+    torch.empty = empty
+"""
+
+
+@pytest.mark.skipif(UNDER_MPI, reason="starts its own job; run from the serial suite")
+def test_an_upload_with_no_room_fails_as_torchs_out_of_memory_and_the_job_goes_on(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_NO_ROOM)
+    proc, _ = run_job(tmp_path, """
+        import numpy as np, gtmpi
+        big = gtmpi.from_numpy(np.ones((1237, 8500), dtype=np.float32))  # 42 MB: two messages
+        try:
+            (big * 2).sum().item()
+        except gtmpi.WorkerError as e:
+            print("ERROR", e)
+        after = gtmpi.from_numpy(np.full((1000, 8500), 3.0, dtype=np.float32))
+        print("AFTER", after.sum().item())
+        """, 100, n=2, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    error = next(line for line in proc.stdout.splitlines() if line.startswith("ERROR"))
+    assert "op 'upload' issued at" in error and "prog.py:5" in error  # where it is used
+    assert "OutOfMemoryError: CUDA out of memory" in error
+    assert "AFTER 25500000.0" in proc.stdout  # the refused bytes were drained, not read as these

@@ -32,39 +32,67 @@ def cuda_event() -> torch.cuda.Event:
 class Control:
     def _upload(self, out: int, args: tuple) -> None:
         shape, dtype = args
-        if self.device.type == "cuda" and math.prod(shape) * dtype.itemsize > UPLOAD_PIECE_BYTES:
-            value = self._upload_in_pieces(shape, dtype)
-        else:
-            # pinned, so that the copy joins the stream without waiting for it: a copy from
-            # pageable memory holds this host until the GPU has finished all it was given,
-            # and the next step's graph is launched only after it (the GPU idles meanwhile).
-            # torch's pinned-memory cache keeps the buffer until the copy is done.
-            gpu = self.device.type == "cuda"
-            host = torch.empty(shape, dtype=dtype, pin_memory=gpu)
-            buf = as_bytes(host)
-            for a, b in upload_pieces(buf.nbytes):
-                self.link.recv_upload(buf[a:b])
-            value = host if self.device.type == "cpu" else host.to(self.device, non_blocking=gpu)
+        pieces = upload_pieces(math.prod(shape) * dtype.itemsize)
+        try:
+            if self.device.type == "cuda" and pieces[-1][1] > UPLOAD_PIECE_BYTES:
+                value = self._upload_in_pieces(shape, dtype, pieces)
+            else:
+                value = self._upload_whole(shape, dtype, pieces)
+        except _NoRoom as e:
+            # a model larger than this device: the tensor fails as an op would, and the program
+            # reads torch's own error where it uses it; the job goes on
+            self._fail(out, self._fault(out, "upload", e.__cause__))
+            return
         self.stats["bytes_received"] += value.nbytes
         if self.trace is not None:
             self.trace.annotate(nbytes=value.nbytes, peer=0)
         self.env[out] = value
 
-    def _upload_in_pieces(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def _upload_whole(self, shape: torch.Size, dtype: torch.dtype, pieces: list) -> torch.Tensor:
+        # pinned, so that the copy joins the stream without waiting for it: a copy from
+        # pageable memory holds this host until the GPU has finished all it was given, and
+        # the next step's graph is launched only after it (the GPU idles meanwhile). torch's
+        # pinned-memory cache keeps the buffer until the copy is done.
+        gpu = self.device.type == "cuda"
+        host = self._allocate(pieces, lambda: torch.empty(shape, dtype=dtype, pin_memory=gpu))
+        buf = as_bytes(host)
+        for a, b in pieces:
+            self.link.recv_upload(buf[a:b])
+        if not gpu:
+            return host
+        try:
+            return host.to(self.device, non_blocking=True)
+        except torch.OutOfMemoryError as e:
+            raise _NoRoom from e
+
+    def _upload_in_pieces(self, shape: torch.Size, dtype: torch.dtype,
+                          pieces: list) -> torch.Tensor:
         """A large upload received a piece at a time into two pinned buffers kept for it, each
         piece copied to the GPU while the next one arrives."""
         if not self.staging:
             self.staging = [(torch.empty(UPLOAD_PIECE_BYTES, dtype=torch.uint8, pin_memory=True),
                              torch.cuda.Event()) for _ in range(2)]
-        value = torch.empty(shape, dtype=dtype, device=self.device)
+        value = self._allocate(pieces, lambda: torch.empty(shape, dtype=dtype,
+                                                           device=self.device))
         dst = value.view(-1).view(torch.uint8)
-        for i, (a, b) in enumerate(upload_pieces(value.nbytes)):
+        for i, (a, b) in enumerate(pieces):
             stage, copied = self.staging[i % len(self.staging)]
             copied.synchronize()  # the piece before last has left this buffer
             self.link.recv_upload(as_bytes(stage)[:b - a])
             dst[a:b].copy_(stage[:b - a], non_blocking=True)
             copied.record()
         return value
+
+    def _allocate(self, pieces: list, make) -> torch.Tensor:
+        """An upload's memory; where there is none, its messages are received all the same
+        (rank 0 sends them whatever happens here), a piece at a time into one small buffer."""
+        try:
+            return make()
+        except (RuntimeError, MemoryError) as e:  # torch's OutOfMemoryError is a RuntimeError
+            scratch = as_bytes(torch.empty(max(pieces[0][1], 1), dtype=torch.uint8))
+            for a, b in pieces:
+                self.link.recv_upload(scratch[:b - a])
+            raise _NoRoom from e
 
     def _read(self, out, args: tuple) -> None:
         (tid,) = args
@@ -241,6 +269,10 @@ class Control:
 
 
 _SAID: set[str] = set()
+
+
+class _NoRoom(Exception):
+    """An upload found no memory; its cause is the allocator's error."""
 
 
 def _say_once(message: str) -> None:
