@@ -58,10 +58,10 @@ class Control:
         buf = as_bytes(host)
         for a, b in pieces:
             self.link.recv_upload(buf[a:b])
-        if not gpu:
+        if self.device.type == "cpu":
             return host
-        try:
-            return host.to(self.device, non_blocking=True)
+        try:  # a GPU, or a dry run's meta device
+            return host.to(self.device, non_blocking=gpu)
         except torch.OutOfMemoryError as e:
             raise _NoRoom from e
 
