@@ -134,6 +134,35 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def test_steps_time_rank0_per_training_step(tmp_path, capsys):
+    """Steps between the optimizer's updates: as many as the loop made, less one; each issues
+    the same ops; the loss read every step is rank 0's wait, the rest its host time."""
+    path = str(tmp_path / "steps.h5")
+    model = gtmpi.nn.Sequential(gtmpi.nn.Linear(8, 16), gtmpi.nn.ReLU(), gtmpi.nn.Linear(16, 1))
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    gtmpi.synchronize()
+    gtmpi.trace.start(path)
+    for _ in range(6):
+        loss = gtmpi.nn.functional.mse_loss(model(gtmpi.tensor(x)), gtmpi.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss.item()
+    gtmpi.trace.stop()
+    rows = analysis.step_rows(fileformat.read(path))
+    assert len(rows) == 5 and {r["op"] for r in rows} == {"adam_foreach"}
+    assert len({r["issued"] for r in rows}) == 1 and rows[0]["issued"] > 10
+    for r in rows:
+        assert r["wall_ms"] > r["host_ms"] > 0 and r["wait_ms"] > 0
+        assert abs(r["host_ms"] + r["wait_ms"] - r["wall_ms"]) < 1e-6
+    code, out, _ = cli(capsys, "steps", path, "--skip", "1", "--all")
+    assert code == 0 and "5 steps between issues of adam_foreach; from step 1 on" in out
+    assert len(out.strip().splitlines()) == 2 + 5
+    code, _, err = cli(capsys, "steps", path, "--op", "conv2d")
+    assert code == 2 and "no two issues of conv2d" in err
+
+
 def test_summary_ops_idle(traced, capsys):
     trace, _, _ = traced
     code, out, _ = cli(capsys, "summary", trace.path)
@@ -438,6 +467,33 @@ def test_a_run_killed_while_rank0_was_idle_leaves_a_file(tmp_path, capsys):
     assert proc.returncode != 0 and "SUM" in proc.stdout and "DONE" not in proc.stdout
     trace = fileformat.read(str(path))  # written when the trace started, at the latest
     assert trace.meta["status"].startswith("running")
+    assert cli(capsys, "summary", str(path))[0] == 0
+
+
+@job
+def test_snapshots_while_uploads_stream_over_the_embedded_workers_pipe(tmp_path, capsys):
+    """The worker process of plain `python` on a GPU, here on the CPU: rank 0 writing an upload
+    larger than the socket pair holds while the worker writes a snapshot larger than it holds.
+    Both blocked in write() for good (nanoGPT's get_batch, traced, hung that way)."""
+    path = tmp_path / "run.h5"
+    proc, _ = run_job(tmp_path, """
+        import time, numpy as np, gtmpi
+        host = np.ones(80_000, np.float32)  # 320 KB a time, over the socket pair's 200 KB
+        y = gtmpi.tensor(host) * 2
+        start, steps = time.monotonic(), 0
+        while time.monotonic() - start < 2.5:  # snapshots of thousands of events fall due
+            y = gtmpi.tensor(host) * 2
+            steps += 1
+        print("DONE", steps, y.sum().item(), flush=True)
+    """, 60, n=None, env={"GTMPI_EMBEDDED_PROCESS": "1", "GTMPI_TRACE": str(path),
+                          "GTMPI_TRACE_SNAPSHOT_S": "0.5", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    done = proc.stdout.split()
+    assert done[0] == "DONE" and float(done[2]) == 160_000.0
+    trace = fileformat.read(str(path))
+    assert trace.meta["status"] == "ok" and not trace.meta["missing_ranks"]
+    uploads = of(trace.events[1], Kind.TRANSFER)
+    assert names(trace, uploads).count("upload") >= int(done[1]) + 1  # the worker took all
     assert cli(capsys, "summary", str(path))[0] == 0
 
 

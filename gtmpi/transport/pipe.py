@@ -8,16 +8,24 @@ Messages are pickled tuples, in order; large tensor bytes travel raw right after
                    large read as ("read",) + bytes; at the end ("bye", stats)
 One message a batch: each costs a few system calls and a wake-up of the other process.
 The worker's end is run by gtmpi.worker.child; both ends are here, as in transport.local.
+
+Both ends write whole messages, and a socket pair holds about 200 KB: were both ends to block
+writing at once (an upload one way, a trace snapshot or a large read the other), neither would
+read again. So rank 0 never blocks in a write: while the socket takes nothing, it receives what
+the worker sends (_Writer). The worker may then block writing, but only until rank 0 reads.
 """
 from __future__ import annotations
 
+import os
 import select
 import socket
+import struct
 import subprocess
 import sys
 import time
 from collections import deque
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import numpy as np
@@ -66,23 +74,64 @@ class _Channel:
                 return
 
 
+class _Writer:
+    """Writes messages in Connection's framing (what Connection.recv reads at the other end)
+    without blocking: while the socket takes nothing, ``take`` receives what has come (the
+    other end may be blocked writing to us) and the writing goes on once there is room."""
+
+    def __init__(self, conn: Connection, take: Callable[[], None]):
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._take = take
+        self._poller = select.poll()
+        self._poller.register(self._sock.fileno(), select.POLLIN | select.POLLOUT)
+
+    def send(self, obj: Any) -> None:
+        self.send_bytes(ForkingPickler.dumps(obj))
+
+    def send_bytes(self, data: Any) -> None:
+        body = memoryview(data).cast("B")
+        n = body.nbytes
+        header = struct.pack("!i", n) if n <= 0x7fffffff else struct.pack("!iQ", -1, n)
+        parts = [memoryview(header), body] if n else [memoryview(header)]
+        while parts:
+            try:
+                sent = self._sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                self._room()
+                continue
+            while sent:
+                if sent >= parts[0].nbytes:
+                    sent -= parts.pop(0).nbytes
+                else:
+                    parts[0], sent = parts[0][sent:], 0
+
+    def _room(self) -> None:
+        """Wait until the socket takes more; receive meanwhile."""
+        for _, flags in self._poller.poll(WATCH_EVERY_S * 1000):
+            if flags & select.POLLIN:
+                self._take()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class ChildLink:
     """Rank 0's end (see dispatcher.Link)."""
 
     def __init__(self, conn: Connection, proc: subprocess.Popen):
         self.conn, self.proc = conn, proc
         self.channel = _Channel(conn)
+        self._out = _Writer(conn, self._take)
         self._acked = 0
         self._reads: deque[np.ndarray | Fault] = deque()
         self._replies: dict[int, deque] = {}
         self._said_bye = False
 
     def send(self, batch: list, seq: int) -> None:
-        self.conn.send(("batch", seq, batch))
+        self._write(("batch", seq, batch))
 
     def upload(self, data: np.ndarray) -> None:
-        self.conn.send(("upload",))
-        self.conn.send_bytes(data)
+        self._write(("upload",), data)
 
     def start_read(self, buf: np.ndarray) -> np.ndarray:
         return buf
@@ -113,7 +162,15 @@ class ChildLink:
         return 0, 0, now()  # one host: one monotonic clock
 
     def shutdown(self) -> None:
-        self.conn.send(("shutdown",))
+        self._write(("shutdown",))
+
+    def _write(self, msg: tuple, data: np.ndarray | None = None) -> None:
+        try:
+            self._out.send(msg)
+            if data is not None:
+                self._out.send_bytes(data)
+        except OSError:
+            self._ended()
 
     def wait_bye(self, deadline: float) -> bool:
         try:
@@ -121,6 +178,7 @@ class ChildLink:
                 if self._receive()[0] == "bye":
                     self._said_bye = True
                     self.proc.wait(max(0.0, deadline - time.monotonic()))
+                    self._out.close()
                     self.conn.close()
                     return True
         except (EOFError, OSError, subprocess.TimeoutExpired):
@@ -157,8 +215,11 @@ class ChildLink:
             while self.channel.ready():
                 self._receive()
         except (EOFError, OSError):
-            raise RuntimeError(f"gtmpi: worker rank 1 (the embedded worker process, pid "
-                               f"{self.proc.pid}) ended (exit status {self.proc.wait()})") from None
+            self._ended()
+
+    def _ended(self) -> None:
+        raise RuntimeError(f"gtmpi: worker rank 1 (the embedded worker process, pid "
+                           f"{self.proc.pid}) ended (exit status {self.proc.wait()})") from None
 
     def _wait(self, queue: deque, watchdog: Callable[[], None] | None) -> Any:
         """The next item of ``queue``, once the worker has sent it."""

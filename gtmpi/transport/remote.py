@@ -21,14 +21,16 @@ from .tags import Tag
 
 
 class _Sent:
-    """A send: done once the socket has taken all of it (or the connection ended)."""
+    """A send: done once the socket has taken all of it (or the connection ended). Waiting
+    for it takes in what comes meanwhile: a server expels a client that takes nothing of
+    what it was sent for a while, as one sending a large upload over a slow network would."""
 
-    def __init__(self, chan: Channel, through: int) -> None:
-        self.chan, self.through = chan, through
+    def __init__(self, comm: "FrameComm", through: int) -> None:
+        self.comm, self.through = comm, through
 
     def Test(self, status: MPI.Status | None = None) -> bool:
-        self.chan.flush()
-        return self.chan.closed or self.chan.sent >= self.through
+        self.comm.progress()
+        return self.comm.chan.closed or self.comm.chan.sent >= self.through
 
     def Wait(self) -> None:
         wait_for(lambda: True if self.Test() else None)
@@ -96,7 +98,7 @@ class FrameComm:
 
     def match(self, source: int, tag: int, status: MPI.Status | None = None) -> Frame | None:
         """The first frame arrived from ``source`` with ``tag`` (either may be ANY), taken."""
-        self._progress()
+        self.progress()
         for i, f in enumerate(self.chan.frames):
             if _matches(f, source, tag):
                 del self.chan.frames[i]
@@ -107,7 +109,7 @@ class FrameComm:
                 return f
         return None
 
-    def _progress(self) -> None:
+    def progress(self) -> None:
         """What waits to be sent goes on (an upload's rest: the server holds the next round
         until it is whole), and what has come is taken in."""
         self.chan.flush()
@@ -118,19 +120,19 @@ class FrameComm:
         return None if frame is None else _Matched(frame)
 
     def iprobe(self, source: int, tag: int) -> bool:
-        self._progress()
+        self.progress()
         return any(_matches(f, source, tag) for f in self.chan.frames)
 
     def isend(self, obj: Any, dest: int, tag: int) -> _Sent:
         """A client's messages go in the wire's plain layout: the server's processes load
         nothing else (wire.py)."""
-        return _Sent(self.chan, self.chan.send(0, tag, wire.dumps(obj)))
+        return _Sent(self, self.chan.send(0, tag, wire.dumps(obj)))
 
     def send(self, obj: Any, dest: int, tag: int) -> None:
         self.isend(obj, dest, tag).Wait()
 
     def Isend(self, spec: Any, dest: int, tag: int) -> _Sent:
-        return _Sent(self.chan, self.chan.send(0, tag, spec[0]))
+        return _Sent(self, self.chan.send(0, tag, spec[0]))
 
     def Send(self, spec: Any, dest: int, tag: int) -> None:
         self.Isend(spec, dest, tag).Wait()
