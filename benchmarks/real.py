@@ -45,7 +45,10 @@ one iteration's host time, which for an asynchronous runtime need not be the wor
 loss is read every 10th iteration only); the whole run's wall time (start-up, compilation,
 evaluations and checkpoints included) and the evaluations' share of it; tokens/s; the peak GPU
 memory (torch.cuda.max_memory_allocated, read by a wrapper after the program returns: the
-program is not changed); iteration 0's loss and the last one. A table, then one JSON line.
+program is not changed); iteration 0's loss and the last one; with --trace, rank 0's host time
+per iteration (the median from the 10th on, gtmpi-trace steps: the time between two of the
+optimizer's updates that rank 0 did not spend waiting for its worker). A table, then one JSON
+line.
 """
 from __future__ import annotations
 
@@ -198,11 +201,22 @@ def _windows(lines: list) -> tuple[list[float], float]:
     return per_iter, sum(s - n * ms / 1e3 for n, s in with_eval)
 
 
+def _host_ms(path: str) -> float | None:
+    """Rank 0's host time per iteration from the run's trace (gtmpi-trace steps): the median
+    over the iterations from the 10th on, evaluations' included."""
+    from gtmpi.recording import fileformat
+    from gtmpi.trace.analysis import step_rows
+    rows = step_rows(fileformat.read(path))[10:]
+    return round(statistics.median(r["host_ms"] for r in rows), 3) if rows else None
+
+
 def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int | None,
         timeout: int, trace: str | None = None, memory: str | None = None) -> dict:
     print(f"== {name}: {' '.join(cmd)}", flush=True)
+    traced = None
     if trace and name.startswith("gtmpi"):
-        env = {**env, "GTMPI_TRACE": os.path.join(trace, re.sub(r"\W+", "_", name) + ".h5")}
+        traced = os.path.join(trace, re.sub(r"\W+", "_", name) + ".h5")
+        env = {**env, "GTMPI_TRACE": traced}
     if memory:
         memory = os.path.join(memory, re.sub(r"\W+", "_", name))
         env = {**env, "GTMPI_MEMORY_HISTORY": memory}
@@ -228,6 +242,8 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int | N
               "iters": iters[-1][0],
               "peak_gb": round(max(peaks) / 1e9, 3) if peaks else None,
               "ms_each": [round(ms, 1) for ms in per_iter]}
+    if traced:
+        result["host_ms"] = _host_ms(traced)
     print(json.dumps(result), flush=True)
     if memory and os.path.isdir(memory):
         from gtmpi.trace.memory import main as memory_report
@@ -288,8 +304,8 @@ def _config_main(args, gpus: int) -> None:
         for round_ in range(args.rounds):
             results += one_gpu_runs(runs, round_, py, mpiexec, given, dirs, env, None, args)
     print(f"\nnanoGPT train.py {' '.join(given)}")
-    print(f"{'run':24} {'round':>5} {'ms/iter':>8} {'vs torch':>9} {'vs eager':>9} {'run s':>7} "
-          f"{'eval s':>7} {'peak GB':>8} {'loss 0':>8} {'loss last':>9}")
+    print(f"{'run':24} {'round':>5} {'ms/iter':>8} {'host ms':>8} {'vs torch':>9} {'vs eager':>9} "
+          f"{'run s':>7} {'eval s':>7} {'peak GB':>8} {'loss 0':>8} {'loss last':>9}")
     for r in results:
         if r["rc"]:
             print(f"{r['run']:24} failed (rc {r['rc']})")
@@ -301,7 +317,8 @@ def _config_main(args, gpus: int) -> None:
             ratios.append(round(base["ms"] / r["ms"], 3) if base else None)
         r["vs_torch"], r["vs_torch_eager"] = ratios
         shown = [f"{x:8.3f}x" if x else f"{'-':>9}" for x in ratios]
-        print(f"{r['run']:24} {r['round']:5d} {r['ms']:8.2f} {shown[0]} {shown[1]} "
+        print(f"{r['run']:24} {r['round']:5d} {r['ms']:8.2f} {r.get('host_ms') or '-':>8} "
+              f"{shown[0]} {shown[1]} "
               f"{r['wall_s']:7.1f} {r['eval_s']:7.1f} {r['peak_gb'] or '-':>8} "
               f"{r['loss0']:8.4f} {r['loss_last']:9.4f}")
     print(json.dumps({"benchmark": "real", "program": "nanoGPT train.py", "config": args.config,
@@ -374,8 +391,8 @@ def main() -> None:
     first = torch_of.get(0)
     one_gpu = {r["run"]: r for r in results if r["rc"] == 0 and r.get("round", 0) == 0}
     print(f"\nnanoGPT train.py, {args.size}, batch {args.batch} per GPU, {args.iters} iterations")
-    print(f"{'run':28} {'round':>5} {'ms/iter':>9} {'tokens/s':>10} {'vs torch':>9} {'peak GB':>8} "
-          f"{'loss 0':>8} {'loss last':>9}")
+    print(f"{'run':28} {'round':>5} {'ms/iter':>9} {'host ms':>8} {'tokens/s':>10} {'vs torch':>9} "
+          f"{'peak GB':>8} {'loss 0':>8} {'loss last':>9}")
     for r in results:
         if r["rc"]:
             print(f"{r['run']:28} failed (rc {r['rc']})")
@@ -384,7 +401,8 @@ def main() -> None:
         base = torch_of.get(r.get("round"), first)
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         r["vs_torch"] = round(ratio, 3)
-        print(f"{r['run']:28} {r.get('round', 0):5d} {r['ms']:9.2f} {r['tokens_per_s']:10d} "
+        print(f"{r['run']:28} {r.get('round', 0):5d} {r['ms']:9.2f} {r.get('host_ms') or '-':>8} "
+              f"{r['tokens_per_s']:10d} "
               f"{ratio:8.3f}x {r['peak_gb'] if r['peak_gb'] is not None else '-':>8} "
               f"{r['loss0']:8.4f} {r['loss_last']:9.4f}")
     if args.rounds > 1:

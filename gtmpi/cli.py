@@ -6,6 +6,7 @@
     gtmpi-trace timeline run.h5 -o run.png     a picture (PNG, SVG or PDF)
     gtmpi-trace export run.h5 -o run.json      Chrome trace-event JSON for Perfetto
     gtmpi-trace comms run.h5                   collectives and transfers inserted, by line
+    gtmpi-trace steps run.h5                   rank 0's host time per training step
     gtmpi-trace top PORTFILE                   a running server's (or GTMPI_MONITOR run's)
                                                workers and clients, live
 
@@ -18,6 +19,8 @@ import json
 import os
 import sys
 from typing import Sequence, TextIO
+
+import numpy as np
 
 from .recording import fileformat
 from .trace import analysis
@@ -121,6 +124,24 @@ def comms(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> Non
            ("kind", "kind", ""), ("why", "why", ""), ("where", "where", "")], out)
 
 
+def steps(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:
+    rows = analysis.step_rows(trace, args.op)
+    if not rows:
+        raise TraceError(f"{trace.path}: no two issues of {args.op or ' or '.join(analysis.STEP_OPS)} "
+                         "to time a step between (--op names another op that a step issues once)")
+    steady = rows[args.skip:] or rows
+    host = np.array([r["host_ms"] for r in steady])
+    wall = np.array([r["wall_ms"] for r in steady])
+    print(f"{len(rows)} steps between issues of {rows[0]['op']}; from step {steady[0]['step']} "
+          f"on, median per step: wall {np.median(wall):.3f} ms, rank 0's host time "
+          f"{np.median(host):.3f} ms (p10 {np.percentile(host, 10):.3f}, p90 "
+          f"{np.percentile(host, 90):.3f}), the rest waiting for workers", file=out)
+    if args.all:
+        _table(rows, [("step", "step", ""), ("start_ms", "start ms", ".3f"),
+                      ("wall_ms", "wall ms", ".3f"), ("host_ms", "host ms", ".3f"),
+                      ("wait_ms", "wait ms", ".3f"), ("issued", "ops issued", "")], out)
+
+
 def timeline(trace: fileformat.Trace, args: argparse.Namespace, out: TextIO) -> None:
     from .trace.timeline import draw
     ops = [o for o in args.ops.split(",") if o] if args.ops else None
@@ -168,6 +189,12 @@ def parser() -> argparse.ArgumentParser:
                    help="shortest gap listed, in microseconds (default 100)")
     command("comms", comms, "every collective and transfer gtmpi inserted, by the program's "
             "line that caused it: count, bytes, and whether a signal or a read asked for it")
+    c = command("steps", steps, "rank 0's time per training step (between issues of the "
+                "optimizer's update): wall, waiting for workers, and host time, the rest")
+    c.add_argument("--op", help="the op issued once a step (default: the optimizer's update)")
+    c.add_argument("--skip", type=int, default=10, help="steps left out of the median, the "
+                   "first ones (default 10: start-up, recording)")
+    c.add_argument("--all", action="store_true", help="a row per step")
     c = command("timeline", timeline, "a picture with a lane for the client, the dispatcher and "
                 "each worker")
     c.add_argument("-o", "--output", required=True, help="picture file: .png, .svg or .pdf")

@@ -165,6 +165,36 @@ def wait_rows(trace: Trace) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["total_us"])
 
 
+STEP_OPS = ("adam_foreach", "sgd_foreach")  # an optimizer's update: once a training step
+
+
+def step_rows(trace: Trace, op: str | None = None) -> list[dict[str, Any]]:
+    """Rank 0's time per training step: from one issue of ``op`` (by default the optimizer's
+    update, the first of STEP_OPS issued) to the next (issues of it in a row, one per parameter
+    group, start one step), its wall time, the time rank 0 waited for workers in it (reads,
+    syncs, back-pressure) and the rest, rank 0's host time: the program's Python, autograd's
+    record and gtmpi's issue and dispatch. Empty when ``op`` was never issued."""
+    table = trace.events.get(0, np.zeros(0))
+    if not len(table):
+        return []
+    issues = select(table, (Kind.ISSUE,), Lane.CLIENT)
+    names = np.array([trace.name(int(n)) for n in issues["name"]], dtype=object)
+    if op is None:
+        op = next((o for o in STEP_OPS if (names == o).any()), None)
+    mine = names == op
+    first = mine & ~np.concatenate([[False], mine[:-1]])
+    starts = issues["t0"][first]
+    waits = select(table, (Kind.WAIT,))
+    w0, w1 = _merged(waits["t0"], waits["t1"])
+    rows = []
+    for i, (t0, t1) in enumerate(zip(starts[:-1], starts[1:])):
+        waited = int((np.clip(w1, t0, t1) - np.clip(w0, t0, t1)).sum())
+        rows.append({"step": i, "op": op, "start_ms": t0 / 1e6, "wall_ms": (t1 - t0) / 1e6,
+                     "wait_ms": waited / 1e6, "host_ms": (t1 - t0 - waited) / 1e6,
+                     "issued": int(((issues["t0"] >= t0) & (issues["t0"] < t1)).sum())})
+    return rows
+
+
 def gap_rows(trace: Trace, min_gap_ns: int, top: int = 5) -> list[dict[str, Any]]:
     """Per worker: idle gaps between its work longer than ``min_gap_ns``, the longest first."""
     rows = []
