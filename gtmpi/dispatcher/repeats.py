@@ -414,6 +414,16 @@ class Repeats:
 
     def close(self) -> None:
         """The run held so far goes out: replayed if it repeats, else as written."""
+        # a trace's snapshot word sent from a flush in the middle would send the frees owed
+        # since ahead of the run's remaining instructions, which may read them
+        d = self.d
+        tick, d.trace_tick = d.trace_tick, None
+        try:
+            self._close()
+        finally:
+            d.trace_tick = tick
+
+    def _close(self) -> None:
         if self.stale:
             self._drop_stale()
         if self.ahead is not None and self._close_ahead():
