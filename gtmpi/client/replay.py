@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import os
 import types
 import warnings
@@ -70,6 +71,7 @@ class Replayable:
         self._kept: dict[Any, list[_Recorded]] = {}
         self._said = False
         self._named: tuple = ()  # outside(fn, named=True) at the last recording
+        self.guard = Guard(fn)
         self.replays = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -83,11 +85,11 @@ class Replayable:
             d.in_replayable -= 1
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        if os.environ.get("GTMPI_REPLAY", "1") == "0":
-            return self.fn(*args, **kwargs)
         rt = runtime()
+        if os.environ.get("GTMPI_REPLAY", "1") == "0" or rt.dispatcher.recording is not None:
+            return self.fn(*args, **kwargs)  # inside another's recording: part of it
         inputs: list[Tensor] = []
-        key = (_signature(rt, (args, kwargs), inputs), outside(self.fn))
+        key = (_signature(rt, (args, kwargs), inputs), self.guard.key())
         if key not in self._kept and len(self._kept) >= SIGNATURES_MAX:
             self._differ(key)
             return self.fn(*args, **kwargs)
@@ -103,7 +105,7 @@ class Replayable:
         if calls <= self.warmup or calls > self.warmup + RECORDINGS_MAX:
             return self.fn(*args, **kwargs)
         self._named = outside(self.fn, named=True)  # to say what changed, should it
-        result, rec = _record(rt, self.fn, args, kwargs, inputs, _tensor_ids(key))
+        result, rec = _record(rt, self.fn, args, kwargs, inputs, _tensor_ids(key[0]) | self.guard.tensor_ids())
         kept.append(rec)
         return result
 
@@ -278,8 +280,11 @@ _FULL = (2 * _DEPTH, None)  # a recording's walk for the tensors it read
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _LEAVES = (Tensor, *_PLAIN)
 _TABLES = ("_parameters", "_buffers", "_modules")
-_MODULE_INTERNALS = frozenset({*_TABLES, "_non_persistent", "_forward_hooks",
-                               "_forward_pre_hooks"})
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+_MODULE_INTERNALS = frozenset({*_TABLES, *_HOOKS, "_non_persistent", "_capture"})
+# a Guard's checks, by kind (first item)
+_TENSOR, _GLOBAL, _CELL, _CLASS, _LOOSE = range(5)
+_ABSENT = object()  # a global not bound (a builtin read by name)
 # classes whose attributes are the library's own, not a program's state: not walked
 _LIBRARIES = ("builtins", "gtmpi", "torch", "numpy", "collections", "typing", "abc",
               "functools", "enum")
@@ -302,12 +307,16 @@ def _walked(value: Any) -> bool:
 class _Walk:
     """One walk from a function (or an argument) over what a replay depends on: ``found``
     in order, each thing once (``seen``), at most ``depth`` steps away and ``items`` items of
-    each container (None: all); ``named``: with where each was found."""
+    each container (None: all); ``named``: with where each was found. ``checks`` (a Guard's
+    walk) collects what tells the answer unchanged later without walking again."""
 
-    def __init__(self, named: bool, depth: int, items: int | None) -> None:
+    def __init__(self, named: bool, depth: int, items: int | None,
+                 checks: list | None = None, lists: bool = False) -> None:
         self.named, self.depth, self.items = named, depth, items
         self.found: list = []
         self.seen: set = set()
+        self.checks = checks
+        self.lists = lists  # a list's numbers and strings count too (a module's capture)
 
     def note(self, where: str | None, what: Any) -> None:
         self.found.append((where, what) if self.named else what)
@@ -323,9 +332,29 @@ class _Walk:
         if id(value) in self.seen or depth > self.depth or isinstance(value, types.ModuleType):
             return
         self.seen.add(id(value))
+        checks = self.checks
+        if checks is not None and _loose(value):
+            # what it holds can change unseen (a list appended to, a config's field set): its
+            # own walk is compared on every call; its insides need no checks of their own
+            checks.append((_LOOSE, value, depth, inside_library,
+                           _content(value, depth, inside_library, self.depth, self.items,
+                                    self.lists)))
+            self.checks = None
+            try:
+                self.reach_inside(value, path, depth, inside_library)
+            finally:
+                self.checks = checks
+            return
+        self.reach_inside(value, path, depth, inside_library)
+
+    def reach_inside(self, value: Any, path: str | None, depth: int,
+                     inside_library: bool) -> None:
+        checks = self.checks
         if isinstance(value, Tensor):
             # which tensor, and whether it takes gradients (a layer frozen after the recording)
             self.note(path, ("tensor", value.id, value.requires_grad))
+            if checks is not None:
+                checks.append((_TENSOR, weakref.ref(value), value.id, value.requires_grad))
         elif "_modules" in getattr(value, "__dict__", ()):  # an nn.Module
             # its class (a ReLU swapped for a Tanh holds nothing else that differs)
             self.note(path and f"{path}.__class__", type(value))
@@ -336,6 +365,9 @@ class _Walk:
                     # set to eval() deep inside it must be seen
                     for key, sub in item.items():
                         self.reach(sub, path and f"{path}.{key}", depth)
+                elif name in _HOOKS:  # what a hook reads changes the call's result too
+                    for key, hook in item.items():
+                        self.reach(hook, path and f"{path}.{name}[{key}]", depth + 1)
                 elif name not in _MODULE_INTERNALS:
                     self.reach(item, path and f"{path}.{name}", depth + 1)
             self.class_state(type(value), path, depth)
@@ -348,23 +380,31 @@ class _Walk:
                 self.note(path, fn.__code__)  # a name rebound to another function
             names = fn.__globals__
             for name in _global_names(fn.__code__):
-                if name in names:
-                    self.reach(names[name], self.named and name or None, depth + 1)
+                found = names.get(name, _ABSENT)
+                if checks is not None:  # a global rebound (or bound where a builtin was read)
+                    checks.append((_GLOBAL, names, name, found))
+                if found is not _ABSENT:
+                    self.reach(found, self.named and name or None, depth + 1)
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                 try:
-                    self.reach(cell.cell_contents, self.named and name or None, depth + 1)
+                    contents = cell.cell_contents
                 except ValueError:  # a cell not yet filled
-                    pass
+                    contents = _ABSENT
+                if checks is not None:
+                    checks.append((_CELL, cell, contents))
+                if contents is not _ABSENT:
+                    self.reach(contents, self.named and name or None, depth + 1)
         elif isinstance(value, tuple):  # made whole, never appended to: all it holds counts
             for key, item in enumerate(value[:self.items]):
                 self.reach(item, path and f"{path}[{key}]", depth + 1)
         elif isinstance(value, (list, dict)):
             # a list is walked for the code, modules and tensors it holds (a pipeline's
-            # stages), not for its numbers: a list of numbers a step appends to is no reason to
-            # record again; a dict's numbers and strings count (a config's)
+            # stages), not for its numbers unless ``lists``: a list of numbers a replayable step
+            # appends to is no reason to record again; a dict's numbers and strings count (a
+            # config's)
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in list(items)[:self.items]:
-                if not isinstance(item, _PLAIN) or (isinstance(value, dict) and
+                if not isinstance(item, _PLAIN) or ((self.lists or isinstance(value, dict)) and
                                                     not inside_library):
                     self.reach(item, path and f"{path}[{key!r}]", depth + 1, inside_library)
         elif isinstance(value, type):
@@ -393,7 +433,111 @@ class _Walk:
             for name, item in vars(klass).items():
                 # its numbers, and its methods: what they read by name (forward's globals)
                 if isinstance(item, (*_LEAVES, types.FunctionType)) and not name.startswith("__"):
+                    if self.checks is not None:  # a class attribute set anew (self.X, Cls.X)
+                        self.checks.append((_CLASS, klass, name, item))
                     self.reach(item, path and f"{path}.{name}", depth + 1)
+
+
+def _loose(value: Any) -> bool:
+    """Whether what ``value`` holds can change without a module's change (which bumps
+    STATE): a container, or an object that is neither a module, a tensor, a function nor a
+    class."""
+    if isinstance(value, (tuple, list, dict)):
+        return True
+    return hasattr(value, "__dict__") and "_modules" not in value.__dict__ and not isinstance(
+        value, (Tensor, type, types.FunctionType, types.MethodType, Replayable))
+
+
+def _content(value: Any, depth: int, inside_library: bool, most: int, items: int | None,
+             lists: bool) -> tuple:
+    """What a walk finds in ``value`` alone (a loose check's answer)."""
+    walk = _Walk(False, most, items, lists=lists)
+    walk.reach(value, None, depth, inside_library)
+    return tuple(walk.found)
+
+
+class StateVersion:
+    """A count that every change which can change what a module's Python does bumps: an
+    attribute, submodule, parameter or buffer set, registered or deleted, train()/eval(), a
+    hook added or removed (nn/module.py). A Guard walks the modules again only when it moved;
+    what a module's change does not bump (a list appended to, a global rebound, a tensor's
+    requires_grad or id) its checks see."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def bump(self) -> None:
+        self.value += 1
+
+
+STATE = StateVersion()
+_answers = itertools.count()  # numbers for a Guard's distinct answers, never reused
+
+
+class Guard:
+    """outside(root), at the cost of checks when nothing changed: the answer's number (equal
+    numbers, equal answers), walked again only when STATE moved or a check fails (a tensor
+    whose id or requires_grad changed, a global, closure cell or class attribute rebound, a
+    container's or plain object's content changed)."""
+
+    NUMBERS_MAX = 64  # distinct answers remembered (a forgotten one gets a new number)
+
+    def __init__(self, root: Any, lists: bool = False) -> None:
+        self.root = root
+        self.lists = lists  # whether a list's numbers count (_Walk)
+        self.version = -1
+        self.checks: list = []
+        self.found: tuple = ()
+        self.number = -1
+        self._numbers: dict[tuple, int] = {}
+        self.walks = 0  # full walks done (the rest were checks)
+
+    def key(self) -> int:
+        if self.version != STATE.value or not self._holds():
+            self._walk()
+        return self.number
+
+    def tensor_ids(self) -> set[int]:
+        """The ids of the tensors the answer names (each call's key follows them)."""
+        return _tensor_ids(self.found)
+
+    def _walk(self) -> None:
+        self.walks += 1
+        self.version = STATE.value
+        walk = _Walk(False, *_BOUNDS, [], self.lists)
+        walk.reach(self.root, None, 0)
+        self.checks, self.found = walk.checks, tuple(walk.found)
+        if len(self._numbers) >= self.NUMBERS_MAX:
+            self._numbers.clear()
+        self.number = self._numbers.setdefault(self.found, next(_answers))
+
+    def _holds(self) -> bool:
+        for check in self.checks:
+            kind = check[0]
+            if kind == _TENSOR:
+                t = check[1]()
+                if t is None or t._id != check[2] or t._host is not None or \
+                        t.requires_grad != check[3]:
+                    return False
+            elif kind == _GLOBAL:
+                if check[1].get(check[2], _ABSENT) is not check[3]:
+                    return False
+            elif kind == _CELL:
+                try:
+                    contents = check[1].cell_contents
+                except ValueError:
+                    contents = _ABSENT
+                if contents is not check[2]:
+                    return False
+            elif kind == _CLASS:
+                if check[1].__dict__.get(check[2], _ABSENT) is not check[3]:
+                    return False
+            elif _content(check[1], check[2], check[3], _DEPTH, _BOUNDS[1],
+                          self.lists) != check[4]:
+                return False
+        return True
 
 
 @functools.lru_cache(maxsize=256)

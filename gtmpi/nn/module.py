@@ -12,7 +12,9 @@ import torch
 
 from ..autograd import no_grad, zero_grads
 from ..client.creation import beside, tensor
+from ..client.replay import STATE
 from ..client.tensor import Tensor, split_device
+from . import capture
 from .parameter import Parameter
 
 _hook_ids = itertools.count()
@@ -32,6 +34,7 @@ class RemovableHandle:
 
     def remove(self) -> None:
         self._hooks.pop(self._key, None)
+        STATE.bump()
 
 
 class Module:
@@ -45,6 +48,7 @@ class Module:
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        STATE.bump()  # a capture's guard walks the modules again (client/replay.py)
         buffers = self.__dict__.get("_buffers")
         if buffers is not None and name in buffers and (value is None or
                                                         type(value) is Tensor):
@@ -67,6 +71,7 @@ class Module:
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __delattr__(self, name: str) -> None:
+        STATE.bump()
         for table in (self._parameters, self._buffers, self._modules):
             if name in table:
                 del table[name]
@@ -76,6 +81,7 @@ class Module:
     def register_buffer(self, name: str, value: Tensor | None, persistent: bool = True) -> None:
         """A tensor the module keeps and moves with it; in the state dict unless not
         ``persistent`` (torch's rule)."""
+        STATE.bump()
         self.__dict__.pop(name, None)
         self._buffers[name] = value
         if isinstance(value, Tensor):
@@ -86,9 +92,11 @@ class Module:
             self._non_persistent.add(name)
 
     def register_parameter(self, name: str, value: Parameter | None) -> None:
+        STATE.bump()
         self._parameters[name] = value
 
     def add_module(self, name: str, module: "Module | None") -> None:
+        STATE.bump()
         self._modules[name] = module
 
     register_module = add_module
@@ -103,6 +111,9 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return capture.call(self, args, kwargs, self._call)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         for hook in list(self._forward_pre_hooks.values()):
             changed = hook(self, args)
             if changed is not None:
@@ -127,6 +138,7 @@ class Module:
     def _hook(hooks: dict, hook: Callable) -> RemovableHandle:
         key = next(_hook_ids)
         hooks[key] = hook
+        STATE.bump()
         return RemovableHandle(hooks, key)
 
     # traversal: torch's orders, each module and each tensor once -----------------------------
@@ -191,6 +203,7 @@ class Module:
     # modes and state ------------------------------------------------------------------------
 
     def train(self, mode: bool = True) -> "Module":
+        STATE.bump()
         for m in self.modules():
             object.__setattr__(m, "training", mode)
         return self
@@ -286,6 +299,7 @@ class Module:
                 for name, b in list(module._buffers.items()):
                     if b is not None and b.dtype.is_floating_point:
                         module._buffers[name] = b.to(dtype)
+                        STATE.bump()
         return self
 
     def cpu(self) -> "Module":
