@@ -30,6 +30,9 @@ The runs:
   mpiexec      mpiexec -n 2 python train.py (gtmpi), one GPU
   embedded-eager, mpiexec-eager
                the same with GTMPI_AUTO_REPLAY=0 (repeated runs not replayed: no CUDA graphs)
+  embedded-captured, mpiexec-captured
+               the same with GTMPI_CAPTURE=1 (the model's calls captured: nn/capture.py)
+  torch-compiled  the original with --compile=True (the default runs are eager)
   ddp          torchrun --nproc-per-node N train.py (the original's own DDP), N GPUs, batch
                --batch per GPU (gradient_accumulation_steps N: one micro-step each)
   dp-config    GTMPI_CONFIG=configs/ddp.yaml mpiexec -n N+1 python train.py (gtmpi, the
@@ -267,12 +270,17 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
     if "torch-eager" in runs:
         out.append(one("torch eager", [py, "run.py", *args_, "--compile=False"], dirs["torch"],
                        env))
-    for eager in ("", "-eager"):
-        genv = {**env, "GTMPI_AUTO_REPLAY": "0"} if eager else env
-        if "embedded" + eager in runs:
-            out.append(one("gtmpi embedded" + eager, [py, "run.py", *args_], dirs["gtmpi"], genv))
-        if "mpiexec" + eager in runs:
-            out.append(one("gtmpi mpiexec -n 2" + eager,
+    if "torch-compiled" in runs:
+        out.append(one("torch compiled", [py, "run.py", *args_, "--compile=True"], dirs["torch"],
+                       env))
+    variants = {"": {}, "-eager": {"GTMPI_AUTO_REPLAY": "0"}, "-captured": {"GTMPI_CAPTURE": "1"}}
+    for variant, extra in variants.items():
+        genv = {**env, **extra}
+        if "embedded" + variant in runs:
+            out.append(one("gtmpi embedded" + variant, [py, "run.py", *args_], dirs["gtmpi"],
+                           genv))
+        if "mpiexec" + variant in runs:
+            out.append(one("gtmpi mpiexec -n 2" + variant,
                            [*mpiexec, "-n", "2", py, "run.py", *args_], dirs["gtmpi"], genv))
     return out
 

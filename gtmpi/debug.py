@@ -87,8 +87,9 @@ def explain(file: TextIO | None = None) -> dict[tuple[str, str, bool], tuple[int
     caused it: kind, count (per worker taking part; a transfer once) and bytes, and whether a
     signal or a read asked for it or the placement rules fell back to it. Printed as a table
     (largest bytes first) and returned as {(site, kind, asked): (count, bytes)}. Then how each
-    replayed function runs: as a CUDA graph, or op by op and why (``graph_notes()``), and what
-    repeated runs replayed (``repeats()``)."""
+    replayed function runs: as a CUDA graph, or op by op and why (``graph_notes()``), how
+    captured module calls ran (``captures()``), and what repeated runs replayed
+    (``repeats()``)."""
     from .client.runtime import runtime
     inserted = {k: tuple(v) for k, v in runtime().dispatcher.placer.inserted.items()}
     out = file or sys.stdout
@@ -99,6 +100,9 @@ def explain(file: TextIO | None = None) -> dict[tuple[str, str, bool], tuple[int
               file=out)
     for name, note in graph_notes().items():
         print(f"replayed {name}: {note}", file=out)
+    for name, counts in captures().items():
+        said = ", ".join(f"{n} {why}" for why, n in counts.most_common())
+        print(f"captured {name}: {said}", file=out)
     said = repeats()
     if said is not None:
         print(said, file=out)
@@ -120,6 +124,14 @@ def repeats() -> str | None:
     from .client.runtime import runtime
     found = runtime().dispatcher.repeats
     return None if found is None else found.report()
+
+
+def captures() -> dict[str, Any]:
+    """Per module whose outermost calls are captured (GTMPI_CAPTURE=1, nn/capture.py), by
+    its class and where it was first called: how many calls were replayed, and how many ran
+    as written and why (a Counter)."""
+    from .client.runtime import runtime
+    return dict(runtime().capture_notes)
 
 
 def graph_notes() -> dict[str, str]:

@@ -78,6 +78,8 @@ class Runtime:
         # while a replayable call is recorded (client/replay.py): id(leaf) -> (leaf, the
         # gradient it had before backward gave it one)
         self.leaves: dict[int, tuple] | None = None
+        self.module_calls = 0  # module calls running now (nn/capture.py captures the outermost)
+        self.capture_notes: dict[str, Any] = {}  # per captured module: how its calls ran
         self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
         self.dispatcher.placer.site = self.current_site
         self.dispatcher.placer.strict = os.environ.get("GTMPI_PLACEMENT", "") == "strict"

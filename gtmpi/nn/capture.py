@@ -1,0 +1,368 @@
+"""Module calls captured: an unchanged program's steady loop runs no forward Python.
+
+The outermost call of a module (``model(x, y)``; not one made inside another's forward) is
+keyed by its arguments (client/replay.py's signature: shapes, dtypes, placements, constants,
+grad mode, autocast, signal scopes) and by what its Python reads besides them (a Guard over
+the module: its tree, training flags, parameters and buffers, hooks, the globals and class
+attributes its code reads). Its first call of a key runs as written; the second runs as
+written while the workers' instructions are recorded into a program (dispatcher/programs.py),
+as ``gtmpi.replayable`` records; from the third on, a call whose key matches runs that program
+on one word per worker and hands back its outputs without running the module's Python.
+
+Autograd sees one node per captured call (engine.function), over the parameters it reaches:
+its backward is the recorded backward program, one word per worker. That program is recorded
+at the first backward through the recording call: its autograd graph, kept whole under the
+one node, is run then with the dispatcher recording (torch.autograd.grad of the parameters).
+The tensors that graph read (the forward's activations the rules keep) are the forward
+program's outputs too, handed to the backward program per call; so are the call's own inputs
+(an embedding's indices). The engine accumulates the parameters' gradients as for any node.
+
+What would make a replay differ from running the Python is part of the key or checked: a
+changed module (STATE's version; every attribute set, train()/eval(), hooks), a tensor whose
+id or requires_grad changed, a global or class attribute rebound, a container's content. What
+cannot be followed is refused with its reason, and the call runs as written
+(``gtmpi.debug.explain()`` says per module and call site): an argument that requires grad, a
+result that is not tensors, a tensor the forward kept outside its results, activation
+checkpointing inside, a tensor read that no guard follows.
+
+GTMPI_CAPTURE=1 turns it on (off by default this round: unchecked on GPUs at scale).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from collections import Counter
+from typing import Any, Callable
+
+from ..autograd import engine
+from ..client import gradmode
+from ..client.replay import (RECORDINGS_MAX, SIGNATURES_MAX, Guard, _build, _signature,
+                             _template, _tensor_ids)
+from ..client.creation import zeros, zeros_like
+from ..client.runtime import Runtime, runtime
+from ..client.tensor import Tensor
+from ..errors import ReplayError
+
+WARMUP = 1  # calls of a key run as written before one is recorded (lazy state settles)
+
+
+def enabled() -> bool:
+    return os.environ.get("GTMPI_CAPTURE", "0") == "1"
+
+
+def call(module: Any, args: tuple, kwargs: dict, as_written: Callable) -> Any:
+    """``module(*args, **kwargs)``: replayed where a recording fits, else ``as_written``."""
+    rt = runtime()
+    d = rt.dispatcher
+    if rt.module_calls or d.in_replayable or d.recording is not None or not enabled():
+        return as_written(*args, **kwargs)
+    captured = module.__dict__.get("_capture")
+    if captured is None:
+        captured = Captured(module, rt)
+        object.__setattr__(module, "_capture", captured)  # no STATE bump: nothing it reads
+    rt.module_calls += 1
+    d.in_replayable += 1  # what it makes is made by the workers, as a replay makes it
+    try:
+        return captured.call(rt, args, kwargs, as_written)
+    finally:
+        rt.module_calls -= 1
+        d.in_replayable -= 1
+
+
+class Captured:
+    """One module's recorded calls, by key."""
+
+    def __init__(self, module: Any, rt: Runtime) -> None:
+        self.guard = Guard(module, lists=True)  # never stale: a list's numbers count too
+        self.name = f"{type(module).__name__} (called at {rt.current_site()})"
+        self.calls: dict[Any, int] = {}
+        self.kept: dict[Any, list[_Call]] = {}
+        self.refused: dict[Any, str] = {}
+        same = sum(name.startswith(self.name) for name in rt.capture_notes)
+        if same:  # another model called at the same line: each says its own
+            self.name += f" #{same + 1}"
+        self.notes: Counter = rt.capture_notes.setdefault(self.name, Counter())
+
+    def call(self, rt: Runtime, args: tuple, kwargs: dict, as_written: Callable) -> Any:
+        inputs: list[Tensor] = []
+        try:
+            signature = _signature(rt, (args, kwargs), inputs)
+        except ReplayError:
+            return self._as_written("an argument has an autograd graph or cannot be compared",
+                                    as_written, args, kwargs)
+        if any(t.requires_grad for t in inputs):
+            return self._as_written("an argument requires grad", as_written, args, kwargs)
+        key = (signature, self.guard.key())
+        kept = self.kept.get(key)
+        if kept:
+            for rec in list(kept):
+                if not rec.fits(rt):
+                    rec.drop(rt)
+                    kept.remove(rec)
+                elif rec.ready():
+                    self.notes["replayed"] += 1
+                    return rec.replay(rt, inputs)
+        why = self.refused.get(key)
+        if why is not None:
+            return self._as_written(why, as_written, args, kwargs)
+        if key not in self.calls and len(self.calls) >= SIGNATURES_MAX:
+            return self._as_written(f"more than {SIGNATURES_MAX} keys (shapes, constants or "
+                                    "what it reads differ call to call)", as_written, args,
+                                    kwargs)
+        calls = self.calls[key] = self.calls.get(key, 0) + 1
+        if calls <= WARMUP:
+            return self._as_written("warm-up", as_written, args, kwargs)
+        if calls > WARMUP + RECORDINGS_MAX:
+            return self._as_written(f"{RECORDINGS_MAX} recordings of one key never replayed",
+                                    as_written, args, kwargs)
+        self.notes["as written: recorded"] += 1
+        followed = _tensor_ids(signature) | self.guard.tensor_ids()
+        result, rec, why = _record(rt, self.name, args, kwargs, inputs, as_written, followed)
+        if rec is not None:
+            self.kept.setdefault(key, []).append(rec)
+        elif why is not None:
+            self.refused[key] = why
+            self.notes[f"as written: {why}"] += 1
+        return result
+
+    def _as_written(self, why: str, as_written: Callable, args: tuple, kwargs: dict) -> Any:
+        self.notes[f"as written: {why}"] += 1
+        return as_written(*args, **kwargs)
+
+
+class _Root:
+    """An output of a recording call as the engine's backward starts from it: where it
+    stands in the call's own autograd graph."""
+
+    __slots__ = ("_node", "_slot", "_sig", "requires_grad")
+
+    def __init__(self, t: Tensor) -> None:
+        self._node, self._slot, self._sig, self.requires_grad = t._node, t._slot, t._sig, True
+
+    @property
+    def shape(self) -> Any:
+        return self._sig[0]
+
+    @property
+    def dtype(self) -> Any:
+        return self._sig[1]
+
+
+class _Backward:
+    """A recorded backward program: which output gradients it takes, and which parameter
+    each of its outputs is the gradient of."""
+
+    def __init__(self, program: Any, grads_in: list[int], params_out: list[int | None],
+                 sigs: list[tuple]) -> None:
+        self.program = program
+        self.grads_in = grads_in  # the recorded ids of the output gradients it binds
+        self.params_out = params_out  # per parameter: its index among the outputs, or None
+        self.sigs = sigs
+
+
+class _Call:
+    """One recorded call: its forward program, and its backward program per set of outputs
+    a backward starts from."""
+
+    def __init__(self, name: str, program: Any, structure: Any, made: list[Tensor],
+                 inputs: list[int], outputs: int, grad_outs: list[int], held: list[int],
+                 params: list[Tensor], followed: set[int]) -> None:
+        self.name = name
+        self.program = program
+        self.structure = structure
+        # what the forward makes: results first, then the activations the backward reads
+        self.sigs = [t._sig for t in made]
+        self.made = [t.id for t in made]  # their recorded ids
+        self.inputs = inputs  # recorded ids of the arguments' tensors
+        self.outputs = outputs
+        self.grad_outs = grad_outs  # results that require grad: the node's outputs
+        self.held = held  # what the backward reads of what the forward made: indices in sigs
+        self.params = [weakref.ref(p) for p in params]
+        self.followed = followed  # the tensors from before that the key follows
+        self.backwards: dict[tuple[bool, ...], _Backward] = {}
+
+    def ready(self) -> bool:
+        """Whether a replay can be given a backward: none is needed, or one was recorded."""
+        return not self.grad_outs or bool(self.backwards)
+
+    def fits(self, rt: Runtime) -> bool:
+        d = rt.dispatcher
+        return d.fits(self.program) and all(d.fits(b.program) for b in self.backwards.values()) \
+            and all(ref() is not None for ref in self.params)
+
+    def drop(self, rt: Runtime) -> None:
+        for program in [self.program, *(b.program for b in self.backwards.values())]:
+            if not program.stale:
+                rt.dispatcher.drop(program)
+
+    def replay(self, rt: Runtime, inputs: list[Tensor]) -> Any:
+        binds = tuple((t.id, rec) for t, rec in zip(inputs, self.inputs))
+        fresh = [rt.new_id() for _ in self.sigs]
+        rt.dispatcher.replay(self.program, binds, fresh, rt.seeds_for(self.program.random_ops))
+        made = [Tensor(tid, sig) for tid, sig in zip(fresh, self.sigs)]
+        outs = made[:self.outputs]
+        if self.grad_outs:  # grad mode is part of the key
+            self.link(rt, [outs[i] for i in self.grad_outs], [made[i] for i in self.held],
+                      inputs, None)
+        return _build(self.structure, outs)
+
+    def link(self, rt: Runtime, outs: list[Tensor], held: list[Tensor], inputs: list[Tensor],
+             graph: list[_Root] | None) -> None:
+        """One autograd node for the call: its outputs ``outs``, its operands the parameters
+        that require grad; its backward the recorded program (recorded from ``graph``, the
+        recording call's own, the first time). ``held``: what that program reads of what the
+        forward made."""
+        params = [ref() for ref in self.params]
+        like = [weakref.ref(o) for o in outs]  # for a gradient missing where one was recorded
+
+        def backward(grads: Any) -> tuple:
+            grads = grads if len(outs) > 1 else (grads,)
+            return self._backward(runtime(), grads, held, inputs, params, graph, like)
+
+        engine.function(params, tuple(outs), backward)
+
+    def _backward(self, rt: Runtime, grads: tuple, held: list[Tensor], inputs: list[Tensor],
+                  params: list[Tensor], graph: list[_Root] | None, like: list) -> tuple:
+        mask = tuple(g is not None for g in grads)
+        rec = self.backwards.get(mask)
+        if rec is None:
+            wider = [m for m in self.backwards if all(a or not b for a, b in zip(m, mask))]
+            if wider:  # a gradient the recording had is absent now: zeros in its place
+                mask = wider[0]
+                rec = self.backwards[mask]
+                grads = tuple(g if g is not None or not m else _zeros(like[i](), self.sigs[o])
+                              for i, (g, m, o) in enumerate(zip(grads, mask, self.grad_outs)))
+            elif graph is None:
+                raise RuntimeError(
+                    f"gtmpi: a captured call of {self.name} was differentiated from outputs "
+                    "that its recording's backward was not: run with GTMPI_CAPTURE=0")
+            else:
+                return self._record_backward(rt, mask, grads, held, inputs, params, graph)
+        given = [g for g in grads if g is not None]
+        binds = tuple((g.id, rid) for g, rid in zip(given, rec.grads_in)) + \
+            tuple((t.id, self.made[i]) for i, t in zip(self.held, held)) + \
+            tuple((t.id, rid) for t, rid in zip(inputs, self.inputs))
+        fresh = [rt.new_id() for _ in rec.sigs]
+        rt.dispatcher.replay(rec.program, binds, fresh, rt.seeds_for(rec.program.random_ops))
+        made = [Tensor(tid, sig) for tid, sig in zip(fresh, rec.sigs)]
+        return tuple(None if i is None else made[i] for i in rec.params_out)
+
+    def _record_backward(self, rt: Runtime, mask: tuple, grads: tuple, held: list[Tensor],
+                         inputs: list[Tensor], params: list[Tensor], graph: list[_Root]) -> tuple:
+        """The recording call's backward, run through its own graph as written while the
+        workers' instructions are recorded; installed as this mask's backward program."""
+        d = rt.dispatcher
+        given = [g for g in grads if g is not None]
+        roots = [r for r, m in zip(graph, mask) if m]
+        first = rt.new_id()
+        d.start_recording(first)
+        try:
+            # retained: a backward with retain_graph=True runs this node again (then replayed);
+            # the graph goes with the node when the engine frees it
+            got = engine.grad(roots, params, given, retain_graph=True, allow_unused=True)
+        except BaseException:
+            d.abandon_recording()
+            raise
+        made = [g for g in got if g is not None]
+        program, kept = d.install([g.id for g in made], [g.id for g in given] +
+                                  [t.id for t in held] + [t.id for t in inputs],
+                                  f"{self.name} backward")
+        if kept or program.reads - self.followed:
+            # this backward's gradients stand; the key's later calls run as written
+            d.drop(program)
+            d.drop(self.program)
+            return tuple(got)
+        pairs = [(g.id, rt.new_id()) for g in made]
+        d.rename(pairs)
+        for g, (_, new) in zip(made, pairs):
+            g.id = new
+        index = {id(g): i for i, g in enumerate(made)}
+        self.backwards[mask] = _Backward(program, [g.id for g in given],
+                                         [None if g is None else index[id(g)] for g in got],
+                                         [g._sig for g in made])
+        return tuple(got)
+
+
+def _zeros(out: Tensor | None, sig: tuple) -> Tensor:
+    return zeros_like(out) if out is not None else zeros(*sig[0], dtype=sig[1], device="cuda")
+
+
+def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tensor],
+            as_written: Callable, followed: set[int]) -> tuple[Any, _Call | None, str | None]:
+    """Run the call as written while its instructions are recorded and install them: (its
+    result, the recording or None, why not)."""
+    d = rt.dispatcher
+    first = rt.new_id()
+    d.start_recording(first)
+    try:
+        result = as_written(*args, **kwargs)
+    except BaseException:
+        d.abandon_recording()
+        raise
+    outs: list[Tensor] = []
+    try:
+        structure = _template(result, outs, first)
+    except ReplayError as e:
+        d.abandon_recording()
+        return result, None, str(e).split(":")[0].replace("a replayable function", "it")
+    grad_outs = [i for i, o in enumerate(outs) if o.requires_grad and o._node is not None] \
+        if gradmode.is_grad_enabled() else []
+    read, params, why = _graph(outs, grad_outs, first)
+    if why is not None:
+        d.abandon_recording()
+        return result, None, why
+    position = {id(o): i for i, o in enumerate(outs)}
+    saved = [t for t in read if id(t) not in position]
+    made = outs + saved
+    position.update((id(t), len(outs) + i) for i, t in enumerate(saved))
+    held = [position[id(t)] for t in read]
+    gc.collect()  # what the call dropped in cycles is freed within it
+    program, kept = d.install([t.id for t in made], [t.id for t in inputs],
+                              f"{name} (recorded at {rt.current_site()})")
+    if kept:
+        d.drop(program)
+        sites = ", ".join(sorted({rt.site(tid) or f"tensor {tid}" for tid in kept[:4]}))
+        return result, None, f"its forward kept {len(kept)} tensor(s) outside its results " \
+            f"(made at {sites})"
+    if program.reads - followed:
+        d.drop(program)
+        return result, None, "it read a tensor from before that no guard follows (held " \
+            "where no walk looks: a set, a library's object)"
+    pairs = [(t.id, rt.new_id()) for t in made]
+    d.rename(pairs)
+    for t, (_, new) in zip(made, pairs):
+        t.id = new
+    rec = _Call(name, program, structure, made, [t.id for t in inputs], len(outs), grad_outs,
+                held, params, followed)
+    if grad_outs:
+        rec.link(rt, [outs[i] for i in grad_outs], [made[i] for i in held], inputs,
+                 [_Root(outs[i]) for i in grad_outs])
+    return result, rec, None
+
+
+def _graph(outs: list[Tensor], grad_outs: list[int], first: int) -> tuple[list, list, str | None]:
+    """The call's autograd graph: the tensors made inside that its rules read (the forward
+    program's further outputs, or its results), the parameters it reaches that require grad,
+    or why it cannot be captured."""
+    seen: set[int] = set()
+    stack = [outs[i]._node for i in grad_outs]
+    read: dict[int, Tensor] = {}
+    params: dict[int, Tensor] = {}
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "function":
+            return [], [], "activation checkpointing (or a custom Function) inside"
+        for a in node.parents():  # through Ghosts too: what a rule does not read
+            stack.append(a)
+        for a in [*node.operands, *(node.saved or ())]:
+            if not isinstance(a, Tensor):  # a Ghost: its data is not read
+                continue
+            if a._node is None and a.requires_grad:
+                params[id(a)] = a
+            if a._id is not None and a._id >= first and a._host is None:
+                read[id(a)] = a
+    return list(read.values()), list(params.values()), None

@@ -1,0 +1,292 @@
+"""Module calls captured (GTMPI_CAPTURE=1, nn/capture.py): an outermost module call whose key
+matches a recorded one runs its recorded forward program, and its backward one node's
+recorded backward program, with the numbers of running the Python as written; every change a
+stale capture would get wrong is seen by the guard; what cannot be captured runs as written
+and says why."""
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gtmpi
+import gtmpi.nn as nn
+import gtmpi.nn.functional as F
+from gtmpi.client.runtime import runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples.gpt.model import SIZES, build  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def captured(monkeypatch):
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+
+
+def _notes(model) -> dict:
+    """How the model's outermost calls ran so far (replayed, or as written and why)."""
+    return dict(runtime().capture_notes[model._capture.name])
+
+
+def _gpt(dropout: float = 0.0):
+    c = SIZES["tiny"]
+    torch.manual_seed(0)
+    ref = build(torch)(c)
+    model = build(gtmpi)(c)
+    model.load_state_dict(ref.state_dict())
+    if dropout:
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = dropout
+    return c, model
+
+
+def _train(capture: str, monkeypatch, steps: int = 6, dropout: float = 0.0):
+    monkeypatch.setenv("GTMPI_CAPTURE", capture)
+    gtmpi.manual_seed(3)
+    c, model = _gpt(dropout)
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=gen)
+        x, y = gtmpi.tensor(data[:, :-1]), gtmpi.tensor(data[:, 1:])
+        loss = model(x, y)
+        loss.backward()
+        gtmpi.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    grads_after = {k: p.cpu_torch() for k, p in model.named_parameters()}
+    return losses, grads_after, model
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_captured_training_loop_gives_the_numbers_as_written(monkeypatch, dropout):
+    written, weights_written, _ = _train("0", monkeypatch, dropout=dropout)
+    losses, weights, model = _train("1", monkeypatch, dropout=dropout)
+    assert losses == written  # bit for bit: the same kernels, the same seeds
+    for k in weights_written:
+        torch.testing.assert_close(weights[k], weights_written[k], rtol=0, atol=0, msg=k)
+    notes = _notes(model)
+    assert notes == {"as written: warm-up": 1, "as written: recorded": 1, "replayed": 4}
+
+
+def test_the_guard_walks_the_model_only_when_it_changed(monkeypatch):
+    _, _, model = _train("1", monkeypatch, steps=5)
+    assert model._capture.guard.walks == 1  # then checks only: the model did not change
+    model.train()  # a change: walked again, the same answer, so replays go on
+    c = SIZES["tiny"]
+    x = gtmpi.tensor(torch.randint(0, c.vocab, (4, c.seq)))
+    model(x, x).backward()
+    assert model._capture.guard.walks == 2 and _notes(model)["replayed"] == 4
+
+
+def test_evaluation_under_no_grad_has_its_own_key(monkeypatch):
+    c, model = _gpt()
+    gen = torch.Generator().manual_seed(2)
+    batches = [gtmpi.tensor(torch.randint(0, c.vocab, (4, c.seq), generator=gen))
+               for _ in range(3)]
+    expected = []
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+    model.eval()
+    with gtmpi.no_grad():
+        expected = [model(x, x).item() for x in batches for _ in range(2)]
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    got = []
+    for x in batches:
+        model.train()
+        model(x, x).backward()  # the training key, between evaluations
+        model.eval()
+        with gtmpi.no_grad():
+            got += [model(x, x).item() for _ in range(2)]
+    assert got == expected
+    notes = _notes(model)
+    # training: warm-up, recorded, replayed; evaluation: warm-up, recorded, 4 replayed
+    assert notes["replayed"] == 5 and notes["as written: recorded"] == 2
+
+
+class _Scaled(nn.Module):
+    """A forward that reads what each guard kind follows."""
+
+    FACTOR = 1.0  # a class attribute, read as self.FACTOR
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = 1.0
+        self.offsets = [0.0]
+        self.config = _Config()
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale * self.FACTOR * SCALE * self.config.gain + self.offsets[-1]
+        return F.dropout(y, 0.5, self.training)
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.gain = 1.0
+
+
+SCALE = 1.0
+
+
+def _each_change():
+    """(what it changes, the change): each makes the next call's result differ."""
+    def attribute(m):
+        m.scale = 3.0
+
+    def class_attribute(m):
+        _Scaled.FACTOR = 5.0
+
+    def global_rebound(m):
+        global SCALE
+        SCALE = 7.0
+
+    def list_appended(m):
+        m.offsets.append(11.0)
+
+    def object_field(m):
+        m.config.gain = 13.0
+
+    def eval_mode(m):
+        m.eval()
+
+    def weight_replaced(m):
+        m.lin.weight = nn.Parameter(gtmpi.ones(4, 4))
+
+    def layer_frozen(m):
+        m.lin.weight.requires_grad_(False)
+
+    def hook_added(m):
+        m.lin.register_forward_hook(lambda mod, args, out: out * 17.0)
+
+    def submodule_swapped(m):
+        m.lin = nn.Linear(4, 4)
+
+    return [attribute, class_attribute, global_rebound, list_appended, object_field, eval_mode,
+            weight_replaced, layer_frozen, hook_added, submodule_swapped]
+
+
+@pytest.mark.parametrize("change", _each_change(), ids=lambda f: f.__name__)
+def test_every_guard_kind_gives_the_result_as_written(monkeypatch, change):
+    global SCALE
+    results = {}
+    for capture in ("0", "1"):
+        monkeypatch.setenv("GTMPI_CAPTURE", capture)
+        SCALE, _Scaled.FACTOR = 1.0, 1.0
+        gtmpi.manual_seed(5)
+        torch.manual_seed(5)
+        m = _Scaled()
+        x = gtmpi.tensor(torch.randn(2, 4))
+        outs = []
+        for i in range(6):
+            if i == 4:
+                change(m)
+            y = m(x)
+            if m.lin.weight.requires_grad and gtmpi.is_grad_enabled():
+                y.sum().backward()
+                outs.append(m.lin.weight.grad.cpu_torch().clone())
+                m.lin.weight.grad = None
+            else:
+                outs.append(None)
+            outs.append(y.cpu_torch())
+        results[capture] = outs
+        if capture == "1":
+            assert _notes(m).get("replayed", 0) >= 1  # captured before the change
+    SCALE, _Scaled.FACTOR = 1.0, 1.0
+    for a, b in zip(results["0"], results["1"]):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert not torch.equal(results["1"][-1], results["1"][7])  # the change changed the result
+
+
+_STASH: set = set()
+
+
+class _Keeps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        _STASH.add(y * 2)  # kept where no result or graph holds it
+        return y
+
+
+class _Reads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + next(iter(_HIDDEN))  # a tensor held in a set: no walk looks
+
+
+_HIDDEN: set = set()
+
+
+class _Dict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return {"out": self.lin(x)}
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return gtmpi.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=False)
+
+
+def _fallbacks():
+    return [
+        ("an argument requires grad", lambda: nn.Linear(4, 4),
+         lambda: gtmpi.randn(2, 4, requires_grad=True)),
+        ("it returned a dict", _Dict, lambda: gtmpi.randn(2, 4)),
+        ("its forward kept 1 tensor(s) outside its results", _Keeps, lambda: gtmpi.randn(2, 4)),
+        ("activation checkpointing (or a custom Function) inside", _Checkpointed,
+         lambda: gtmpi.randn(2, 4)),
+        ("it read a tensor from before that no guard follows", _Reads,
+         lambda: gtmpi.randn(2, 4)),
+    ]
+
+
+@pytest.mark.parametrize("why, make, arg", _fallbacks(), ids=lambda v: v if isinstance(v, str)
+                         else None)
+def test_what_cannot_be_captured_runs_as_written_and_says_why(why, make, arg):
+    _HIDDEN.clear()
+    _HIDDEN.add(gtmpi.ones(4))
+    m = make()
+    results = []
+    for _ in range(4):
+        x = arg()
+        y = m(x)
+        y = y["out"] if isinstance(y, dict) else y
+        y.sum().backward()
+        results.append(y.cpu_torch())
+    notes = _notes(m)
+    assert "replayed" not in notes
+    assert any(k.startswith(f"as written: {why}") for k in notes), notes
+    out = io.StringIO()
+    gtmpi.debug.explain(out)
+    assert f"captured {m._capture.name}: " in out.getvalue() and why in out.getvalue()
+
+
+def test_a_model_without_capture_is_untouched(monkeypatch):
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+    m = nn.Linear(4, 4)
+    for _ in range(3):
+        m(gtmpi.randn(2, 4))
+    assert "_capture" not in m.__dict__
