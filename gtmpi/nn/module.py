@@ -184,7 +184,15 @@ class Module:
         return self._named("_parameters", prefix, recurse, remove_duplicate)
 
     def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
-        return (p for _, p in self.named_parameters(recurse=recurse))
+        if not recurse:
+            return (p for _, p in self.named_parameters(recurse=False))
+        # a training loop asks every step (clip_grad_norm_(model.parameters())): the tree's
+        # walk is kept until a module changes (STATE)
+        kept = self.__dict__.get("_parameters_at")
+        if kept is None or kept[0] != STATE.value:
+            kept = (STATE.value, [p for _, p in self.named_parameters()])
+            object.__setattr__(self, "_parameters_at", kept)
+        return iter(kept[1])
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
