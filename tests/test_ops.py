@@ -259,6 +259,30 @@ def test_setitem(gen):
     assert_same(g, x)
 
 
+def test_fill_through_a_mask_reads_nothing(gen, monkeypatch):
+    """nanoGPT's sampler cuts its logits with ``logits[logits < v[:, [-1]]] = -inf`` every
+    token: a fill needs no count of the mask, so it waits for no worker."""
+    from gtmpi.client.runtime import Runtime
+    reads = []
+    read = Runtime.read
+    monkeypatch.setattr(Runtime, "read", lambda self, *a: reads.append(a) or read(self, *a))
+    x = rand(gen, 3, 5, 2)
+    g = to_gtmpi(x)
+    v, gv = x[:, :, 0].topk(2)[0], to_gtmpi(x)[:, :, 0].topk(2)[0]
+    x[x[:, :, 0] < v[:, [-1]]] = -float("inf")     # a mask of the leading dimensions
+    g[g[:, :, 0] < gv[:, [-1]]] = -float("inf")
+    x[x > 0.5] = gtmpi.tensor(0.25).cpu_torch()      # a whole-shape mask, a 0-d tensor value
+    g[g > 0.5] = gtmpi.tensor(0.25)
+    assert not reads
+    assert_same(g, x)
+    rows = torch.tensor([True, False, True])
+    x[rows] = torch.ones(2, 5, 2)                    # values per element: torch counts, so do we
+    g[to_gtmpi(rows)] = gtmpi.ones(2, 5, 2)
+    assert_same(g, x)
+    with pytest.raises(IndexError):
+        g[gtmpi.ones(2, 5, dtype=torch.bool)] = 1.0     # the mask must match the leading shape
+
+
 def test_inplace_and_views(gen):
     x, y = rand(gen, 3, 4), rand(gen, 4)
     g, gy = to_gtmpi(x), to_gtmpi(y)

@@ -648,6 +648,17 @@ class Tensor:
         return apply("getitem", self, *tensors, key=template, shape_as=shape_as)
 
     def __setitem__(self, key: Any, value: Operand) -> None:
+        mask = key[0] if type(key) is tuple and len(key) == 1 else key
+        if isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.ndim and \
+                not (self.requires_grad and gradmode.is_grad_enabled()) and \
+                tuple(mask.shape) == tuple(self.shape[:mask.ndim]) and \
+                (type(value) in (int, float, bool) or isinstance(value, Tensor) and not value.ndim):
+            # a fill through a mask (a sampler's top-k cut): torch reads the mask's count
+            # here, a fill needs none, so no wait for the workers per call
+            if mask.ndim < self.ndim:
+                mask = mask.reshape(*mask.shape, *(1,) * (self.ndim - mask.ndim))
+            apply("masked_fill_", self, mask, value)
+            return
         template, tensors, shape_as = _index(key)
         apply("setitem", self, value, *tensors, key=template, shape_as=shape_as)
 
