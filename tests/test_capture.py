@@ -290,3 +290,62 @@ def test_a_model_without_capture_is_untouched(monkeypatch):
     for _ in range(3):
         m(gtmpi.randn(2, 4))
     assert "_capture" not in m.__dict__
+
+
+class _Decoder(nn.Module):
+    """nanoGPT's decoder in small: positions by arange(t), heads by view(b, t, h, d), the
+    last position's logits; ``square`` adds a size that is no linear function of t."""
+
+    def __init__(self, square: bool = False) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(11, 8), nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 11)
+        self.square = square
+
+    def forward(self, idx):
+        b, t = idx.size()
+        x = self.emb(idx) + self.pos(gtmpi.arange(0, t, dtype=torch.long))
+        x = x.view(b, t, 2, 4).transpose(1, 2).transpose(1, 2).reshape(b, t, 8)
+        if self.square:
+            x = x + gtmpi.ones(t * t)[:t].view(1, t, 1)
+        return self.head(x[:, [-1], :])
+
+
+def _generate(model, steps: int, block: int = 12):
+    """nanoGPT's generate: the sequence a token longer each call, cropped at ``block``."""
+    gtmpi.manual_seed(5)
+    idx = gtmpi.zeros(1, 1, dtype=torch.long)
+    with gtmpi.no_grad():
+        for _ in range(steps):
+            cond = idx if idx.size(1) <= block else idx[:, -block:]
+            probs = F.softmax(model(cond)[:, -1, :], dim=-1)
+            idx = gtmpi.cat((idx, gtmpi.multinomial(probs, num_samples=1)), dim=1)
+    return idx.cpu_torch()
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["linear", "square"])
+def test_a_growing_sequence_replays_one_program_with_its_sizes(monkeypatch, square):
+    """A decoding loop without a KV cache calls the model a token longer each time: after
+    samples at three sizes it replays one program whose sizes follow the length (no Python
+    run), then records the cropped length as it is; a size that is no linear function of the
+    length is refused, and every call runs as written."""
+    gtmpi.manual_seed(0)
+    model = _Decoder(square)
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+    written = _generate(model, 20)
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    got = _generate(model, 20)
+    assert torch.equal(got, written)
+    notes = _notes(model)
+    assert notes["as written: recorded (a growing size)"] == 3  # t = 2, 3, 4 (t = 1 warms up)
+    if square:  # then as before: each new length runs as written, the crop's is recorded
+        assert "replayed (a growing size)" not in notes
+        assert notes["as written: a growing size: its sizes are no linear function of the "
+                     "growing one"] == 1
+        assert notes["as written: warm-up"] == 1 + 8 and notes["replayed"] == 7
+    else:  # t = 5 .. 12 and 12 once more; then 12 is recorded as it is, and replayed
+        assert notes["as written: warm-up"] == 1 and notes["replayed (a growing size)"] == 9
+        assert notes["as written: recorded"] == 1 and notes["replayed"] == 6
+    out = io.StringIO()
+    gtmpi.debug.explain(out)
+    assert f"captured {model._capture.name}: " in out.getvalue()

@@ -450,11 +450,15 @@ class Dispatcher:
     def abandon_recording(self) -> None:
         self.recording = self._before = None
 
-    def install(self, outputs: list[int], inputs: list[int],
-                name: str = "replayable") -> tuple[Program, list[int]]:
+    def install(self, outputs: list[int], inputs: list[int], name: str = "replayable",
+                sized: Callable[[list[tuple]], list[tuple]] | None = None
+                ) -> tuple[Program, list[int]]:
         """End the recording: the program goes to its workers, keyed there by a number of its
         own. ``outputs`` are the ids made inside that outlive the call, ``inputs`` those from
-        outside that each call binds; ``name`` says which function it is, in notes. Returns the
+        outside that each call binds; ``name`` says which function it is, in notes. ``sized``:
+        a worker's recorded instructions made ones whose sizes follow a growing argument
+        (ops/table.py: Dim), each replay given its size; such a program is no CUDA graph.
+        Returns the
         program and the client ids it made that outlive it without being outputs (kept
         somewhere: it cannot be replayed)."""
         if self.frees:
@@ -477,8 +481,12 @@ class Dispatcher:
                             for key, (n, b) in placer.inserted.items()
                             if (n, b) != was.get(key, (0, 0))}
         self._before = None
+        if sized is not None:
+            program.graph = "its sizes follow its call's (a growing argument)"
+            self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
         for rank, instructions in rec.per_rank.items():
-            self.post("program", (program.key, instructions), [rank])
+            self.post("program", (program.key, instructions if sized is None
+                                  else sized(instructions)), [rank])
         for tid in reads:
             self.watched.setdefault(tid, []).append(program)
         return program, kept
@@ -508,10 +516,11 @@ class Dispatcher:
         return True
 
     def replay(self, program: Program, binds: tuple, fresh: list[int],
-               seeds: tuple[int, int] | None = None) -> None:
+               seeds: tuple[int, int] | None = None, size: int | None = None) -> None:
         """Run ``program`` again: ``binds`` are (current id, recorded id) of its inputs, its
         outputs take the ids ``fresh``, and its random ops derive their seeds from ``seeds``
-        (the session seed, the count of random ops before the call).
+        (the session seed, the count of random ops before the call); ``size``: its growing
+        argument's (install's ``sized``).
 
         After GRAPH_AFTER plain replays its workers capture it as a CUDA graph, all of them at
         the same point of their streams (a collective inside is captured by every member
@@ -524,7 +533,7 @@ class Dispatcher:
             self._route_frees()
         self.settle_transfers()
         renames = tuple((out[0], new) for out, new in zip(program.outputs, fresh))
-        self.run_program(program, binds, renames, seeds)
+        self.run_program(program, binds, renames, seeds, size)
         placer = self.placer
         for key, (count, nbytes) in program.inserted.items():  # what the replay runs again
             entry = placer.inserted.setdefault(key, [0, 0])
@@ -556,7 +565,8 @@ class Dispatcher:
                       flags=Flag.INSERTED, detail=f"{'asked' if asked else 'inserted'} {site}")
 
     def run_program(self, program: Program, binds: tuple | dict[int, tuple],
-                    renames: tuple | dict[int, tuple], seeds: tuple[int, int] | None) -> None:
+                    renames: tuple | dict[int, tuple], seeds: tuple[int, int] | None,
+                    size: int | None = None) -> None:
         """The replay word for ``program`` to each of its workers (replay() says what it does;
         ``binds`` and ``renames`` may differ per worker), and, where it is captured now, the
         agreement on its graph."""
@@ -574,7 +584,8 @@ class Dispatcher:
         for rank in program.ranks:  # every member of its collectives gets it at once
             word = ("replay", None, (program.key, binds.get(rank, ()) if type(binds) is dict
                                      else binds, renames.get(rank, ()) if type(renames) is dict
-                                     else renames, mode, seeds), 0, None)
+                                     else renames, mode, seeds) +
+                    (() if size is None else (size,)), 0, None)
             self._batch[rank].append(word)
             if self.log is not None:
                 self.log.received(word, rank)

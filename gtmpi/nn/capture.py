@@ -33,7 +33,7 @@ import gc
 import os
 import weakref
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..autograd import engine
 from ..client import gradmode
@@ -43,6 +43,7 @@ from ..client.creation import zeros, zeros_like
 from ..client.runtime import Runtime, runtime
 from ..client.tensor import Tensor
 from ..errors import ReplayError
+from ..ops.table import Dim
 
 WARMUP = 1  # calls of a key run as written before one is recorded (lazy state settles)
 
@@ -81,6 +82,7 @@ class Captured:
         self.calls: dict[Any, int] = {}
         self.kept: dict[Any, list[_Call]] = {}
         self.refused: dict[Any, str] = {}
+        self.growing: dict[Any, _Growing] = {}  # by the key less its tensors' sizes
         same = sum(name.startswith(self.name) for name in rt.capture_notes)
         if same:  # another model called at the same line: each says its own
             self.name += f" #{same + 1}"
@@ -105,6 +107,22 @@ class Captured:
                 elif rec.ready():
                     self.notes["replayed"] += 1
                     return rec.replay(rt, inputs)
+        grow, n = self._growing(rt, signature, key, inputs)
+        if grow is not None:
+            if grow.call is not None and grow.fresh(key) and grow.call.fits(rt):
+                self.notes["replayed (a growing size)"] += 1
+                return grow.call.replay(rt, inputs, n)
+            if key not in self.calls and self.calls and grow.sampling(n):
+                self.notes["as written: recorded (a growing size)"] += 1
+                followed = _tensor_ids(signature) | self.guard.tensor_ids()
+                result, rec, why = _record(rt, self.name, args, kwargs, inputs, as_written,
+                                           followed, (grow, n))
+                if why is not None:
+                    grow.refused = why
+                    self.notes[f"as written: a growing size: {why}"] += 1
+                return result
+            if grow.call is not None:  # one size over and over (a crop): recorded as it is
+                self.calls.setdefault(key, WARMUP)
         why = self.refused.get(key)
         if why is not None:
             return self._as_written(why, as_written, args, kwargs)
@@ -127,6 +145,24 @@ class Captured:
             self.refused[key] = why
             self.notes[f"as written: {why}"] += 1
         return result
+
+    def _growing(self, rt: Runtime, signature: Any, key: Any,
+                 inputs: list[Tensor]) -> tuple[_Growing | None, int | None]:
+        """The calls alike but for their tensors' sizes that this one belongs to, and its
+        growing size; (None, None) where no one size tells its sizes from the first call's."""
+        if rt.dispatcher.placer.active:  # placed programs hold their pieces' shapes
+            return None, None
+        shapes = tuple(tuple(t.shape) for t in inputs)
+        family = (_sizeless(signature), key[1])
+        grow = self.growing.get(family)
+        if grow is None:
+            if len(self.growing) < SIGNATURES_MAX:
+                self.growing[family] = _Growing(shapes)
+            return None, None
+        if grow.refused is not None:
+            return None, None
+        n = grow.size(shapes)
+        return (grow, n) if n is not None else (None, None)
 
     def _as_written(self, why: str, as_written: Callable, args: tuple, kwargs: dict) -> Any:
         self.notes[f"as written: {why}"] += 1
@@ -183,6 +219,7 @@ class _Call:
         self.params = [weakref.ref(p) for p in params]
         self.followed = followed  # the tensors from before that the key follows
         self.backwards: dict[tuple[bool, ...], _Backward] = {}
+        self.shapes: list[tuple] | None = None  # a growing call's: its results' sizes in n
 
     def ready(self) -> bool:
         """Whether a replay can be given a backward: none is needed, or one was recorded."""
@@ -198,11 +235,15 @@ class _Call:
             if not program.stale:
                 rt.dispatcher.drop(program)
 
-    def replay(self, rt: Runtime, inputs: list[Tensor]) -> Any:
+    def replay(self, rt: Runtime, inputs: list[Tensor], n: int | None = None) -> Any:
+        """The recorded call on ``inputs`` (a growing call's: of growing size ``n``)."""
         binds = tuple((t.id, rec) for t, rec in zip(inputs, self.inputs))
         fresh = [rt.new_id() for _ in self.sigs]
-        rt.dispatcher.replay(self.program, binds, fresh, rt.seeds_for(self.program.random_ops))
-        made = [Tensor(tid, sig) for tid, sig in zip(fresh, self.sigs)]
+        rt.dispatcher.replay(self.program, binds, fresh, rt.seeds_for(self.program.random_ops),
+                             n)
+        sigs = self.sigs if n is None else \
+            [(type(sig[0])(_at(shape, n)), sig[1]) for sig, shape in zip(self.sigs, self.shapes)]
+        made = [Tensor(tid, sig) for tid, sig in zip(fresh, sigs)]
         outs = made[:self.outputs]
         if self.grad_outs:  # grad mode is part of the key
             self.link(rt, [outs[i] for i in self.grad_outs], [made[i] for i in self.held],
@@ -291,9 +332,11 @@ def _zeros(out: Tensor | None, sig: tuple) -> Tensor:
 
 
 def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tensor],
-            as_written: Callable, followed: set[int]) -> tuple[Any, _Call | None, str | None]:
+            as_written: Callable, followed: set[int], growing: tuple[_Growing, int] | None = None
+            ) -> tuple[Any, _Call | None, str | None]:
     """Run the call as written while its instructions are recorded and install them: (its
-    result, the recording or None, why not)."""
+    result, the recording or None, why not). ``growing``: a call of growing size n, kept as
+    a sample of its calls (no recording yet, no reason) until the samples tell its sizes."""
     d = rt.dispatcher
     first = rt.new_id()
     d.start_recording(first)
@@ -320,8 +363,23 @@ def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tens
     position.update((id(t), len(outs) + i) for i, t in enumerate(saved))
     held = [position[id(t)] for t in read]
     gc.collect()  # what the call dropped in cycles is freed within it
+    sized = shapes = None
+    if growing is not None:
+        grow, n = growing
+        if grad_outs:
+            d.abandon_recording()
+            return result, None, "its results require grad"
+        try:
+            got = grow.sample(n, d.recording, [t.id for t in inputs], outs, structure)
+        except _Differs as e:
+            d.abandon_recording()
+            return result, None, str(e)
+        if got is None:  # a sample: the call ran as written
+            d.abandon_recording()
+            return result, None, None
+        sized, shapes = got
     program, kept = d.install([t.id for t in made], [t.id for t in inputs],
-                              f"{name} (recorded at {rt.current_site()})")
+                              f"{name} (recorded at {rt.current_site()})", sized)
     if kept:
         d.drop(program)
         sites = ", ".join(sorted({rt.site(tid) or f"tensor {tid}" for tid in kept[:4]}))
@@ -337,6 +395,9 @@ def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tens
         t.id = new
     rec = _Call(name, program, structure, made, [t.id for t in inputs], len(outs), grad_outs,
                 held, params, followed)
+    if growing is not None:
+        rec.shapes = shapes
+        growing[0].call = rec
     if grad_outs:
         rec.link(rt, [outs[i] for i in grad_outs], [made[i] for i in held], inputs,
                  [_Root(outs[i]) for i in grad_outs])
@@ -368,3 +429,203 @@ def _graph(outs: list[Tensor], grad_outs: list[int], first: int) -> tuple[list, 
             if a._id is not None and a._id >= first and a._host is None:
                 read[id(a)] = a
     return list(read.values()), list(params.values()), None
+
+
+# calls that grow --------------------------------------------------------------------------------
+
+class _Differs(Exception):
+    """Two samples of a growing call differ otherwise than in sizes that follow n."""
+
+
+class _Lin(NamedTuple):
+    """A size that is ``a * n + b`` for a call of growing size n."""
+    a: int
+    b: int
+
+
+SAMPLES = 3  # calls of distinct sizes recorded before a growing program: two fit, one checks
+
+
+class _Growing:
+    """A module's calls alike but for their tensors' sizes, where one size n tells them apart
+    (a decoder's sequence, a token longer each call): sampled as written at SAMPLES sizes; if
+    every instruction is the same but for integers that are a * n + b (a view's shape, an
+    arange's end, a slice's bound), one program whose sizes follow n (ops/table.py: Dim),
+    replayed op by op on any n. A size called again and again (a crop at the model's length)
+    is recorded as it is after two calls (a CUDA graph)."""
+
+    def __init__(self, shapes: tuple) -> None:
+        self.first = shapes  # the first call's tensors' sizes
+        self.where: list[tuple[int, int]] | None = None  # (tensor, dim) of the growing size
+        # (n, each worker's instructions, its results' sizes, their structure)
+        self.samples: list[tuple[int, dict, list, Any]] = []
+        self.call: _Call | None = None
+        self.refused: str | None = None
+        self.last: Any = None
+        self.streak = 0
+
+    def size(self, shapes: tuple) -> int | None:
+        """The growing size of a call whose tensors have ``shapes``, or None: not this
+        family's (other sizes differ, or several at once)."""
+        if len(shapes) != len(self.first) or any(len(a) != len(b)
+                                                 for a, b in zip(shapes, self.first)):
+            return None
+        if self.where is None:
+            differ = [(i, j) for i, (a, b) in enumerate(zip(shapes, self.first))
+                      for j in range(len(a)) if a[j] != b[j]]
+            if not differ or len({shapes[i][j] for i, j in differ}) > 1 or \
+                    len({self.first[i][j] for i, j in differ}) > 1:
+                return None
+            self.where = differ
+        n = shapes[self.where[0][0]][self.where[0][1]]
+        grows = set(self.where)
+        for i, (a, b) in enumerate(zip(shapes, self.first)):
+            for j in range(len(a)):
+                if a[j] != (n if (i, j) in grows else b[j]):
+                    return None
+        return n
+
+    def fresh(self, key: Any) -> bool:
+        """Whether a call of ``key`` replays the growing program: not once its key came
+        three times in a row (then it is recorded as it is)."""
+        self.streak = self.streak + 1 if key == self.last else 1
+        self.last = key
+        return self.streak <= 2
+
+    def sampling(self, n: int) -> bool:
+        """Whether a call of size ``n`` is recorded as a sample (a size not sampled yet)."""
+        return self.call is None and self.refused is None and \
+            all(m != n for m, *_ in self.samples)
+
+    def sample(self, n: int, recording: Any, inputs: list[int], outs: list[Tensor],
+               structure: Any) -> tuple[Callable, list[tuple]] | None:
+        """One more call of size ``n``, its instructions in ``recording``: None while more
+        samples are wanted; then (what makes a worker's recorded instructions the growing
+        program's, its results' sizes in n). Raises _Differs."""
+        code = {rank: _normal(program, recording, inputs)
+                for rank, program in recording.per_rank.items()}
+        sizes = [tuple(o.shape) for o in outs]
+        if len(self.samples) < SAMPLES - 1:
+            self.samples.append((n, code, sizes, structure))
+            return None
+        (n1, code1, sizes1, structure1), (n2, code2, sizes2, structure2) = self.samples
+        if structure1 != structure or structure2 != structure:
+            raise _Differs("its results differ in kind call to call")
+        try:
+            fitted = _fit(code1, code2, n1, n2)
+            shapes = _fit(sizes1, sizes2, n1, n2)
+        except _Differs as e:
+            raise _Differs(f"its instructions differ otherwise than in sizes ({e})") from None
+        if _at(fitted, n) != code or _at(shapes, n) != sizes:
+            raise _Differs("its sizes are no linear function of the growing one")
+        by_rank = iter([fitted[rank] for rank in recording.per_rank])
+
+        def sized(program: list[tuple]) -> list[tuple]:
+            template = iter(next(by_rank))
+            return [ins if ins[0] == "free" else _dims(ins, next(template))
+                    for ins in program]
+
+        return sized, shapes
+
+
+def _sizeless(signature: Any) -> Any:
+    """A call's signature with its tensors' sizes left out (their number of dimensions kept)."""
+    grad, signals, autocast, tree = signature
+    return grad, signals, autocast, _strip(tree)
+
+
+def _strip(node: Any) -> Any:
+    if type(node) is tuple and len(node) == 4 and node[0] == "tensor":
+        sig = node[1]
+        return ("tensor", (len(sig[0]), sig[1]), *node[2:])
+    if type(node) is tuple and len(node) == 2 and node[0] in (tuple, list):
+        return node[0], tuple(_strip(v) for v in node[1])
+    if type(node) is tuple and len(node) == 2 and node[0] is dict:
+        return dict, tuple((k, _strip(v)) for k, v in node[1])
+    return node
+
+
+def _normal(program: list[tuple], recording: Any, inputs: list[int]) -> list[tuple]:
+    """A worker's recorded instructions, frees left out, with the ids made inside numbered in
+    the order they are first named and the inputs by their place: alike calls compare equal."""
+    slots: dict[int, tuple] = {tid: ("input", i) for i, tid in enumerate(inputs)}
+
+    def name(tid: int) -> Any:
+        if tid not in slots and recording.inside(tid):
+            slots[tid] = ("made", len(slots))
+        return slots.get(tid, tid)
+
+    code = []
+    for op, out, args, tmask, kw in program:
+        if op == "free":
+            continue
+        args = tuple(name(a) if tmask >> i & 1 else a for i, a in enumerate(args))
+        out = name(out) if type(out) is int else tuple(map(name, out)) if out else out
+        code.append((op, out, args, tmask, kw))
+    return code
+
+
+def _fit(x: Any, y: Any, nx: int, ny: int) -> Any:
+    """``x`` (of a call of size nx) with each integer that differs in ``y`` (of size ny) a
+    _Lin; _Differs where anything else differs."""
+    if type(x) is int and type(y) is int:
+        if x == y:
+            return x
+        a, r = divmod(y - x, ny - nx)
+        if r:
+            raise _Differs(f"{x} and {y}")
+        return _Lin(a, x - a * nx)
+    if type(x) is not type(y):
+        raise _Differs(f"{type(x).__name__} and {type(y).__name__}")
+    if isinstance(x, (tuple, list)):
+        if len(x) != len(y):
+            raise _Differs(f"{len(x)} and {len(y)} items")
+        items = [_fit(a, b, nx, ny) for a, b in zip(x, y)]
+        return items if type(x) is list else tuple(items)
+    if isinstance(x, dict):
+        if x.keys() != y.keys():
+            raise _Differs(f"keywords {sorted(x)} and {sorted(y)}")
+        return {k: _fit(x[k], y[k], nx, ny) for k in x}
+    if isinstance(x, slice):
+        return slice(*(_fit(a, b, nx, ny) for a, b in ((x.start, y.start), (x.stop, y.stop),
+                                                        (x.step, y.step))))
+    if x != y:
+        raise _Differs(f"{x!r} and {y!r}")
+    return x
+
+
+def _at(template: Any, n: int) -> Any:
+    """``template`` (of _fit) for a call of size n."""
+    if type(template) is _Lin:
+        return template.a * n + template.b
+    if type(template) in (tuple, list):
+        items = [_at(v, n) for v in template]
+        return items if type(template) is list else tuple(items)
+    if type(template) is dict:
+        return {k: _at(v, n) for k, v in template.items()}
+    if type(template) is slice:
+        return slice(_at(template.start, n), _at(template.stop, n), _at(template.step, n))
+    return template
+
+
+def _dims(ins: tuple, template: tuple) -> tuple:
+    """A recorded instruction with each integer that ``template`` has as a _Lin made a Dim."""
+    op, out, args, tmask, kw = ins
+    args = tuple(a if tmask >> i & 1 else _dim(a, t)
+                 for i, (a, t) in enumerate(zip(args, template[2])))
+    return op, out, args, tmask, kw and {k: _dim(v, template[4][k]) for k, v in kw.items()}
+
+
+def _dim(value: Any, template: Any) -> Any:
+    if type(template) is _Lin:
+        return Dim(value, *template)
+    if type(template) in (tuple, list):
+        items = [_dim(v, t) for v, t in zip(value, template)]
+        return items if type(value) is list else type(value)(items) \
+            if not hasattr(value, "_fields") else type(value)(*items)
+    if type(template) is dict:
+        return {k: _dim(v, template[k]) for k, v in value.items()}
+    if type(template) is slice:
+        return slice(_dim(value.start, template.start), _dim(value.stop, template.stop),
+                     _dim(value.step, template.step))
+    return value

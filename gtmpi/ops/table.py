@@ -135,6 +135,23 @@ class Seed(int):
         return Seed, (int(self), self.offset)
 
 
+class Dim(int):
+    """A size inside a program recorded for calls whose arguments grow in one dimension (a
+    sequence a token longer each call, nn/capture.py): its value there, and ``a * n + b``,
+    what it is for a call whose growing size is ``n`` (worker: graphs.with_sizes)."""
+
+    def __new__(cls, value: int, a: int, b: int) -> "Dim":
+        dim = super().__new__(cls, value)
+        dim.a, dim.b = a, b
+        return dim
+
+    def at(self, n: int) -> int:
+        return self.a * n + self.b
+
+    def __reduce__(self):
+        return Dim, (int(self), self.a, self.b)
+
+
 def _generator(seed: int | torch.Generator, device: torch.device) -> torch.Generator:
     """A generator seeded for one op; inside a CUDA graph, the graph's own (seeded again
     before each launch), which the caller passes instead of a seed."""

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..ops.table import OPS, Graph, Kind, Seed, derive_seed
+from ..ops.table import OPS, Dim, Graph, Kind, Seed, derive_seed
 from ..placement.rules import written
 
 HOST_WORDS = frozenset({"agree"})  # control words a graph leaves out (see above)
@@ -404,6 +404,42 @@ def with_seeds(program: list[tuple], where: list, value: Callable[[Seed], Any]) 
             kw = {k: value(v) if k in keys else v for k, v in kw.items()}
         program[i] = (name, out, args, tmask, kw)
     return program
+
+
+def sized(program: list[tuple]) -> list[int]:
+    """Which instructions of ``program`` hold a Dim (a size following a growing argument)."""
+    return [i for i, (_, _, args, _, kw) in enumerate(program)
+            if _has_dim(args) or kw and _has_dim(tuple(kw.values()))]
+
+
+def _has_dim(value: Any) -> bool:
+    if type(value) is Dim:
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_has_dim(v) for v in value)
+    if isinstance(value, slice):
+        return _has_dim((value.start, value.stop, value.step))
+    return False
+
+
+def with_sizes(program: list[tuple], where: list[int], n: int) -> list[tuple]:
+    """``program`` with each Dim in its instructions at ``where`` made its size for ``n``."""
+    program = list(program)
+    for i in where:
+        name, out, args, tmask, kw = program[i]
+        program[i] = (name, out, _at(args, n), tmask, kw and {k: _at(v, n) for k, v in kw.items()})
+    return program
+
+
+def _at(value: Any, n: int) -> Any:
+    if type(value) is Dim:
+        return value.at(n)
+    if isinstance(value, (tuple, list)):
+        items = [_at(v, n) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, slice):
+        return slice(_at(value.start, n), _at(value.stop, n), _at(value.step, n))
+    return value
 
 
 def written_inputs(program: list[tuple], inputs: set[int]) -> frozenset[int]:

@@ -23,9 +23,11 @@ class Programs:
         if instructions is None:
             self.programs.pop(key, None)
             self.seeded.pop(key, None)
+            self.sized.pop(key, None)
         else:
             self.programs[key] = instructions
             self.seeded[key] = graphs.seeded(instructions)
+            self.sized[key] = graphs.sized(instructions)
 
     def _replay(self, out, args: tuple) -> None:
         """(key, binds, renames, mode, seeds): run a kept sequence again. Its inputs are bound
@@ -35,8 +37,10 @@ class Programs:
         Its random ops take seeds derived from ``seeds`` (session seed, count before the call).
         ``mode``: 'plain', op by op; 'capture', capture it as a CUDA graph and say whether that
         worked (the dispatcher's 'commit' then runs it); 'emulate', the same with the stand-in
-        backend (tests); 'graph', launch the graph."""
-        key, binds, renames, mode, seeds = args
+        backend (tests); 'graph', launch the graph. A sixth item, the call's growing size,
+        gives its sizes (ops/table.py: Dim); such a program runs op by op."""
+        key, binds, renames, mode, seeds = args[:5]
+        size = args[5] if len(args) > 5 else None
         if self.profiler is not None:
             self.profiler.replay()
         start = self.now()
@@ -51,15 +55,18 @@ class Programs:
                 self._cuda_backend = graphs.cuda_backend(self.device, shared=alone)
             self._try_capture(key, binds, renames, seeds, self._cuda_backend)
         else:
-            self._run_program(self._instructions(key, seeds), binds, renames)
+            self._run_program(self._instructions(key, seeds, size), binds, renames)
         if self.device.type == "cuda" and mode != "capture":
             self._note_ready(new for _, new in renames)
         if self.trace is not None:
             self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, self.now(), mode,
                              key, count=len(self.programs[key]))
 
-    def _instructions(self, key: int, seeds: tuple[int, int] | None) -> list[tuple]:
+    def _instructions(self, key: int, seeds: tuple[int, int] | None,
+                      size: int | None = None) -> list[tuple]:
         program, where = self.programs[key], self.seeded[key]
+        if size is not None:
+            program = graphs.with_sizes(program, self.sized[key], size)
         if not where:
             return program
         session, base = seeds
