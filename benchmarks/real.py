@@ -2,6 +2,7 @@
 
     python benchmarks/real.py PATH [--iters 40] [--batch 8] [--gpus N] [--runs torch,embedded,...]
     python benchmarks/real.py PATH --config train_shakespeare_char [--iters 500]
+    python benchmarks/real.py PATH --sample [--samples 3] [--tokens 300]
 
 PATH is a checkout of karpathy/nanoGPT. In a temporary folder, its train.py, model.py and
 configurator.py are copied twice: as they are (torch), and with only their torch import lines
@@ -20,7 +21,12 @@ functional as F``). Two ways to run it:
   only --max_iters set (and the device on a machine with no GPU). Its dataset is made by the
   checkout's own data/<dataset>/prepare.py, from a generated text where the download would be
   (GPU hosts reach nothing). "torch" runs the config as it is (compiled); "torch-eager" with
-  --compile=False; gtmpi's runs as they are (gtmpi.compile(model) returns the model).
+  --compile=False; gtmpi's runs as they are (gtmpi.compile(model) returns the model);
+- ``--sample``: sample.py as the README runs it after that training (a checkpoint of the same
+  model made by two iterations of its train.py), --samples samples of --tokens tokens each;
+  its figure is ms per token, the median over the samples after the first (each timed by the
+  wall clock at which its printed end arrived). Runs: torch, torch-compiled, embedded,
+  mpiexec and their -captured variants (default: torch, embedded, embedded-captured).
 
 The runs:
 
@@ -152,7 +158,7 @@ def prepare(src: str, where: str, config: str | None = None) -> dict[str, str]:
     for kind in ("torch", "gtmpi"):
         d = dirs[kind] = os.path.join(where, kind)
         os.makedirs(d)
-        for name in ("train.py", "model.py", "configurator.py"):
+        for name in ("train.py", "model.py", "configurator.py", "sample.py"):
             text = open(os.path.join(src, name)).read()
             if kind == "gtmpi" and name != "configurator.py":
                 for pattern, repl in SWITCH:
@@ -333,6 +339,60 @@ def _config_main(args, gpus: int) -> None:
                       "iters": args.iters, "set": args.set, "runs": results}))
 
 
+def _sample_main(args, gpus: int) -> None:
+    """nanoGPT's sample.py as its README runs it after the character-level training (its
+    checkpoint made by two iterations of train.py: the weights' values change no timing), the
+    imports switched only: ms per token, each run beside torch's in the same call."""
+    runs = args.runs.split(",") if args.runs != RUNS else ["torch", "embedded",
+                                                            "embedded-captured"]
+    on_cpu = [] if gpus else ["--device=cpu", "--dtype=float32"]
+    given = ["--out_dir=out-shakespeare-char", f"--num_samples={args.samples}",
+             f"--max_new_tokens={args.tokens}", *on_cpu]
+    env, mpiexec, py = _launch()
+    commands = {"torch": ([py, "sample.py"], "torch", {}),
+                "torch-compiled": ([py, "sample.py", "--compile=True"], "torch", {}),
+                "embedded": ([py, "sample.py"], "gtmpi", {}),
+                "embedded-captured": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1"}),
+                "mpiexec": ([*mpiexec, "-n", "2", py, "sample.py"], "gtmpi", {}),
+                "mpiexec-captured": ([*mpiexec, "-n", "2", py, "sample.py"], "gtmpi",
+                                     {"GTMPI_CAPTURE": "1"})}
+    results = []
+    with tempfile.TemporaryDirectory() as where:
+        dirs = prepare(args.path, where, "train_shakespeare_char.py")
+        subprocess.run([py, "train.py", "config/train_shakespeare_char.py", "--max_iters=2",
+                        "--eval_interval=2", "--eval_iters=2", "--compile=False", *on_cpu],
+                       cwd=dirs["torch"], env=env, check=True, capture_output=True)
+        os.symlink(os.path.join(dirs["torch"], "out-shakespeare-char"),
+                   os.path.join(dirs["gtmpi"], "out-shakespeare-char"))
+        for round_ in range(args.rounds):
+            for name in runs:
+                cmd, kind, extra = commands[name]
+                print(f"== {name}: {' '.join(cmd + given)}", flush=True)
+                rc, lines, wall = _timed_lines(cmd + given, dirs[kind], {**env, **extra},
+                                               args.timeout)
+                ends = [at for at, line in lines if line.startswith("---------------")]
+                # a sample's time: from the end of the one before (the first warms up)
+                each = [(b - a) / args.tokens * 1e3 for a, b in zip(ends, ends[1:])]
+                if rc or not each:
+                    print("\n".join(line for _, line in lines[-20:]))
+                results.append({"run": name, "round": round_, "rc": rc or (0 if each else 1),
+                                "ms_per_token": round(statistics.median(each), 3) if each
+                                else None, "ms_each": [round(x, 2) for x in each],
+                                "wall_s": round(wall, 1)})
+                print(json.dumps(results[-1]), flush=True)
+    print(f"\nnanoGPT sample.py {' '.join(given)}")
+    print(f"{'run':20} {'round':>5} {'ms/token':>9} {'vs torch':>9} {'run s':>7}")
+    for r in results:
+        base = next((b for b in results if b["run"] == "torch" and b["rc"] == 0 and
+                     b["round"] == r["round"]), None)
+        r["vs_torch"] = round(base["ms_per_token"] / r["ms_per_token"], 3) \
+            if base and r["ms_per_token"] else None
+        print(f"{r['run']:20} {r['round']:5d} {r['ms_per_token'] or '-':>9} "
+              f"{r['vs_torch'] or '-':>8}x {r['wall_s']:7.1f}")
+    print(json.dumps({"benchmark": "real", "program": "nanoGPT sample.py",
+                      "samples": args.samples, "tokens": args.tokens, "runs": results}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path", help="a checkout of karpathy/nanoGPT")
@@ -356,9 +416,16 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --config: passed on to train.py as --KEY=VALUE (e.g. a smaller "
                     "model to try it on CPUs)")
+    ap.add_argument("--sample", action="store_true",
+                    help="sample.py instead of train.py: ms per token (--samples, --tokens)")
+    ap.add_argument("--samples", type=int, default=3, help="with --sample: samples drawn")
+    ap.add_argument("--tokens", type=int, default=300, help="with --sample: tokens per sample")
     args = ap.parse_args()
     import torch
     gpus = args.gpus or torch.cuda.device_count()
+    if args.sample:
+        _sample_main(args, gpus)
+        return
     if args.config:
         _config_main(args, gpus)
         return
