@@ -51,6 +51,8 @@ class Placer:
         self.signals: list[tuple[Placement, str]] = []  # open signal scopes: (placement, where
         # its axis came from, for errors), innermost last
         self.active = False
+        self.placed = 0  # tensors ever given a placement off home: a recording that moved it
+        # made a program of pieces, whose shapes no one size follows
         self._groups: dict[tuple[int, ...], int] = {}
         self._temp = itertools.count(-1, -1)  # ids of the dispatcher's own tensors
         self._touched: set[int] = set()  # ranks given a collective since the last flush
@@ -914,6 +916,7 @@ class Placer:
         else:
             self.table[tid] = (sig, p)
             self.active = True
+            self.placed += 1
 
     def _changed(self, tid: int) -> None:
         """An in-place op changed ``tid``: its copies are stale, its recipe too."""

@@ -150,7 +150,8 @@ class Captured:
                  inputs: list[Tensor]) -> tuple[_Growing | None, int | None]:
         """The calls alike but for their tensors' sizes that this one belongs to, and its
         growing size; (None, None) where no one size tells its sizes from the first call's."""
-        if rt.dispatcher.placer.active:  # placed programs hold their pieces' shapes
+        placer = rt.dispatcher.placer
+        if placer.table or placer.signals:  # placed programs hold their pieces' shapes
             return None, None
         shapes = tuple(tuple(t.shape) for t in inputs)
         family = (_sizeless(signature), key[1])
@@ -338,7 +339,7 @@ def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tens
     result, the recording or None, why not). ``growing``: a call of growing size n, kept as
     a sample of its calls (no recording yet, no reason) until the samples tell its sizes."""
     d = rt.dispatcher
-    first = rt.new_id()
+    first, placed = rt.new_id(), d.placer.placed
     d.start_recording(first)
     try:
         result = as_written(*args, **kwargs)
@@ -369,6 +370,9 @@ def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tens
         if grad_outs:
             d.abandon_recording()
             return result, None, "its results require grad"
+        if d.placer.placed != placed:
+            d.abandon_recording()
+            return result, None, "it places tensors (a placed program holds its pieces' shapes)"
         try:
             got = grow.sample(n, d.recording, [t.id for t in inputs], outs, structure)
         except _Differs as e:
