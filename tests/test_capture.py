@@ -349,3 +349,27 @@ def test_a_growing_sequence_replays_one_program_with_its_sizes(monkeypatch, squa
     out = io.StringIO()
     gtmpi.debug.explain(out)
     assert f"captured {model._capture.name}: " in out.getvalue()
+
+
+def test_each_size_of_a_growing_call_becomes_a_cuda_graph_of_its_own(monkeypatch):
+    """Sampled again, a growing call's sizes come round again: each is captured at its second
+    replay, as a repeated step is, and launched from its third (the stand-in backend here);
+    every sample is the one drawn as written."""
+    gtmpi.manual_seed(0)
+    model = _Decoder()
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+    written = _generate(model, 20)
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", "emulate")
+    launches = []
+    for _ in range(3):
+        assert torch.equal(_generate(model, 20), written)
+        stats = gtmpi.debug.worker_stats()
+        launches.append(sum(s["graph_launches"] for s in stats.values()))
+    # t = 5 .. 12 and 12 once more in the first; t = 2 .. 12 in each later one (t = 1 is
+    # its own key, replayed as it is)
+    assert _notes(model)["replayed (a growing size)"] == 9 + 2 * 11
+    notes = [note for name, note in runtime().dispatcher.graph_notes.items()
+             if name.startswith(f"{model._capture.name} (recorded at")]
+    assert notes == [f"a CUDA graph per size (12 of 12 sizes) on worker(s) {runtime().dispatcher.home}"]
+    assert launches[2] - launches[1] >= 11  # sizes 2 .. 12, besides the sampler's own graphs

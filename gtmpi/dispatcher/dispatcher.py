@@ -41,7 +41,7 @@ from ..recording.events import Flag, Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import GRAPH_LATER, Tag
 from .foresight import DONE, FREE, READY
-from .programs import Program, Recording
+from .programs import Graphing, Program, Recording
 from .repeats import Repeats
 
 _clock = time.perf_counter_ns
@@ -55,6 +55,11 @@ FREES_AHEAD = 64  # dropped ids that travel before the next instruction even if 
 ACK_POLL_S = 5e-5  # how often a busy worker's acks are polled while ops are issued
 GRAPH_AFTER = 1  # plain replays of a program before its workers capture it (a warm one)
 CAPTURES_MAX = 4  # captures of a program its workers put off (transport.tags.GRAPH_LATER)
+# sizes of one growing program captured as graphs (each holds its outputs for good); a size
+# past them runs op by op
+SIZES_MAX = 1024
+_PAST_SIZES = Graphing()
+_PAST_SIZES.graph = f"more than {SIZES_MAX} sizes"
 
 
 class Link(Protocol):
@@ -457,7 +462,7 @@ class Dispatcher:
         own. ``outputs`` are the ids made inside that outlive the call, ``inputs`` those from
         outside that each call binds; ``name`` says which function it is, in notes. ``sized``:
         a worker's recorded instructions made ones whose sizes follow a growing argument
-        (ops/table.py: Dim), each replay given its size; such a program is no CUDA graph.
+        (ops/table.py: Dim), each replay given its size, and each size its own CUDA graph.
         Returns the
         program and the client ids it made that outlive it without being outputs (kept
         somewhere: it cannot be replayed)."""
@@ -482,8 +487,7 @@ class Dispatcher:
                             if (n, b) != was.get(key, (0, 0))}
         self._before = None
         if sized is not None:
-            program.graph = "its sizes follow its call's (a growing argument)"
-            self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
+            program.sizes = {}
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions if sized is None
                                   else sized(instructions)), [rank])
@@ -570,17 +574,22 @@ class Dispatcher:
         """The replay word for ``program`` to each of its workers (replay() says what it does;
         ``binds`` and ``renames`` may differ per worker), and, where it is captured now, the
         agreement on its graph."""
+        state: Graphing = program
+        if size is not None:
+            sizes = program.sizes
+            state = sizes.get(size) or (sizes.setdefault(size, Graphing())
+                                        if len(sizes) < SIZES_MAX else _PAST_SIZES)
         mode = "plain"
-        if program.graph is True:
+        if state.graph is True:
             mode = "graph"
-        elif program.graph is None and program.replays >= GRAPH_AFTER:
+        elif state.graph is None and state.replays >= GRAPH_AFTER:
             # GTMPI_CUDA_GRAPHS=0: never; emulate: the workers' stand-in (tests on CPUs);
             # otherwise each worker captures if it can
             graphs = os.environ.get("GTMPI_CUDA_GRAPHS", "1")
             mode = {"0": "plain", "emulate": "emulate"}.get(graphs, "capture")
             if mode == "plain":
-                self._graph_note(program, "GTMPI_CUDA_GRAPHS=0")
-        program.replays += 1
+                self._graph_note(program, state, "GTMPI_CUDA_GRAPHS=0")
+        state.replays += 1
         for rank in program.ranks:  # every member of its collectives gets it at once
             word = ("replay", None, (program.key, binds.get(rank, ()) if type(binds) is dict
                                      else binds, renames.get(rank, ()) if type(renames) is dict
@@ -592,9 +601,9 @@ class Dispatcher:
             self.flush(rank)
         self.end_round()
         if mode in ("capture", "emulate"):
-            self._commit(program)
+            self._commit(program, state)
 
-    def _commit(self, program: Program) -> None:
+    def _commit(self, program: Program, state: Graphing) -> None:
         """Every worker of a program being captured says whether it could; all launch their
         graphs, or none does (a collective captured by some members only would never run)."""
         start = _clock()
@@ -608,21 +617,27 @@ class Dispatcher:
             self.flush(rank)
         self.end_round()
         note = "; ".join(f"worker rank {rank}: {why}" for rank, why in sorted(refused.items()))
-        self._graph_note(program, note or None)
+        self._graph_note(program, state, note or None)
         if self.trace is not None:
             self.trace.event(Kind.REPLAY, Lane.DISPATCHER, start, _clock(), "capture",
                              program.key, count=len(program.ranks),
                              detail=f"{program.name}: " + (f"no CUDA graph ({note})" if note
                                                            else "captured"))
 
-    def _graph_note(self, program: Program, refused: str | None) -> None:
-        program.captures += 1
-        if refused is not None and refused.endswith(GRAPH_LATER) and program.captures < CAPTURES_MAX:
+    def _graph_note(self, program: Program, state: Graphing, refused: str | None) -> None:
+        state.captures += 1
+        if refused is not None and refused.endswith(GRAPH_LATER) and state.captures < CAPTURES_MAX:
             return  # tried again at its next replay
-        program.graph = True if refused is None else refused
+        state.graph = True if refused is None else refused
+        ranks = ", ".join(map(str, program.ranks))
+        if program.sizes is None:
+            self.graph_notes[program.name] = f"a CUDA graph on worker(s) {ranks}" if \
+                refused is None else f"replayed op by op, no CUDA graph: {refused}"
+            return
+        graphed = sum(s.graph is True for s in program.sizes.values())
         self.graph_notes[program.name] = (
-            f"a CUDA graph on worker(s) {', '.join(map(str, program.ranks))}" if refused is None
-            else f"replayed op by op, no CUDA graph: {refused}")
+            f"a CUDA graph per size ({graphed} of {len(program.sizes)} sizes) on worker(s) "
+            f"{ranks}" + ("" if refused is None else f"; op by op at a size: {refused}"))
 
     def rename(self, pairs: list[tuple[int, int]]) -> None:
         """Tensors move to new ids, on every worker and in the placer's books."""

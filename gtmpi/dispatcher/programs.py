@@ -55,7 +55,19 @@ class Recording:
         return made, freed, read
 
 
-class Program:
+class Graphing:
+    """Whether a program, or one size of a growing one, runs as a CUDA graph: each is
+    captured at a warm replay of its own (a graph holds the shapes it was captured with)."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+        # None until a capture is tried; then True (its workers launch it as a CUDA graph) or
+        # why it runs without one
+        self.graph: bool | str | None = None
+        self.captures = 0  # captures tried: one a worker put off is tried again, a few times
+
+
+class Program(Graphing):
     """A recording installed on its workers."""
 
     def __init__(self, key: int, name: str, ranks: tuple[int, ...], reads: frozenset[int],
@@ -75,8 +87,6 @@ class Program:
         # (site, kind, asked): (count, bytes); each replay counts them again (explain())
         self.inserted: dict[tuple[str, str, bool], tuple[int, int]] = {}
         self.stale = False
-        self.replays = 0
-        # None until a capture is tried; then True (its workers launch it as a CUDA graph) or
-        # why it runs without one
-        self.graph: bool | str | None = None
-        self.captures = 0  # captures tried: one a worker put off is tried again, a few times
+        super().__init__()
+        # a program whose sizes follow its call's (install's ``sized``): a graph per size
+        self.sizes: dict[int, Graphing] | None = None

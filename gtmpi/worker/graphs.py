@@ -254,17 +254,18 @@ class Captured:
         return [self._storages[p].untyped_storage() for p in ptrs]
 
 class Kept:
-    """A worker's captured programs by key, and what they are to each other: whose outputs
+    """A worker's captured programs by key ((key, size) for a growing program's graph of one
+    size), and what they are to each other: whose outputs
     another reads where they lie, and whose outputs lie in another's scratch."""
 
     def __init__(self, saved_aside: bool = False) -> None:
-        self.by_key: dict[int, Captured] = {}
+        self.by_key: dict[int | tuple[int, int], Captured] = {}
         # an autograd record's saved tensors in another's scratch set aside like outputs, not
         # a reason to run op by op (GTMPI_GRAPH_SAVED_ASIDE=0: run op by op, the way before)
         self.saved_aside = saved_aside
         self._made: dict[int, Captured] = {}  # id of an output tensor -> the graph it is of
 
-    def __getitem__(self, key: int) -> Captured:
+    def __getitem__(self, key: int | tuple[int, int]) -> Captured:
         return self.by_key[key]
 
     def made(self, value: Any) -> bool:
@@ -278,7 +279,7 @@ class Kept:
             return value, True
         return value.clone(), False
 
-    def add(self, key: int, captured: Captured) -> None:
+    def add(self, key: int | tuple[int, int], captured: Captured) -> None:
         self.pop(key)
         self.by_key[key] = captured
 
@@ -326,14 +327,17 @@ class Kept:
                 kept += [(s, s.clone()) for s in saved.values()]
         return kept
 
-    def pop(self, key: int) -> None:
-        gone = self.by_key.pop(key, None)
-        if gone is None:
+    def pop(self, key: int | tuple[int, int]) -> None:
+        """A program's graph gone (a growing program's: of each size)."""
+        gone = [self.by_key.pop(k) for k in list(self.by_key)
+                if k == key or type(k) is tuple and k[0] == key]
+        if not gone:
             return
-        for t in gone.outputs.values():
-            self._made.pop(id(t), None)
+        for captured in gone:
+            for t in captured.outputs.values():
+                self._made.pop(id(t), None)
         for other in self.by_key.values():
-            other.risks = [r for r in other.risks if r[0] is not gone]
+            other.risks = [r for r in other.risks if r[0] not in gone]
 
     def clear(self) -> None:
         self.by_key.clear()

@@ -38,22 +38,23 @@ class Programs:
         ``mode``: 'plain', op by op; 'capture', capture it as a CUDA graph and say whether that
         worked (the dispatcher's 'commit' then runs it); 'emulate', the same with the stand-in
         backend (tests); 'graph', launch the graph. A sixth item, the call's growing size,
-        gives its sizes (ops/table.py: Dim); such a program runs op by op."""
+        gives its sizes (ops/table.py: Dim); each size is a graph of its own."""
         key, binds, renames, mode, seeds = args[:5]
         size = args[5] if len(args) > 5 else None
         if self.profiler is not None:
             self.profiler.replay()
         start = self.now()
         if mode == "graph":
-            if self._launch(self.graphs[key], binds, renames, seeds) is not None:
-                self._run_program(self._instructions(key, seeds), binds, renames)
+            graph = self.graphs[key if size is None else (key, size)]
+            if self._launch(graph, binds, renames, seeds) is not None:
+                self._run_program(self._instructions(key, seeds, size), binds, renames)
         elif mode == "emulate":
-            self._try_capture(key, binds, renames, seeds, graphs.EmulatedBackend())
+            self._try_capture(key, size, binds, renames, seeds, graphs.EmulatedBackend())
         elif mode == "capture":
             if self._cuda_backend is None:
                 alone = self.plane is None or self.plane.workers == 1
                 self._cuda_backend = graphs.cuda_backend(self.device, shared=alone)
-            self._try_capture(key, binds, renames, seeds, self._cuda_backend)
+            self._try_capture(key, size, binds, renames, seeds, self._cuda_backend)
         else:
             self._run_program(self._instructions(key, seeds, size), binds, renames)
         if self.device.type == "cuda" and mode != "capture":
@@ -101,21 +102,24 @@ class Programs:
                 else:
                     table[recorded] = value
 
-    def _try_capture(self, key: int, binds: tuple, renames: tuple, seeds, backend) -> None:
+    def _try_capture(self, key: int, size: int | None, binds: tuple, renames: tuple, seeds,
+                     backend) -> None:
         """Capture a program as a graph (nothing runs yet) and tell rank 0 whether it worked
         (None) or why not; the capture waits for the dispatcher's commit."""
         captured, why = None, backend if isinstance(backend, str) else None
         if why is None:
             try:
-                captured = self._capture_graph(key, binds, renames, backend)
+                captured = self._capture_graph(key, size, binds, renames, backend)
             except Exception as e:  # what cannot be captured: a host sync, a data-dependent shape
                 why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        self._capture = (key, binds, renames, seeds, captured)
+        self._capture = (key, size, binds, renames, seeds, captured)
         self.link.reply(Tag.GRAPH, why)
 
-    def _capture_graph(self, key: int, binds: tuple, renames: tuple,
+    def _capture_graph(self, key: int, size: int | None, binds: tuple, renames: tuple,
                        backend: graphs.CudaBackend | graphs.EmulatedBackend) -> graphs.Captured:
-        program = [ins for ins in self.programs[key] if ins[0] not in graphs.HOST_WORDS]
+        program = self.programs[key] if size is None else \
+            graphs.with_sizes(self.programs[key], self.sized[key], size)
+        program = [ins for ins in program if ins[0] not in graphs.HOST_WORDS]
         for i, ins in enumerate(program):
             if ins[0] in ("upload", "read", "sync"):
                 raise RuntimeError(f"instruction {i} ({ins[0]}) waits for the host")
@@ -218,12 +222,12 @@ class Programs:
         """(key, ok): every worker of the program captured it (launch the graph, and from now
         on every replay), or one could not (run it op by op; the graph is dropped)."""
         key, ok = args
-        _, binds, renames, seeds, captured = self._capture
+        _, size, binds, renames, seeds, captured = self._capture
         self._capture = None
         if ok:
-            self.graphs.add(key, captured)
+            self.graphs.add(key if size is None else (key, size), captured)
         if not ok or self._launch(captured, binds, renames, seeds) is not None:
-            self._run_program(self._instructions(key, seeds), binds, renames)
+            self._run_program(self._instructions(key, seeds, size), binds, renames)
         if self.device.type == "cuda":
             self._note_ready(new for _, new in renames)
 
