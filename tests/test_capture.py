@@ -361,6 +361,7 @@ def test_each_size_of_a_growing_call_becomes_a_cuda_graph_of_its_own(monkeypatch
     written = _generate(model, 20)
     monkeypatch.setenv("GTMPI_CAPTURE", "1")
     monkeypatch.setenv("GTMPI_CUDA_GRAPHS", "emulate")
+    monkeypatch.setenv("GTMPI_SIZED_GRAPHS", "1")
     launches = []
     for _ in range(3):
         assert torch.equal(_generate(model, 20), written)

@@ -60,6 +60,11 @@ CAPTURES_MAX = 4  # captures of a program its workers put off (transport.tags.GR
 SIZES_MAX = 1024
 _PAST_SIZES = Graphing()
 _PAST_SIZES.graph = f"more than {SIZES_MAX} sizes"
+# a graph per size is checked on CPUs (the stand-in backend) only so far: GTMPI_SIZED_GRAPHS=1
+# turns it on, else a growing program runs op by op
+_SIZES_OFF = Graphing()
+_SIZES_OFF.graph = "its sizes follow its call's (a growing argument; GTMPI_SIZED_GRAPHS=1: " \
+    "a graph per size)"
 
 
 class Link(Protocol):
@@ -488,6 +493,8 @@ class Dispatcher:
         self._before = None
         if sized is not None:
             program.sizes = {}
+            if os.environ.get("GTMPI_SIZED_GRAPHS", "0") != "1":
+                self.graph_notes[name] = f"replayed op by op, no CUDA graph: {_SIZES_OFF.graph}"
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions if sized is None
                                   else sized(instructions)), [rank])
@@ -579,6 +586,8 @@ class Dispatcher:
             sizes = program.sizes
             state = sizes.get(size) or (sizes.setdefault(size, Graphing())
                                         if len(sizes) < SIZES_MAX else _PAST_SIZES)
+            if os.environ.get("GTMPI_SIZED_GRAPHS", "0") != "1":
+                state = _SIZES_OFF
         mode = "plain"
         if state.graph is True:
             mode = "graph"
