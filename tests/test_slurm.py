@@ -18,7 +18,8 @@ def plugin() -> str:
     return "pmix" if "Open MPI" in MPI.Get_library_version() else "pmi2"
 
 
-def run_script(tmp_path, name: str, env: dict, args=("train.py", "--lr", "3e-4")) -> str:
+def run_script(tmp_path, name: str, env: dict, args=("train.py", "--lr", "3e-4"),
+               srun_status: int = 0) -> str:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'n1\\nn2\\nn3\\n'\n")
@@ -26,14 +27,15 @@ def run_script(tmp_path, name: str, env: dict, args=("train.py", "--lr", "3e-4")
                                   'echo "CPUS $SRUN_CPUS_PER_TASK"\n'
                                   '[ -n "$SLURM_HOSTFILE" ] && cat "$SLURM_HOSTFILE"\n'
                                   '[ -n "$GTMPI_CONFIG" ] && echo "CONFIG $GTMPI_CONFIG"\n'
-                                  'exit 0\n')
+                                  'echo "HOSTFILE $SLURM_HOSTFILE"\n'
+                                  f'exit {srun_status}\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     full_env = {**{k: v for k, v in os.environ.items() if k != "GTMPI_CONFIG"},
                 "PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
     proc = subprocess.run(["bash", str(ROOT / "slurm" / name), *args],
                           capture_output=True, text=True, timeout=30, env=full_env)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == srun_status, proc.stderr
     return proc.stdout
 
 
@@ -56,8 +58,18 @@ def test_multi_node_puts_the_dispatcher_beside_the_first_nodes_workers(tmp_path)
     assert lines[0].startswith(f"SRUN --mpi={plugin()} --distribution=arbitrary --ntasks=13 ")
     assert lines[0].endswith("python -m gtmpi train.py --lr 3e-4")
     assert lines[1] == "CPUS 1"
-    hosts = lines[2:]
+    hosts = lines[2:-1]
     assert hosts == ["n1"] * 5 + ["n2"] * 4 + ["n3"] * 4
+    assert not os.path.exists(lines[-1].split()[1])  # the hostfile is removed
+
+
+def test_multi_node_leaves_no_hostfile_when_srun_fails(tmp_path):
+    """A job whose srun failed ends with srun's status and takes its hostfile with it."""
+    out = run_script(tmp_path, "multi_node.sbatch",
+                     {"SLURM_GPUS_ON_NODE": "2", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"},
+                     srun_status=3)
+    hostfile = out.splitlines()[-1].split()[1]
+    assert hostfile and not os.path.exists(hostfile)
 
 
 def test_gpt_scripts_run_the_seeds_layout_through_the_generic_ones(tmp_path):
