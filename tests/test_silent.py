@@ -67,7 +67,8 @@ def test_workers_a_config_leaves_idle_are_said_once(tmp_path):
 @pytest.mark.parametrize("config, said", [
     ("dat:\n  shard: {axis: 0, workers: [0]}\nweight:\n  shard: {workers: [0], "
      "replicated: true}\n", "'dat' (did you mean 'data'?), 'weight' (did you mean 'weights'?)"),
-    (None, "name no layout this script runs")])
+    (None, "'col', 'row', 'weights' name no layout this script runs; tensor parallel also "
+           "needs 'act', 'rep'; data parallel also needs 'data'.")])
 def test_train_py_refuses_a_config_it_does_not_understand(tmp_path, config, said):
     path = tmp_path / "c.yaml"
     if config is None:  # tensor_parallel.yaml is for the MLP, not the GPT's signals
@@ -81,6 +82,7 @@ def test_train_py_refuses_a_config_it_does_not_understand(tmp_path, config, said
     """, 120, n=3, env={"GTMPI_CONFIG": str(path)})
     assert proc.returncode != 0
     assert said in proc.stderr, proc.stderr[-2000:]
+    assert "did you mean 'col'" not in proc.stderr  # a name it knows is never its own hint
 
 
 def _train_py(tmp_path, *args: str, n: int | None = None):

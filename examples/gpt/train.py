@@ -126,10 +126,16 @@ def main() -> None:
     if names and not (n_stages or tensor_par or data_parallel or by_config):
         # a config this script does not understand would otherwise train on one worker
         known = ["data", "weights", "act", "col", "row", "rep", "vocab", "stage0", "stage1"]
-        hints = [f"'{n}' (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(n, known, 1))
-                 else f"'{n}'" for n in sorted(names)]
+        hints = [f"'{n}' (did you mean '{m[0]}'?)" if n not in known and
+                 (m := difflib.get_close_matches(n, known, 1)) else f"'{n}'" for n in sorted(names)]
+        # a layout the config has part of: what it lacks
+        lacks = [f"; {what} also needs {', '.join(repr(n) for n in sorted(need - names))}"
+                 for what, need in (("tensor parallel", {"act", "col", "row", "rep"}),
+                                    ("data parallel", {"data", "weights"}))
+                 if need & names and need - names]
         sys.exit(f"train.py: the config's signals {', '.join(hints)} name no layout this script "
-                 "runs: 'data' and 'weights', or 'parameters' and 'uploads' (data parallel); "
+                 f"runs{''.join(lacks)}. It runs "
+                 "'data' and 'weights', or 'parameters' and 'uploads' (data parallel); "
                  "'act', 'col', 'row' and 'rep' "
                  "(tensor parallel, 'vocab' too for the embedding and head); 'stage0', "
                  "'stage1', ... (pipeline stages, each tensor parallel with 'stageS.col', ...)")
