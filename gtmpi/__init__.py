@@ -27,7 +27,8 @@ from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, 
                               randn, randn_like, tensor, zeros, zeros_like)
 from .client.dtypes import (bfloat16, bool_, double, float16, float32, float64, half, int8,
                             int16, int32, int64, long, uint8)
-from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, baddbmm, bmm,
+from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, argsort,
+                               baddbmm, bmm, lerp, outer, repeat_interleave,
                                cat, ceil, chunk,
                                clamp, clip, concatenate, cos, cumsum, einsum, equal, erf, exp,
                                expm1, flatten, flip, floor, gather, gelu, index_select,

@@ -413,3 +413,75 @@ def test_operands_from_numpy_and_torch(gen):
     assert_same(g * torch.full((3,), 2.0), x * 2)
     assert_same(g * np.float32(3.0), x * 3.0)
     assert_same(np.ones(3, dtype=np.float32) + g, x + 1)   # numpy defers to gtmpi
+
+
+# everyday idioms of PyTorch programs (issue 57's newcomer's list): values and gradients
+# against torch, the tensor's own values changed where torch changes them in place
+IDIOMS = {
+    "softmax(dtype=)": lambda t, x, v: t.nn.functional.softmax(x.to(t.bfloat16), dim=-1,
+                                                                dtype=t.float32),
+    "log_softmax(dtype=)": lambda t, x, v: x.to(t.bfloat16).log_softmax(0, dtype=t.float32),
+    "outer": lambda t, x, v: v.outer(v * 2),
+    "torch.outer": lambda t, x, v: t.outer(v, v),
+    "lerp": lambda t, x, v: t.lerp(x, x * 3, 0.25),
+    "repeat_interleave": lambda t, x, v: v.repeat_interleave(3),
+    "repeat_interleave(dim)": lambda t, x, v: x.repeat_interleave(2, dim=1),
+    "torch.repeat_interleave": lambda t, x, v: t.repeat_interleave(x, 2, dim=0),
+    "argsort": lambda t, x, v: x.argsort(dim=-1, descending=True),
+    "Embedding.from_pretrained": lambda t, x, v: t.nn.Embedding.from_pretrained(
+        x, freeze=False)(t.tensor([2, 0, 2])),
+    "sdpa(enable_gqa)": lambda t, x, v: t.nn.functional.scaled_dot_product_attention(
+        x.reshape(1, 4, 3, 1).expand(1, 4, 3, 2), x[:2].reshape(1, 2, 2, 2),
+        x[1:].reshape(1, 2, 2, 2)[..., :2, :], enable_gqa=True),
+}
+
+
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_everyday_idioms_are_torchs_with_their_gradients(gen, idiom):
+    x = rand(gen, 3, 4).requires_grad_()
+    v = rand(gen, 4).requires_grad_()
+    want = IDIOMS[idiom](torch, x, v)
+    gx, gv = to_gtmpi(x.detach()).requires_grad_(), to_gtmpi(v.detach()).requires_grad_()
+    got = IDIOMS[idiom](gtmpi, gx, gv)
+    assert_same(got, want.detach())
+    if not want.dtype.is_floating_point:
+        return
+    weights = torch.rand(want.shape, generator=gen, dtype=torch.float64).to(want.dtype)
+    (want * weights).sum().backward()
+    (got * to_gtmpi(weights)).sum().backward()
+    for mine, theirs in ((gx, x), (gv, v)):
+        if theirs.grad is None:
+            assert mine.grad is None
+        else:
+            assert_same(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+# in place: the tensor itself changed and returned (outside autograd: an in-place op on a
+# tensor that requires grad is refused, ops/table.py)
+IN_PLACE = {
+    "lerp_": lambda t, x: x.lerp_(x.flip(0), 0.5),
+    "relu(inplace)": lambda t, x: t.nn.ReLU(inplace=True)(x),
+    "F.relu(inplace)": lambda t, x: t.nn.functional.relu(x, inplace=True),
+    "silu(inplace)": lambda t, x: t.nn.SiLU(inplace=True)(x),
+    "leaky_relu(inplace)": lambda t, x: t.nn.LeakyReLU(0.1, inplace=True)(x),
+    "scatter_add_": lambda t, x: x.scatter_add_(1, t.tensor([[0, 1, 1, 3]] * 3), x * 2),
+}
+
+
+@pytest.mark.parametrize("idiom", IN_PLACE)
+def test_everyday_in_place_idioms_change_their_tensor_as_torchs(gen, idiom):
+    x = rand(gen, 3, 4)
+    gx = to_gtmpi(x)
+    want, got = IN_PLACE[idiom](torch, x), IN_PLACE[idiom](gtmpi, gx)
+    assert got is gx and want is x
+    assert_same(gx, x)
+
+
+def test_a_frozen_pretrained_embedding_and_bad_idioms_say_what_torch_says():
+    table = gtmpi.randn(5, 3)
+    frozen = gtmpi.nn.Embedding.from_pretrained(table)
+    assert not frozen.weight.requires_grad and frozen.weight.shape == (5, 3)
+    with pytest.raises(RuntimeError, match="outer: expected 1-D tensors"):
+        table.outer(table)
+    with pytest.raises(NotImplementedError, match="an int"):
+        table.repeat_interleave(gtmpi.tensor([1, 2, 1, 1, 1]), dim=0)

@@ -17,19 +17,45 @@ def _unary(name: str):
 
 exp, log, sqrt, rsqrt = _unary("exp"), _unary("log"), _unary("sqrt"), _unary("rsqrt")
 sin, cos, tanh, sigmoid = _unary("sin"), _unary("cos"), _unary("tanh"), _unary("sigmoid")
-relu, silu, abs, neg = _unary("relu"), _unary("silu"), _unary("abs"), _unary("neg")
+abs, neg = _unary("abs"), _unary("neg")
+
+
+def relu(x: Tensor, inplace: bool = False) -> Tensor:
+    return x.copy_(apply("relu", x)) if inplace else apply("relu", x)
+
+
+def silu(x: Tensor, inplace: bool = False) -> Tensor:
+    return x.copy_(apply("silu", x)) if inplace else apply("silu", x)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return apply("gelu", x, approximate=approximate) if approximate != "none" else apply("gelu", x)
 
 
-def softmax(x: Tensor, dim: int) -> Tensor:
-    return apply("softmax", x, dim)
+def softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+    """``dtype``: the input is cast to it first, as torch's (a bfloat16 input's softmax in
+    float32)."""
+    return x.softmax(dim, dtype)
 
 
-def log_softmax(x: Tensor, dim: int) -> Tensor:
-    return apply("log_softmax", x, dim)
+def log_softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+    return x.log_softmax(dim, dtype)
+
+
+def outer(a: Tensor, b: Tensor) -> Tensor:
+    return a.outer(b)
+
+
+def lerp(a: Tensor, end: Operand, weight: Operand) -> Tensor:
+    return a.lerp(end, weight)
+
+
+def argsort(x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False) -> Tensor:
+    return x.argsort(dim, descending, stable)
+
+
+def repeat_interleave(x: Tensor, repeats: int, dim: int | None = None) -> Tensor:
+    return x.repeat_interleave(repeats, dim)
 
 
 def matmul(a: Operand, b: Operand) -> Tensor:

@@ -342,8 +342,11 @@ class Tensor:
     def tanh(self) -> Tensor: return apply("tanh", self)
     def sigmoid(self) -> Tensor: return apply("sigmoid", self)
     def relu(self) -> Tensor: return apply("relu", self)
-    def softmax(self, dim: int) -> Tensor: return apply("softmax", self, dim)
-    def log_softmax(self, dim: int) -> Tensor: return apply("log_softmax", self, dim)
+    def softmax(self, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+        return apply("softmax", self if dtype is None else self.to(dtype), dim)
+
+    def log_softmax(self, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+        return apply("log_softmax", self if dtype is None else self.to(dtype), dim)
 
     def clamp(self, min: Operand | None = None, max: Operand | None = None) -> Tensor:
         return apply("clamp", self, min, max)
@@ -401,6 +404,35 @@ class Tensor:
     def gather(self, dim: int, index: Tensor) -> Tensor: return apply("gather", self, dim, index)
     def scatter(self, dim: int, index: Tensor, src: Operand) -> Tensor: return apply("scatter", self, dim, index, src)
     def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor: return apply("scatter_add", self, dim, index, src)
+    def scatter_add_(self, dim: int, index: Tensor, src: Tensor) -> Tensor:
+        return self.copy_(self.scatter_add(dim, index, src))
+
+    def argsort(self, dim: int = -1, descending: bool = False, stable: bool = False) -> Tensor:
+        return self.sort(dim, descending, stable).indices
+
+    def outer(self, other: Tensor) -> Tensor:
+        if self.ndim != 1 or other.ndim != 1:
+            raise RuntimeError("outer: expected 1-D tensors, but got "
+                               f"{self.ndim}-D and {other.ndim}-D")
+        return self.reshape(-1, 1) * other.reshape(1, -1)
+
+    def lerp(self, end: Operand, weight: Operand) -> Tensor:
+        return self + weight * (end - self)
+
+    def lerp_(self, end: Operand, weight: Operand) -> Tensor:
+        return self.copy_(self.lerp(end, weight))
+
+    def repeat_interleave(self, repeats: int, dim: int | None = None) -> Tensor:
+        """Each element (along ``dim``; of the flattened tensor without one) ``repeats`` times
+        in a row; a tensor of repeats per element would need its values on the client."""
+        if not isinstance(repeats, int):
+            raise NotImplementedError("repeat_interleave with a tensor of repeats: its output's "
+                                      "shape depends on the values; give an int")
+        x = self.reshape(-1) if dim is None else self
+        d = 0 if dim is None else dim % x.ndim
+        shape = tuple(x.shape)
+        grown = x.unsqueeze(d + 1).expand(*shape[:d + 1], repeats, *shape[d + 1:])
+        return grown.reshape(*shape[:d], shape[d] * repeats, *shape[d + 1:])
     def index_select(self, dim: int, index: Tensor) -> Tensor: return apply("index_select", self, dim, index)
     def tril(self, diagonal: int = 0) -> Tensor: return apply("tril", self, diagonal)
     def triu(self, diagonal: int = 0) -> Tensor: return apply("triu", self, diagonal)

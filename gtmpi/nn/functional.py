@@ -67,7 +67,8 @@ def _per_dim(v):
 
 
 def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
-    return apply("leaky_relu", x, negative_slope)
+    out = apply("leaky_relu", x, negative_slope)
+    return x.copy_(out) if inplace else out
 
 
 def one_hot(indices: Tensor, num_classes: int = -1) -> Tensor:
@@ -127,10 +128,14 @@ def embedding(indices: Tensor, weight: Tensor, padding_idx: int | None = None) -
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
-                                 scale: float | None = None) -> Tensor:
+                                 scale: float | None = None, enable_gqa: bool = False) -> Tensor:
     """softmax(q kᵀ · scale + mask) v over the last two dims as torch's fused kernel (flash or
     memory-efficient attention on GPUs: the scores are never materialised); ``is_causal``
-    masks the future without a mask tensor."""
+    masks the future without a mask tensor; ``enable_gqa``: k and v of fewer heads than q,
+    each serving a group of q's heads in turn (their heads repeated, as torch's math path)."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
     if dropout_p:
         from ..client.runtime import runtime
         return apply("scaled_dot_product_attention", q, k, v, attn_mask, dropout_p, is_causal,

@@ -69,17 +69,33 @@ class Linear(Module):
 @_factory_keywords
 class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int,
-                 padding_idx: int | None = None) -> None:
+                 padding_idx: int | None = None, _weight: Tensor | None = None,
+                 _freeze: bool = False) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.padding_idx = padding_idx
+        if _weight is not None:  # torch's: the weight given, as it is
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise ValueError("Shape of weight does not match num_embeddings and "
+                                 "embedding_dim")
+            self.weight = Parameter(_weight, requires_grad=not _freeze)
+            return
         self.weight = Parameter(empty(num_embeddings, embedding_dim))
         init.normal_(self.weight)
         if padding_idx is not None:
             with no_grad():
                 self.weight[padding_idx] = 0.0
+
+    @classmethod
+    def from_pretrained(cls, embeddings: Tensor, freeze: bool = True,
+                        padding_idx: int | None = None) -> "Embedding":
+        """torch's: an Embedding whose weight is ``embeddings`` (trained unless ``freeze``)."""
+        if embeddings.ndim != 2:
+            raise ValueError("Embeddings parameter is expected to be 2-dimensional")
+        rows, cols = embeddings.shape
+        return cls(rows, cols, padding_idx, _weight=embeddings, _freeze=freeze)
 
     def forward(self, indices: Tensor) -> Tensor:
         return F.embedding(indices, self.weight, self.padding_idx)
@@ -124,8 +140,12 @@ class Dropout(Module):
 
 
 class ReLU(Module):
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.relu(x)
+        return F.relu(x, inplace=self.inplace)
 
 
 class GELU(Module):
@@ -138,8 +158,12 @@ class GELU(Module):
 
 
 class SiLU(Module):
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.silu(x)
+        return F.silu(x, inplace=self.inplace)
 
 
 class Softmax(Module):
@@ -205,10 +229,10 @@ class Sigmoid(Module):
 class LeakyReLU(Module):
     def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
         super().__init__()
-        self.negative_slope = negative_slope
+        self.negative_slope, self.inplace = negative_slope, inplace
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.leaky_relu(x, self.negative_slope)
+        return F.leaky_relu(x, self.negative_slope, self.inplace)
 
 
 class CrossEntropyLoss(Module):
