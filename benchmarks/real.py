@@ -26,7 +26,10 @@ functional as F``). Two ways to run it:
   model made by two iterations of its train.py), --samples samples of --tokens tokens each;
   its figure is ms per token, the median over the samples after the first (each timed by the
   wall clock at which its printed end arrived). Runs: torch, torch-compiled, embedded,
-  mpiexec and their -captured variants (default: torch, embedded, embedded-captured).
+  mpiexec and their -captured variants, embedded-graphed (captured, and each size of the
+  growing sequence a CUDA graph: GTMPI_SIZED_GRAPHS=1) (default: torch, embedded,
+  embedded-captured, embedded-graphed). A graph per size starts at a size's third call, so
+  the samples after the second show it; ms_each lists every sample's.
 
 The runs:
 
@@ -344,7 +347,8 @@ def _sample_main(args, gpus: int) -> None:
     checkpoint made by two iterations of train.py: the weights' values change no timing), the
     imports switched only: ms per token, each run beside torch's in the same call."""
     runs = args.runs.split(",") if args.runs != RUNS else ["torch", "embedded",
-                                                            "embedded-captured"]
+                                                            "embedded-captured",
+                                                            "embedded-graphed"]
     on_cpu = [] if gpus else ["--device=cpu", "--dtype=float32"]
     given = ["--out_dir=out-shakespeare-char", f"--num_samples={args.samples}",
              f"--max_new_tokens={args.tokens}", *on_cpu]
@@ -353,6 +357,8 @@ def _sample_main(args, gpus: int) -> None:
                 "torch-compiled": ([py, "sample.py", "--compile=True"], "torch", {}),
                 "embedded": ([py, "sample.py"], "gtmpi", {}),
                 "embedded-captured": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1"}),
+                "embedded-graphed": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
+                                                                   "GTMPI_SIZED_GRAPHS": "1"}),
                 "mpiexec": ([*mpiexec, "-n", "2", py, "sample.py"], "gtmpi", {}),
                 "mpiexec-captured": ([*mpiexec, "-n", "2", py, "sample.py"], "gtmpi",
                                      {"GTMPI_CAPTURE": "1"})}
