@@ -342,8 +342,11 @@ def test_ctrl_c_is_one_line(tmp_path, how, status):
     if how == "mpiexec":
         cmd = [MPIEXEC, "-n", "3"] + cmd
     env = {**os.environ, **launcher_env(), "GTMPI_DEVICE": "cpu", "GTMPI_EMBEDDED_PROCESS": "1"}
+    # a terminal's program takes Ctrl-C; a suite started in the background (`... &` in a
+    # script) would pass on an ignored SIGINT, and the program would never see it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(0.5)
