@@ -17,6 +17,13 @@ from conftest import UNDER_MPI, mpiexec, run_job
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own jobs; run from the serial suite")
 
+
+@pytest.fixture(autouse=True)
+def _runs_not_calls(monkeypatch):
+    """These count the dispatcher's repeated runs: the model's calls are not captured above
+    them (GTMPI_CAPTURE=1 replays a call before its runs are seen)."""
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LOOP = """
 import json, sys
