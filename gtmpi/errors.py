@@ -1,7 +1,24 @@
-"""Errors that cross process boundaries, and the exception a user sees."""
+"""Errors that cross process boundaries, the exception a user sees, and where the program's
+own line is (what a message or warning names)."""
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
 from typing import NamedTuple
+
+# where files are that are not the program's: gtmpi, Python's own, the installed libraries
+NOT_USER = (os.path.dirname(os.path.abspath(__file__)),
+            *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+
+
+def user_stacklevel() -> int:
+    """For warnings.warn, called by the function that warns: the stacklevel of the program's
+    innermost line (a warning that names gtmpi's own line tells the user nothing)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(NOT_USER):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Fault(NamedTuple):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -180,6 +181,22 @@ def test_a_signal_missing_from_the_config_is_a_no_op_with_one_warning():
         ["gtmpi: signal 'nowhere' is not in the config; its scope changes nothing"]
     assert where(y) == f"R@[{WORKERS[0]}]"
     assert_same(y + 1, torch.full((4, 4), 2.0))
+
+
+@pytest.mark.parametrize("how", ["context", "enter", "tensor"])
+def test_a_missing_signals_warning_names_the_programs_line(how):
+    """Not gtmpi's own line (signals/__init__.py), whichever way the signal is named."""
+    name = f"nowhere_{how}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "context":
+            with gtmpi.signal.context(name): line = sys._getframe().f_lineno  # noqa: E701
+        elif how == "enter":
+            gtmpi.signal.enter(name); line = sys._getframe().f_lineno  # noqa: E702
+            gtmpi.signal.exit(name)
+        else:
+            gtmpi.signal.tensor(gtmpi.ones(2), name); line = sys._getframe().f_lineno  # noqa: E702
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
 
 
 def test_enter_exit_must_match():

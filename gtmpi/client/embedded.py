@@ -17,7 +17,8 @@ from ..transport.local import LocalLink
 from ..transport.pipe import start_child
 from ..worker.device import select_device, visible_gpus
 from ..worker.executor import Executor
-from .runtime import NOT_USER, Runtime, current, set_default_start
+from ..errors import NOT_USER
+from .runtime import Runtime, current, set_default_start
 
 
 def verbose(message: str) -> None:

@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import sys
-import sysconfig
 import threading
 import time
 from contextlib import contextmanager
@@ -30,7 +29,7 @@ import torch
 from ..dispatcher import Dispatcher
 from ..signals.config import load
 from .signalbook import SignalBook
-from ..errors import Fault, WorkerError, worker_error
+from ..errors import NOT_USER, Fault, WorkerError, worker_error
 from ..ops import settings
 from ..ops.table import Seed, derive_seed
 from ..transport import ending
@@ -38,10 +37,7 @@ from ..transport.ending import alive
 from ..transport.rendezvous import LOOPBACK
 from ..transport.tags import Tag
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _normpath = functools.lru_cache(maxsize=1024)(os.path.normpath)  # "a/../../a/m.py" -> "a/m.py"
-# where files are that are not the program's: gtmpi, Python's own, the installed libraries
-NOT_USER = (_PKG_DIR, *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
 _SITES_PER_GENERATION = 1 << 16
 NOTES_WAIT_S = 1.0  # for the death watchers' notes, which name the worker that went first
 

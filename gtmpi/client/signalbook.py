@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 from ..placement.types import Placement, make
 from ..recording.events import Kind, Lane
+from ..errors import user_stacklevel
 from ..signals.config import ConfigError, Signal
 
 
@@ -49,7 +50,7 @@ class SignalBook:
             self._said_idle = True
             warnings.warn(f"gtmpi: the config places nothing on worker(s) "
                           f"{', '.join(map(str, idle))} of {len(self.ranks)}: they stay idle",
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())
         if not self._reporting:
             self._reporting = True
             atexit.register(self.report)
@@ -79,7 +80,7 @@ class SignalBook:
             return make(mesh, s.grid, list(s.axes))
         return Placement(mesh, "R") if s.axis is None else Placement(mesh, "S", s.axis)
 
-    def get(self, name: str, stacklevel: int = 4) -> Signal | None:
+    def get(self, name: str) -> Signal | None:
         """The signal ``name``, noted as used; None, with one warning, if no config has it."""
         self.used.add(name)
         s = self.signals.get(name)
@@ -88,7 +89,7 @@ class SignalBook:
             close = difflib.get_close_matches(name, self.signals, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             warnings.warn(f"gtmpi: signal '{name}' is not in the config{hint}; its scope "
-                          "changes nothing", stacklevel=stacklevel + 1)
+                          "changes nothing", stacklevel=user_stacklevel())
         return s
 
     def unused(self) -> list[str]:

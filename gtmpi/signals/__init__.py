@@ -85,7 +85,7 @@ def tensor(x: Any, name: str) -> Any:
         with book.scope(name):
             return make(x)
     copy = apply("clone", x)
-    s = book.get(name, stacklevel=3)  # warns once where it is missing
+    s = book.get(name)  # warns once where it is missing
     if s is None:
         return copy
     book.placer.place(copy.id, copy._sig, book.placement(s), s.where("shard.axis"))
