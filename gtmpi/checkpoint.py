@@ -47,6 +47,9 @@ def save(obj: Any, f: str | os.PathLike | IO[bytes], **torch_save_args: Any) -> 
         return
     path = os.path.abspath(os.fspath(f))
     folder, name = os.path.split(path)
+    if not os.path.isdir(folder):  # torch's error, not one naming the temporary file
+        raise RuntimeError(f"Parent directory {os.path.dirname(os.fspath(f)) or '.'} does not "
+                           "exist.")
     _forget_killed_saves(folder, name)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.{_HOST}.{os.getpid()}.",
                                suffix=".tmp")

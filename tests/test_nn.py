@@ -298,6 +298,19 @@ def test_save_replaces_the_file_whole_with_torchs_mode_and_writes_to_file_object
     assert torch.load(path)["step"] == 2 and os.listdir(tmp_path) == ["ck.pt"]
 
 
+def test_saving_into_a_missing_folder_is_torchs_error_naming_the_users_path(tmp_path):
+    """Not a FileNotFoundError naming the temporary file the save would have written."""
+    path = tmp_path / "missing" / "ck.pt"
+    with pytest.raises(RuntimeError) as want:
+        torch.save({"step": 1}, path)
+    with pytest.raises(RuntimeError) as got:
+        gtmpi.save({"w": gtmpi.ones(2)}, path)
+    assert str(got.value) == str(want.value) == f"Parent directory {tmp_path / 'missing'} " \
+        "does not exist."
+    with pytest.raises(RuntimeError, match="Parent directory missing does not exist"):
+        gtmpi.save({"step": 1}, "missing/ck.pt")  # relative: named as given, as torch does
+
+
 def test_linear_and_cross_entropy_are_single_instructions_with_torch_grads():
     """Fused forward and backward (fewer instructions per step) with torch's exact semantics."""
     x, w, b = r(6, 4), r(3, 4), r(3)
