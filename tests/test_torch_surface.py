@@ -494,3 +494,57 @@ def test_gt_documented_forms():
     h = gtmpi.from_numpy(a)
     assert_same(gnn.relu(h - 2), torch.relu(t - 2))
     assert_same(gnn.sigmoid(h), torch.sigmoid(t))
+
+
+SCHEDULES = {
+    "LambdaLR": lambda o, lib: lib.optim.lr_scheduler.LambdaLR(o, lambda e: 0.9 ** e),
+    "StepLR": lambda o, lib: lib.optim.lr_scheduler.StepLR(o, 3, gamma=0.5),
+    "CosineAnnealingLR": lambda o, lib: lib.optim.lr_scheduler.CosineAnnealingLR(o, 10, 1e-4),
+    "OneCycleLR": lambda o, lib: lib.optim.lr_scheduler.OneCycleLR(o, 0.5, total_steps=20),
+    "ReduceLROnPlateau": lambda o, lib: lib.optim.lr_scheduler.ReduceLROnPlateau(o, patience=1),
+}
+
+
+def _stepped(sched, n: int, start: int = 0) -> list[float]:
+    lrs = []
+    for i in range(start, start + n):
+        if isinstance(sched, (torch.optim.lr_scheduler.ReduceLROnPlateau,
+                              gtmpi.optim.lr_scheduler.ReduceLROnPlateau)):
+            sched.step(5.0 - 0.1 * (i % 3 == 0))
+        else:
+            sched.optimizer.step()
+            sched.step()
+        lrs += sched.get_last_lr()
+    return lrs
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_schedule_resumes_from_its_state_dict_as_torchs(tmp_path, name):
+    """Saved after 7 steps with the optimizer and loaded into fresh ones (gtmpi.save and
+    gtmpi.load between), a schedule goes on as one never stopped, and as torch's does; a
+    state saved by torch's schedule loads into gtmpi's, and gtmpi's into torch's, and each
+    goes on as torch's."""
+    def fresh(lib):
+        opt = lib.optim.SGD([(torch.nn if lib is torch else gnn).Parameter(lib.zeros(2))],
+                            lr=0.1, momentum=0.9)
+        return opt, SCHEDULES[name](opt, lib)
+    topt, ts = fresh(torch)
+    want = _stepped(ts, 12)
+    gopt, gs = fresh(gtmpi)
+    assert _stepped(gs, 7) == pytest.approx(want[:7], rel=1e-9)
+    gtmpi.save({"opt": gopt.state_dict(), "sched": gs.state_dict()}, tmp_path / "ck.pt")
+    saved = gtmpi.load(tmp_path / "ck.pt")
+    gopt, gs = fresh(gtmpi)
+    gopt.load_state_dict(saved["opt"])
+    gs.load_state_dict(saved["sched"])
+    assert _stepped(gs, 5, 7) == pytest.approx(want[7:], rel=1e-9)
+    topt, ts = fresh(torch)
+    _stepped(ts, 7)
+    gopt, gs = fresh(gtmpi)
+    gopt.load_state_dict(topt.state_dict())
+    gs.load_state_dict(ts.state_dict())
+    assert _stepped(gs, 5, 7) == pytest.approx(want[7:], rel=1e-9)
+    topt, ts = fresh(torch)  # and the other way: torch's schedule takes gtmpi's state
+    topt.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=False)["opt"])
+    ts.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=False)["sched"])
+    assert _stepped(ts, 5, 7) == pytest.approx(want[7:], rel=1e-9)

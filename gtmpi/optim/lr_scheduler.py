@@ -7,7 +7,23 @@ from typing import Any, Callable
 from .optimizer import Optimizer
 
 
-class LambdaLR:
+class _Saved:
+    """torch's state_dict()/load_state_dict() of a schedule: its own attributes, less the
+    optimizer and functions (a lambda is the program's code, saved by no one). A torch
+    schedule's state loads too: the keys this one has are taken, torch's own extras left."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k != "optimizer" and not callable(v)}
+        if isinstance(self, LambdaLR):  # what torch's LambdaLR.load_state_dict pops and reads
+            state.update(lr_lambdas=[None] * len(self.base_lrs), _last_lr=self.get_last_lr())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.__dict__.update((k, v) for k, v in state_dict.items()
+                             if k in self.__dict__ and not callable(self.__dict__[k]))
+
+
+class LambdaLR(_Saved):
     def __init__(self, optimizer: Optimizer, lr_lambda: Callable[[int], float]):
         self.optimizer = optimizer
         self.lr_lambda = lr_lambda
@@ -170,7 +186,7 @@ def _linear(start: float, end: float, pct: float) -> float:
     return (end - start) * pct + start
 
 
-class ReduceLROnPlateau:
+class ReduceLROnPlateau(_Saved):
     """torch's: each group's lr times ``factor`` once the metric given to step() has not
     improved (by ``threshold``, relative or absolute) for more than ``patience`` steps, then
     ``cooldown`` steps of rest; never below ``min_lr``. A metric that is a tensor is read."""
