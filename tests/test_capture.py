@@ -161,6 +161,9 @@ def _each_change():
     def layer_frozen(m):
         m.lin.weight.requires_grad_(False)
 
+    def data_replaced(m):  # the same Parameter object, another storage
+        m.lin.weight.data = gtmpi.full((4, 4), 0.5)
+
     def hook_added(m):
         m.lin.register_forward_hook(lambda mod, args, out: out * 17.0)
 
@@ -168,7 +171,7 @@ def _each_change():
         m.lin = nn.Linear(4, 4)
 
     return [attribute, class_attribute, global_rebound, list_appended, object_field, eval_mode,
-            weight_replaced, layer_frozen, hook_added, submodule_swapped]
+            weight_replaced, layer_frozen, data_replaced, hook_added, submodule_swapped]
 
 
 @pytest.mark.parametrize("change", _each_change(), ids=lambda f: f.__name__)

@@ -548,3 +548,28 @@ def test_a_schedule_resumes_from_its_state_dict_as_torchs(tmp_path, name):
     topt.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=False)["opt"])
     ts.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=False)["sched"])
     assert _stepped(ts, 5, 7) == pytest.approx(want[7:], rel=1e-9)
+
+
+def test_setting_data_is_torchs():
+    """``p.data = x``: the same Parameter (its module's, its optimizer's), now on x's storage
+    (an in-place change of x shows in p), any shape; its grad flows and its update lands."""
+    got = {}
+    for lib in (torch, gtmpi):
+        nn_ = torch.nn if lib is torch else gnn
+        lib.manual_seed(0)
+        lin = nn_.Linear(3, 2)
+        opt = lib.optim.SGD(lin.parameters(), lr=0.5)
+        weight = lin.weight
+        new = lib.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+        weight.data = new
+        new.mul_(2)  # shared: the parameter sees it
+        assert lin.weight is weight and lin.weight.requires_grad
+        lin(lib.ones(1, 3)).sum().backward()
+        opt.step()
+        lin.bias.data = lib.zeros(3)  # another shape
+        got[lib] = [t.detach().clone() if lib is torch else t.cpu_torch()
+                    for t in (lin.weight, lin.weight.grad, new, lin.bias)]
+    for g, w in zip(got[gtmpi], got[torch]):
+        assert torch.equal(g, w)
+    with pytest.raises(TypeError, match="data must be a Tensor"):
+        gnn.Linear(2, 2).weight.data = [1.0]

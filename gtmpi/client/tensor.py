@@ -162,6 +162,24 @@ class Tensor:
     def data(self) -> Tensor:
         return self.detach()
 
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        """torch's ``t.data = value``: this tensor is ``value``'s storage from now on (a change
+        of either in place shows in both), with its shape and dtype; it stays this object (a
+        module's parameter, an optimizer's key), with its requires_grad and .grad, and no
+        autograd history moves. Captures see its id change (client/replay.py: Guard)."""
+        if not isinstance(value, Tensor):
+            raise TypeError(f"data must be a Tensor, not {type(value).__name__}")
+        value.id  # placed first (one the client holds): the alias is of its storage
+        with gradmode.no_grad():
+            alias = apply("alias", value)
+        rt = runtime()
+        if self._id is not None:
+            rt.dispatcher.frees.append(self._id)  # what it was, unless something else holds it
+        self._id, alias._id = alias._id, None
+        self._sig, self._strides = alias._sig, alias._strides
+        self._host = self._recipe = None
+
     # autograd ---------------------------------------------------------------------------------
 
     @property
