@@ -6,7 +6,8 @@ from typing import Any, TextIO
 
 
 def worker_stats(reset_peak: bool = False) -> dict[int, dict]:
-    """Per worker: ops executed, faults, in-place ops ``skipped`` because of one, tensor bytes
+    """Per worker: ops executed, ``faults`` (ops that failed there, not those that read what
+    failed), in-place ops ``skipped`` because of one, tensor bytes
     received and sent, tensors held, memory (``memory_bytes`` in use: the tensors gtmpi holds;
     on a GPU torch's ``peak_bytes`` allocated and ``reserved_bytes`` and
     ``peak_reserved_bytes``), the whole process's resident size now and at peak

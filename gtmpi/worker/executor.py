@@ -303,10 +303,13 @@ class Executor(Programs, Control, Quota):
         return Fault(tensor_id, op, self.rank, f"{type(e).__name__}: {e}")
 
     def _fail(self, out, fault: Fault) -> None:
-        self.stats["faults"] += 1
+        outs = (out,) if type(out) is int else out
+        # counted where it failed: not again for each op that read what failed
+        if fault.tensor_id in outs and fault.rank == self.rank:
+            self.stats["faults"] += 1
         if self.trace is not None:
             self.trace.annotate(flags=events.Flag.FAULT, detail=f"{fault.op}: {fault.error}")
-        for o in ((out,) if type(out) is int else out):
+        for o in outs:
             self.env.pop(o, None)
             self.poison[o] = fault
 
