@@ -187,3 +187,18 @@ def test_a_bad_input_gets_torchs_error(code):
     assert str(got).strip(), f"{code!r}: {type(got).__name__} without a message"
     # the session goes on
     assert gtmpi.ones(2, 2).sum().item() == 4.0
+
+
+@pytest.mark.parametrize("shape", [(4, 5), (2, 4, 5), (5,)])
+def test_a_linear_layers_shape_error_is_torchs_words_raised_near_the_users_line(shape):
+    """torch's kernel's words (not the meta kernel's), and a traceback that ends a few frames
+    below the program's line (the layer's call, its forward, F.linear, the op), not inside
+    shape inference and torch's decompositions."""
+    import traceback
+    with pytest.raises(RuntimeError) as want:
+        torch.nn.Linear(3, 2)(torch.ones(*shape))
+    with pytest.raises(RuntimeError) as got:
+        gtmpi.nn.Linear(3, 2)(gtmpi.ones(*shape))
+    assert str(got.value) == str(want.value)
+    frames = traceback.extract_tb(got.value.__traceback__)
+    assert frames[0].filename == __file__ and len(frames) <= 8, frames

@@ -778,18 +778,21 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     if saving is not None and saving.recompute:  # kept by the first run: not computed again
         return saving.reuse(name, operands, kw)
     key = None  # the signature's cache key, for shape inference and the placer alike
-    if shape_as is None:
-        try:
-            key = signature_key(name, tuple(sigs), tmask, kw)
-        except TypeError:  # an unhashable constant
-            pass
-        outs, multi = infer(name, tuple(sigs), tmask, kw, key)
-    else:
-        n, template, index_sigs = shape_as
-        lead = len(sigs) - n
-        outs, multi = infer(name, tuple(sigs[:lead]) + index_sigs,
-                            tmask & ((1 << lead) - 1) | ((1 << len(index_sigs)) - 1) << lead,
-                            {**kw, "key": template})
+    try:
+        if shape_as is None:
+            try:
+                key = signature_key(name, tuple(sigs), tmask, kw)
+            except TypeError:  # an unhashable constant
+                pass
+            outs, multi = infer(name, tuple(sigs), tmask, kw, key)
+        else:
+            n, template, index_sigs = shape_as
+            lead = len(sigs) - n
+            outs, multi = infer(name, tuple(sigs[:lead]) + index_sigs,
+                                tmask & ((1 << lead) - 1) | ((1 << len(index_sigs)) - 1) << lead,
+                                {**kw, "key": template})
+    except Exception as e:  # torch's error, raised from here: not through a dozen frames of
+        raise e.with_traceback(None)  # shape inference and meta kernels below the user's op
     if name in _INPLACE:
         if recording:
             gradmode.autograd().record(name, operands, kw, None)  # raises: in place needs no_grad()

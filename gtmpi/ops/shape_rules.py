@@ -4,7 +4,9 @@ imports torch's decompositions with dynamo and sympy behind them (0.3-1.3 s, onc
 
 A rule returns the result Sigs for the common, valid case and None for anything else (an
 error, a dtype torch would promote, an unusual form); meta tensors then decide, so torch's own
-messages still come from torch. tests/test_shapes.py checks every rule against torch.
+messages still come from torch. Where a meta kernel's words differ from the CPU and GPU
+kernels' (linear's mismatched sizes), the rule raises the kernels' error itself.
+tests/test_shapes.py checks every rule against torch.
 """
 from __future__ import annotations
 
@@ -86,8 +88,11 @@ def _reduced(shape: Size, dims: tuple[int, ...], keepdim: bool) -> Size:
 @rule("linear")
 def _linear(args, tmask, kw):
     x, w, b = args
-    if not _tensors(args, tmask, 2) or len(w[0]) != 2 or not x[0] or x[0][-1] != w[0][1]:
+    if not _tensors(args, tmask, 2) or len(w[0]) != 2 or not x[0]:
         return None
+    if x[0][-1] != w[0][1]:  # the CPU and GPU kernels' words (meta's differ)
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({math.prod(x[0][:-1])}x"
+                           f"{x[0][-1]} and {w[0][1]}x{w[0][0]})")
     cast = kw.get("cast") if kw else None  # autocast's, inside the kernel (gtmpi/amp.py)
     if cast is not None:
         floating = _float(x) and _float(w) and (b is None or _float(b))
