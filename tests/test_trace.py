@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import h5py
 import numpy as np
@@ -696,3 +697,22 @@ def test_a_cpu_workers_pushed_memory_is_its_clients_tensors():
     client.env[7] = torch.zeros(1000)
     got = figures({0: server, 3: client})
     assert got["memory_bytes"] == 4000 and got["slots"]["3"]["held_bytes"] == 4000
+
+
+def test_the_monitors_busy_counts_a_running_batch_as_it_goes():
+    """A batch counted only at its end read as more than 100% busy in the second it ended in
+    (166% was seen): the monitor's figures count the running batch up to now, and top shows at
+    most 100%."""
+    import time as _time
+    from gtmpi.monitor import push, top
+    ex = types.SimpleNamespace(stats={k: 0 for k in ("ops", "control", "batches", "faults",
+                                                      "exec_ns", "wait_ns", "bytes_received",
+                                                      "bytes_sent")},
+                               plane=None, env={}, _held_bytes=lambda: 0, batch_start=None,
+                               device=torch.device("cpu"), memory=lambda: {})
+    idle = push.figures({0: ex})["slots"]["0"]["exec_ns"]
+    ex.batch_start = _time.perf_counter_ns() - 2_000_000_000  # running for 2 s
+    running = push.figures({0: ex})["slots"]["0"]["exec_ns"]
+    assert idle == 0 and running >= 2_000_000_000
+    rates = top._slot_rates({"exec_ns": 3_000_000_000}, {"exec_ns": 0}, 1.0)
+    assert rates["busy"] == 100.0

@@ -57,13 +57,17 @@ def figures(executors: dict[int, Any]) -> dict[str, Any]:
     slots = {}
     for slot, ex in list(executors.items()):
         st = ex.stats
+        busy = st["exec_ns"]
+        started = ex.batch_start  # read after: a batch that ends between is counted next time
+        if started is not None:
+            busy += time.perf_counter_ns() - started
         comm = dict(ex.plane.stats) if ex.plane is not None else {}
         transfers = sum(v[0] for k, v in comm.items() if k in ("send", "recv"))
         collectives = sum(v[0] for k, v in comm.items() if k not in ("send", "recv"))
         slots[str(slot)] = {
             "ops": st["ops"], "control": st["control"], "collectives": collectives,
             "transfers": transfers, "batches": st["batches"], "faults": st["faults"],
-            "exec_ns": st["exec_ns"], "wait_ns": st["wait_ns"],
+            "exec_ns": busy, "wait_ns": st["wait_ns"],
             "bytes_moved": st["bytes_received"] + st["bytes_sent"]
             + sum(v[1] for v in comm.values()),
             "tensors": len(ex.env), "held_bytes": ex._held_bytes()}

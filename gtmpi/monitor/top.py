@@ -37,8 +37,10 @@ def _slot_rates(now: dict, before: dict | None, dt: float) -> dict[str, float | 
     compute = None if ops is None else max(0.0, ops - sum(v or 0 for v in parts.values()))
     busy = _rate(now, before, "exec_ns", dt)
     wait = _rate(now, before, "wait_ns", dt)
+    # a batch that ended between two readings can still carry a little of the one before
     return {"ops": ops, "compute": compute, **parts,
-            "busy": None if busy is None else busy / 1e7, "wait": None if wait is None else wait / 1e7}
+            "busy": None if busy is None else min(100.0, busy / 1e7),
+            "wait": None if wait is None else min(100.0, wait / 1e7)}
 
 
 def render(snap: dict[str, Any], before: dict[str, dict]) -> str:

@@ -121,14 +121,20 @@ class Executor(Programs, Control, Quota):
         # launch the next step before the GPU runs dry. An in-place write drops the entry.
         self.ready: dict[int, tuple[Any, torch.Tensor]] = {}
         self._read_stream = None
+        # when the batch running now started (the monitor counts it busy as it goes: counted
+        # only at its end, a long batch read as more than 100% of the second it ended in)
+        self.batch_start: int | None = None
 
     def run(self, batch: list[tuple]) -> None:
-        start = time.perf_counter_ns()
-        if self.quota is None:
-            self._execute(batch)
-        else:
-            self._execute_within(batch, self.quota)
-        self.stats["exec_ns"] += time.perf_counter_ns() - start
+        start = self.batch_start = time.perf_counter_ns()
+        try:
+            if self.quota is None:
+                self._execute(batch)
+            else:
+                self._execute_within(batch, self.quota)
+        finally:
+            self.stats["exec_ns"] += time.perf_counter_ns() - start
+            self.batch_start = None
         rec = self.trace
         if rec is not None:
             rec.marks.append((self.now(), None, None))
