@@ -716,3 +716,36 @@ def test_the_monitors_busy_counts_a_running_batch_as_it_goes():
     assert idle == 0 and running >= 2_000_000_000
     rates = top._slot_rates({"exec_ns": 3_000_000_000}, {"exec_ns": 0}, 1.0)
     assert rates["busy"] == 100.0
+
+
+@pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
+def test_summary_and_comms_count_the_same_bytes_per_collective(tmp_path):
+    """ZeRO-3 on two workers: all-gathers (a piece in, the whole out), reduce-scatters (the
+    whole in, a piece out) and all-reduces; the workers' events (summary) and the dispatcher's
+    inserted records (comms) give each kind the same count and bytes: what each member puts
+    in (summary counted an all-gather's whole result, twice comms' bytes)."""
+    path = str(tmp_path / "zero3.h5")
+    gtmpi.load_config({"z3_params": {"shard": {"workers": [0, 1], "replicated": True},
+                                     "zero": 3},
+                       "z3_data": {"shard": {"axis": 0, "workers": [0, 1]}}})
+    gtmpi.manual_seed(0)
+    model = gtmpi.nn.Sequential(gtmpi.nn.Linear(8, 16), gtmpi.nn.ReLU(), gtmpi.nn.Linear(16, 4))
+    gtmpi.signal.place(model, "z3_params")
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-3)
+    gtmpi.synchronize()
+    gtmpi.trace.start(path)
+    for _ in range(2):
+        x = gtmpi.signal.tensor(torch.randn(6, 8), "z3_data")
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    gtmpi.synchronize()
+    gtmpi.trace.stop()
+    trace = fileformat.read(path)
+    summary = {r["collective"]: (r["count"], r["bytes"]) for r in analysis.collective_rows(trace)}
+    comms: dict = {}
+    for r in analysis.comm_rows(trace):
+        count, nbytes = comms.get(r["kind"], (0, 0))
+        comms[r["kind"]] = (count + r["count"], nbytes + r["bytes"])
+    assert "all_gather" in summary and any(k.startswith("reduce_scatter") for k in summary)
+    assert summary == comms

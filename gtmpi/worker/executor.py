@@ -269,8 +269,13 @@ class Executor(Programs, Control, Quota):
         self.waits.clear()
 
     def _note_comm(self, name: str, args: list, kw: dict, res: Any) -> None:
-        """A collective's bytes and group, a transfer's bytes and peer, for the trace."""
-        moved = (res,) if isinstance(res, torch.Tensor) else res or (args[0],)  # a send: ()
+        """A collective's bytes and group, a transfer's bytes and peer, for the trace. A
+        collective's bytes are what this member puts in (an all-gather's piece, a
+        reduce-scatter's whole operands), as the dispatcher counts them (comms)."""
+        if name in ("send", "recv"):
+            moved = (res,) if isinstance(res, torch.Tensor) else (args[0],)  # a send gives ()
+        else:
+            moved = [a for a in args if isinstance(a, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in moved)
         if name in ("send", "recv"):
             self.trace.annotate(nbytes=nbytes, peer=kw["dst" if name == "send" else "src"])
