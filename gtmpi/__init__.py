@@ -28,7 +28,7 @@ from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, 
 from .client.dtypes import (bfloat16, bool_, double, float16, float32, float64, half, int8,
                             int16, int32, int64, long, uint8)
 from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, argsort,
-                               baddbmm, bmm, lerp, outer, repeat_interleave,
+                               baddbmm, bmm, lerp, nonzero, outer, repeat_interleave, unique,
                                cat, ceil, chunk,
                                clamp, clip, concatenate, cos, cumsum, einsum, equal, erf, exp,
                                expm1, flatten, flip, floor, gather, gelu, index_select,

@@ -485,3 +485,29 @@ def test_a_frozen_pretrained_embedding_and_bad_idioms_say_what_torch_says():
         table.outer(table)
     with pytest.raises(NotImplementedError, match="an int"):
         table.repeat_interleave(gtmpi.tensor([1, 2, 1, 1, 1]), dim=0)
+
+
+DATA_SHAPED = {
+    "nonzero": lambda t, x: x.nonzero(),
+    "torch.nonzero(as_tuple)": lambda t, x: t.nonzero(x, as_tuple=True),
+    "x[x.nonzero(as_tuple=True)]": lambda t, x: x[x.nonzero(as_tuple=True)] * 2,
+    "unique": lambda t, x: x.unique(),
+    "unique(inverse, counts)": lambda t, x: t.unique(x, return_inverse=True, return_counts=True),
+    "unique(dim=0)": lambda t, x: x.unique(dim=0),
+}
+
+
+@pytest.mark.parametrize("idiom", DATA_SHAPED)
+def test_ops_whose_result_size_is_data_are_torchs(gen, idiom):
+    """nonzero and unique: their count is read (as torch's own waits for the GPU), the values
+    are torch's, and what uses them runs on the workers."""
+    x = (rand(gen, 5, 4) * 2).round().clamp(-1, 1)
+    x[3] = x[1]  # a repeated row for unique(dim=0)
+    want = DATA_SHAPED[idiom](torch, x)
+    got = DATA_SHAPED[idiom](gtmpi, to_gtmpi(x))
+    if isinstance(want, tuple):
+        assert isinstance(got, tuple) and len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same(g, w)
+    else:
+        assert_same(got, want)

@@ -58,6 +58,15 @@ def repeat_interleave(x: Tensor, repeats: int, dim: int | None = None) -> Tensor
     return x.repeat_interleave(repeats, dim)
 
 
+def nonzero(x: Tensor, *, as_tuple: bool = False) -> Tensor | tuple[Tensor, ...]:
+    return x.nonzero(as_tuple=as_tuple)
+
+
+def unique(x: Tensor, sorted: bool = True, return_inverse: bool = False,
+           return_counts: bool = False, dim: int | None = None) -> Tensor | tuple[Tensor, ...]:
+    return x.unique(sorted, return_inverse, return_counts, dim)
+
+
 def matmul(a: Operand, b: Operand) -> Tensor:
     return apply("matmul", a, b)
 

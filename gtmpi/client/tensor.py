@@ -428,6 +428,21 @@ class Tensor:
     def argsort(self, dim: int = -1, descending: bool = False, stable: bool = False) -> Tensor:
         return self.sort(dim, descending, stable).indices
 
+    # how many results there are is data: read here, as torch's own waits for the GPU; the
+    # results are held by the client and go where they are used
+
+    def nonzero(self, *, as_tuple: bool = False) -> Tensor | tuple[Tensor, ...]:
+        found = torch.nonzero(self.cpu_torch(), as_tuple=as_tuple)
+        device = self.device
+        return tuple(hold(f, device) for f in found) if as_tuple else hold(found, device)
+
+    def unique(self, sorted: bool = True, return_inverse: bool = False,
+               return_counts: bool = False, dim: int | None = None) -> Tensor | tuple[Tensor, ...]:
+        found = torch.unique(self.cpu_torch(), sorted, return_inverse, return_counts, dim)
+        device = self.device
+        return tuple(hold(f, device) for f in found) if isinstance(found, tuple) else \
+            hold(found, device)
+
     def outer(self, other: Tensor) -> Tensor:
         if self.ndim != 1 or other.ndim != 1:
             raise RuntimeError("outer: expected 1-D tensors, but got "
