@@ -21,7 +21,7 @@ abs, neg = _unary("abs"), _unary("neg")
 
 
 def relu(x: Tensor, inplace: bool = False) -> Tensor:
-    return x.copy_(apply("relu", x)) if inplace else apply("relu", x)
+    return x.relu_() if inplace else apply("relu", x)
 
 
 def silu(x: Tensor, inplace: bool = False) -> Tensor:

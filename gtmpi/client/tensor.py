@@ -432,13 +432,14 @@ class Tensor:
     # results are held by the client and go where they are used
 
     def nonzero(self, *, as_tuple: bool = False) -> Tensor | tuple[Tensor, ...]:
-        found = torch.nonzero(self.cpu_torch(), as_tuple=as_tuple)
-        device = self.device
-        return tuple(hold(f, device) for f in found) if as_tuple else hold(found, device)
+        return self._held(torch.nonzero(self.cpu_torch(), as_tuple=as_tuple))
 
     def unique(self, sorted: bool = True, return_inverse: bool = False,
                return_counts: bool = False, dim: int | None = None) -> Tensor | tuple[Tensor, ...]:
-        found = torch.unique(self.cpu_torch(), sorted, return_inverse, return_counts, dim)
+        return self._held(torch.unique(self.cpu_torch(), sorted, return_inverse, return_counts,
+                                       dim))
+
+    def _held(self, found: torch.Tensor | tuple) -> Tensor | tuple[Tensor, ...]:
         device = self.device
         return tuple(hold(f, device) for f in found) if isinstance(found, tuple) else \
             hold(found, device)

@@ -58,13 +58,6 @@ CAPTURES_MAX = 4  # captures of a program its workers put off (transport.tags.GR
 # sizes of one growing program captured as graphs (each holds its outputs for good); a size
 # past them runs op by op
 SIZES_MAX = 1024
-_PAST_SIZES = Graphing()
-_PAST_SIZES.graph = f"more than {SIZES_MAX} sizes"
-# a graph per size is checked on CPUs (the stand-in backend) only so far: GTMPI_SIZED_GRAPHS=1
-# turns it on, else a growing program runs op by op
-_SIZES_OFF = Graphing()
-_SIZES_OFF.graph = "its sizes follow its call's (a growing argument; GTMPI_SIZED_GRAPHS=1: " \
-    "a graph per size)"
 
 
 class Link(Protocol):
@@ -492,9 +485,14 @@ class Dispatcher:
                             if (n, b) != was.get(key, (0, 0))}
         self._before = None
         if sized is not None:
-            program.sizes = {}
-            if os.environ.get("GTMPI_SIZED_GRAPHS", "0") != "1":
-                self.graph_notes[name] = f"replayed op by op, no CUDA graph: {_SIZES_OFF.graph}"
+            # a graph per size is checked on CPUs (the stand-in backend) only so far:
+            # GTMPI_SIZED_GRAPHS=1 turns it on, else the program runs op by op
+            if os.environ.get("GTMPI_SIZED_GRAPHS", "0") == "1":
+                program.sizes = {}
+            else:
+                program.graph = "its sizes follow its call's (a growing argument; " \
+                    "GTMPI_SIZED_GRAPHS=1: a graph per size)"
+                self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions if sized is None
                                   else sized(instructions)), [rank])
@@ -581,15 +579,15 @@ class Dispatcher:
         """The replay word for ``program`` to each of its workers (replay() says what it does;
         ``binds`` and ``renames`` may differ per worker), and, where it is captured now, the
         agreement on its graph."""
-        state: Graphing = program
-        if size is not None:
-            sizes = program.sizes
-            state = sizes.get(size) or (sizes.setdefault(size, Graphing())
-                                        if len(sizes) < SIZES_MAX else _PAST_SIZES)
-            if os.environ.get("GTMPI_SIZED_GRAPHS", "0") != "1":
-                state = _SIZES_OFF
+        state: Graphing | None = program
+        if size is not None and program.sizes is not None:
+            state = program.sizes.get(size)
+            if state is None and len(program.sizes) < SIZES_MAX:
+                state = program.sizes[size] = Graphing()
         mode = "plain"
-        if state.graph is True:
+        if state is None:  # a size past SIZES_MAX: op by op
+            pass
+        elif state.graph is True:
             mode = "graph"
         elif state.graph is None and state.replays >= GRAPH_AFTER:
             # GTMPI_CUDA_GRAPHS=0: never; emulate: the workers' stand-in (tests on CPUs);
@@ -598,7 +596,8 @@ class Dispatcher:
             mode = {"0": "plain", "emulate": "emulate"}.get(graphs, "capture")
             if mode == "plain":
                 self._graph_note(program, state, "GTMPI_CUDA_GRAPHS=0")
-        state.replays += 1
+        if state is not None:
+            state.replays += 1
         for rank in program.ranks:  # every member of its collectives gets it at once
             word = ("replay", None, (program.key, binds.get(rank, ()) if type(binds) is dict
                                      else binds, renames.get(rank, ()) if type(renames) is dict
