@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .client.dtypes import bfloat16, float16, float32
+from .client.replay import as_is, capture_enabled, repeated_at
 from .client.runtime import runtime
 from .ops.table import OPS
 
@@ -179,15 +180,25 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since "
                                "the last update().")
         from .autograd import no_grad
-        from .client.functions import isfinite, stack
         inverse = float(torch.tensor(self._scale, dtype=torch.float64).reciprocal().float())
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
+        if not grads:
+            self._found_inf[id(optimizer)] = None
+            return
+        run = functools.partial(_unscale, grads, inverse)
         with no_grad():
-            finite = [isfinite(g).all() for g in grads]
-            for g in grads:
-                g.mul_(inverse)
-            self._found_inf[id(optimizer)] = ~stack(finite).all() if finite else None
+            if not capture_enabled():
+                self._found_inf[id(optimizer)] = run(as_is)
+                return
+            rt = runtime()
+            repeated = repeated_at(rt, rt.repeated.setdefault("GradScaler.unscale_", {}),
+                                   "GradScaler.unscale_")
+            # its tensors: the gradients, bound; its number: the inverse of the scale now
+            self._found_inf[id(optimizer)] = repeated(
+                rt, tuple(g._sig for g in grads), grads, set(), run,
+                lambda source: float(torch.tensor(self._scale, dtype=torch.float64)
+                                     .reciprocal().float()))
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not self._enabled:
@@ -231,3 +242,13 @@ class GradScaler:
         self._backoff_factor = state["backoff_factor"]
         self._growth_interval = state["growth_interval"]
         self._growth_tracker = state["_growth_tracker"]
+
+
+def _unscale(grads: list, inverse: float, knob: Callable) -> Any:
+    """Each gradient times ``inverse``, in place; whether any was not finite (a tensor)."""
+    from .client.functions import isfinite, stack
+    finite = [isfinite(g).all() for g in grads]
+    inverse = knob(inverse, "inverse")
+    for g in grads:
+        g.mul_(inverse)
+    return ~stack(finite).all()

@@ -11,6 +11,7 @@ import torch
 
 import gtmpi
 from conftest import HOME_DEVICE
+from gtmpi.client.runtime import runtime
 
 DEVICE_TYPE = HOME_DEVICE.type
 
@@ -85,10 +86,15 @@ def test_cuda_autocast_cross_entropy_is_torchs_composite():
     torch.testing.assert_close(g_logits.grad.cpu_torch(), t_logits.grad, rtol=0, atol=0)
 
 
-def test_grad_scaler_scales_unscales_skips_and_backs_off_as_torch():
+@pytest.mark.parametrize("capture", ["0", "1"])
+def test_grad_scaler_scales_unscales_skips_and_backs_off_as_torch(monkeypatch, capture):
     """An enabled scaler (float32 here: the arithmetic is the scaler's): the scaled backward,
     unscale_ before clipping, a step skipped on an infinite gradient with the scale halved,
-    and growth after growth_interval good steps."""
+    and growth after growth_interval good steps. Captured (GTMPI_CAPTURE=1), the unscale, the
+    clip and the step replay from their third call, each unscale given the scale of its step."""
+    monkeypatch.setenv("GTMPI_CAPTURE", capture)
+    runtime().capture_notes.clear()
+    runtime().repeated.clear()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(4))
     runs = {}
@@ -101,7 +107,7 @@ def test_grad_scaler_scales_unscales_skips_and_backs_off_as_torch():
         xs, ys = (x.to(HOME_DEVICE), y.to(HOME_DEVICE)) if lib is torch else \
             (gtmpi.tensor(x), gtmpi.tensor(y))
         scales = []
-        for step in range(5):
+        for step in range(8):
             loss = lib.nn.functional.cross_entropy(lib.nn.functional.linear(
                 lib.nn.functional.linear(xs, params[0], params[1]), params[2]), ys)
             if step == 2:
@@ -115,9 +121,15 @@ def test_grad_scaler_scales_unscales_skips_and_backs_off_as_torch():
             scales.append(float(scaler.get_scale()))
         runs[lib.__name__] = (scales, [p.detach().cpu() if lib is torch else p.cpu_torch()
                                        for p in params])
-    assert runs["gtmpi"][0] == runs["torch"][0] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
+    assert runs["gtmpi"][0] == runs["torch"][0] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0,
+                                                    2048.0, 4096.0, 4096.0]
     for p, q in zip(runs["gtmpi"][1], runs["torch"][1]):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    replayed = {name.split(" (")[0]: notes["replayed"]
+                for name, notes in runtime().capture_notes.items() if notes["replayed"]}
+    # 8 calls: a warm-up, a recording, 6 replays; the overflow's step is skipped: 5
+    assert replayed == ({} if capture == "0" else
+                        {"GradScaler.unscale_": 6, "clip_grad_norm_": 6, "SGD.step": 5})
     off = gtmpi.cuda.amp.GradScaler(enabled=False)
     loss = gtmpi.ones(1, requires_grad=True).sum()
     assert off.scale(loss) is loss and off.get_scale() == 1.0 and not off.is_enabled()

@@ -75,6 +75,58 @@ def test_a_captured_training_loop_gives_the_numbers_as_written(monkeypatch, drop
     assert notes == {"as written: warm-up": 1, "as written: recorded": 1, "replayed": 4}
 
 
+def _steps(capture: str, monkeypatch, make_opt, steps: int = 6):
+    """A loop whose rate changes every step (a schedule), clipped: losses, weights, the
+    optimizer's state as saved, and the notes of its step and its clip."""
+    monkeypatch.setenv("GTMPI_CAPTURE", capture)
+    gtmpi.manual_seed(3)
+    c, model = _gpt()
+    opt = make_opt(model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * (0.5 + 0.5 * i / steps)
+        data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=gen)
+        loss = model(gtmpi.tensor(data[:, :-1]), gtmpi.tensor(data[:, 1:]))
+        loss.backward()
+        gtmpi.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    weights = {k: p.cpu_torch() for k, p in model.named_parameters()}
+    notes = {name.split(" (")[0]: dict(n) for name, n in runtime().capture_notes.items()
+             if name.startswith((f"{type(opt).__name__}.step", "clip_grad_norm_"))}
+    return losses, weights, opt.state_dict(), notes
+
+
+_OPTIMIZERS = {
+    "adamw": lambda params: gtmpi.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adam-foreach": lambda params: gtmpi.optim.Adam(params, lr=1e-2, fused=False),
+    "sgd-momentum": lambda params: gtmpi.optim.SGD(params, lr=1e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("kind", _OPTIMIZERS)
+def test_the_optimizer_step_and_the_clip_replay_with_each_steps_rate(monkeypatch, kind):
+    written, weights_written, state_written, _ = _steps("0", monkeypatch, _OPTIMIZERS[kind])
+    runtime().capture_notes.clear()
+    runtime().repeated.clear()  # an earlier test's clip at this line: counted afresh
+    losses, weights, state, notes = _steps("1", monkeypatch, _OPTIMIZERS[kind])
+    assert losses == written  # bit for bit: each replay got its step's rate and count
+    for k in weights_written:
+        torch.testing.assert_close(weights[k], weights_written[k], rtol=0, atol=0, msg=k)
+    host = lambda v: v.cpu_torch() if isinstance(v, gtmpi.Tensor) else torch.as_tensor(v)
+    for i, entry in state_written["state"].items():
+        for k, v in entry.items():  # the step counts too, which the client keeps
+            torch.testing.assert_close(host(state["state"][i][k]), host(v), rtol=0, atol=0)
+    # the first step makes the state (moments, momentum buffers): its key is one of its own
+    step = f"{_OPTIMIZERS[kind]([gtmpi.zeros(1)]).__class__.__name__}.step"
+    assert notes[step] == {"as written: warm-up": 2, "as written: recorded": 1, "replayed": 3}
+    assert notes["clip_grad_norm_"] == {"as written: warm-up": 1, "as written: recorded": 1,
+                                        "replayed": 4}
+
+
 def test_the_guard_walks_the_model_only_when_it_changed(monkeypatch):
     _, _, model = _train("1", monkeypatch, steps=5)
     assert model._capture.guard.walks == 1  # then checks only: the model did not change

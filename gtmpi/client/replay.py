@@ -49,12 +49,14 @@ import os
 import types
 import warnings
 import weakref
+from collections import Counter
 from typing import Any, Callable
 
 import numpy as np
 
 from . import gradmode
 from ..errors import ReplayError
+from ..ops.table import Knob
 from .runtime import Runtime, runtime
 from .tensor import Tensor
 
@@ -162,6 +164,152 @@ class _Recorded:
         for leaf, (_, out, _) in zip(leaves, self.grads):
             leaf.grad = made[out]
         return _build(self.structure, made)
+
+
+def capture_enabled() -> bool:
+    """GTMPI_CAPTURE=1: module calls (nn/capture.py) and gtmpi's own steps (Repeated) are
+    captured."""
+    return os.environ.get("GTMPI_CAPTURE", "0") == "1"
+
+
+class Repeated:
+    """One of gtmpi's own calls that sends the same instructions every time its caller's key
+    is the same, but for a few numbers: an optimizer's step (its rate, its count), a clip of
+    gradients, a gradient scaler's unscale. Its Python is a loop over every parameter, some
+    apply() per tensor, which on GPT-2 small costs rank 0 milliseconds a step; a key's second
+    call is recorded as a replayable function's is, and later calls send one word per worker,
+    binding the call's tensors by position and giving its numbers (ops/table.py: Knob).
+
+    The caller's key must hold everything that decides the instructions (which tensors, their
+    shapes, the constants), and ``followed`` the tensors from before that it names by id: a
+    recording that read another is refused, as one that keeps a tensor it made unreturned.
+    ``gtmpi.debug.captures()`` says per call site how its calls ran."""
+
+    def __init__(self, rt: Runtime, name: str) -> None:
+        self.name = f"{name} (called at {rt.current_site()})"
+        same = sum(known.startswith(self.name) for known in rt.capture_notes)
+        if same:  # another optimizer stepped at the same line: each says its own
+            self.name += f" #{same + 1}"
+        self.calls: dict[Any, int] = {}
+        self.kept: dict[Any, _Repeat] = {}
+        self.refused: dict[Any, str] = {}
+        self.notes: Counter = rt.capture_notes.setdefault(self.name, Counter())
+
+    def __call__(self, rt: Runtime, key: Any, inputs: list[Tensor], followed: set[int],
+                 run: Callable[[Callable[[float, Any], float]], Any],
+                 value_of: Callable[[Any], float] | None = None,
+                 advance: Callable[[], None] | None = None) -> Any:
+        """The call: ``run(knob)`` as written, where ``knob(value, source)`` stands for each
+        number a replay gives anew (``value_of(source)`` then, after ``advance()``, which
+        does to the caller's state what ``run`` does besides its instructions)."""
+        d = rt.dispatcher
+        if d.recording is not None:  # inside a replayable function's recording: part of it
+            return run(as_is)
+        if d.placer.table or d.placer.signals:
+            # placed tensors: each call agrees on their faults across workers, and the
+            # placer's books move
+            return self.as_written("its tensors are placed", run)
+        kept = self.kept.get(key)
+        if kept is not None:
+            if d.fits(kept.program):
+                self.notes["replayed"] += 1
+                if advance is not None:
+                    advance()
+                return kept.replay(rt, inputs, value_of)
+            d.drop(kept.program)
+            del self.kept[key]
+        why = self.refused.get(key)
+        if why is None and key not in self.calls and len(self.calls) >= SIGNATURES_MAX:
+            why = f"more than {SIGNATURES_MAX} keys (its tensors or constants differ call to call)"
+        if why is not None:
+            return self.as_written(why, run)
+        calls = self.calls[key] = self.calls.get(key, 0) + 1
+        if calls <= 1:
+            return self.as_written("warm-up", run)
+        if calls > 1 + RECORDINGS_MAX:
+            return self.as_written(f"{RECORDINGS_MAX} recordings of one key never replayed", run)
+        self.notes["as written: recorded"] += 1
+        result, why = self._record(rt, key, inputs, followed, run)
+        if why is not None:
+            self.refused[key] = why
+            self.notes[f"as written: {why}"] += 1
+        return result
+
+    def as_written(self, why: str, run: Callable) -> Any:
+        self.notes[f"as written: {why}"] += 1
+        return run(as_is)
+
+    def _record(self, rt: Runtime, key: Any, inputs: list[Tensor], followed: set[int],
+                run: Callable) -> tuple[Any, str | None]:
+        d = rt.dispatcher
+        first = rt.new_id()
+        d.start_recording(first)
+        sources: list[Any] = []
+
+        def knob(value: float, source: Any) -> Knob:
+            sources.append(source)
+            return Knob(value, len(sources) - 1)
+        try:
+            result = run(knob)
+        except BaseException:
+            d.abandon_recording()
+            raise
+        outs: list[Tensor] = []
+        try:
+            structure = _template(result, outs, first)
+        except ReplayError as e:
+            d.abandon_recording()
+            return result, str(e).split(":")[0].replace("a replayable function", "it")
+        gc.collect()  # what the call dropped in cycles is freed within it
+        program, kept = d.install([t.id for t in outs], [t.id for t in inputs], self.name,
+                                  knobbed=bool(sources))
+        if kept or program.reads - followed:
+            d.drop(program)
+            return result, f"it kept {len(kept)} tensor(s) it made unreturned" if kept else \
+                "it read a tensor from before that its key does not name"
+        pairs = [(t.id, rt.new_id()) for t in outs]
+        d.rename(pairs)
+        for t, (_, new) in zip(outs, pairs):
+            t.id = new
+        self.kept[key] = _Repeat(program, structure, [t._sig for t in outs],
+                                 [t.id for t in inputs], sources)
+        return result, None
+
+
+def as_is(value: float, source: Any) -> float:
+    """A Repeated call's numbers as written."""
+    return value
+
+
+def repeated_at(rt: Runtime, table: dict[str, Repeated], name: str) -> Repeated:
+    """The Repeated of ``name`` called at the program's line running now, from ``table``."""
+    site = rt.current_site()
+    found = table.get(site)
+    if found is None:
+        found = table[site] = Repeated(rt, name)
+    return found
+
+
+class _Repeat:
+    """A Repeated call's recording: its program, its result's shape, what its tensors are
+    recorded as, and where each of its Knobs' values comes from."""
+
+    def __init__(self, program: Any, structure: Any, sigs: list[tuple], inputs: list[int],
+                 sources: list[Any]) -> None:
+        self.program = program
+        self.structure = structure
+        self.sigs = sigs
+        self.inputs = inputs
+        self.sources = sources
+
+    def replay(self, rt: Runtime, inputs: list[Tensor],
+               value_of: Callable[[Any], float] | None) -> Any:
+        binds = tuple((t.id, rec) for t, rec in zip(inputs, self.inputs))
+        fresh = [rt.new_id() for _ in self.sigs]
+        knobs = tuple(value_of(s) for s in self.sources) if self.sources else None
+        rt.dispatcher.replay(self.program, binds, fresh, rt.seeds_for(self.program.random_ops),
+                             None, knobs)
+        return _build(self.structure, [Tensor(tid, sig) for tid, sig in zip(fresh, self.sigs)])
 
 
 def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict, inputs: list[Tensor],

@@ -76,6 +76,8 @@ class Runtime:
         self.leaves: dict[int, tuple] | None = None
         self.module_calls = 0  # module calls running now (nn/capture.py captures the outermost)
         self.capture_notes: dict[str, Any] = {}  # per captured module: how its calls ran
+        # gtmpi's own calls captured (client/replay.py: Repeated), by name, then call site
+        self.repeated: dict[str, dict[str, Any]] = {}
         self.signals = SignalBook(self.dispatcher.placer, sorted(workers))
         self.dispatcher.placer.site = self.current_site
         self.dispatcher.placer.strict = os.environ.get("GTMPI_PLACEMENT", "") == "strict"

@@ -454,13 +454,14 @@ class Dispatcher:
         self.recording = self._before = None
 
     def install(self, outputs: list[int], inputs: list[int], name: str = "replayable",
-                sized: Callable[[list[tuple]], list[tuple]] | None = None
-                ) -> tuple[Program, list[int]]:
+                sized: Callable[[list[tuple]], list[tuple]] | None = None,
+                knobbed: bool = False) -> tuple[Program, list[int]]:
         """End the recording: the program goes to its workers, keyed there by a number of its
         own. ``outputs`` are the ids made inside that outlive the call, ``inputs`` those from
         outside that each call binds; ``name`` says which function it is, in notes. ``sized``:
         a worker's recorded instructions made ones whose sizes follow a growing argument
         (ops/table.py: Dim), each replay given its size, and each size its own CUDA graph.
+        ``knobbed``: its instructions hold Knobs, which each replay gives: it runs op by op.
         Returns the
         program and the client ids it made that outlive it without being outputs (kept
         somewhere: it cannot be replayed)."""
@@ -493,6 +494,9 @@ class Dispatcher:
                 program.graph = "its sizes follow its call's (a growing argument; " \
                     "GTMPI_SIZED_GRAPHS=1: a graph per size)"
                 self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
+        if knobbed:
+            program.graph = "numbers in it change per call (an optimizer's rate)"
+            self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions if sized is None
                                   else sized(instructions)), [rank])
@@ -518,6 +522,8 @@ class Dispatcher:
         if program.stale:
             return False
         table = self.placer.table
+        if not table and not program.placed:  # nothing placed then or now (frees: stale)
+            return True
         for tid, entry in program.before:
             now = table.get(tid)
             if now is not entry and now != entry:
@@ -525,11 +531,13 @@ class Dispatcher:
         return True
 
     def replay(self, program: Program, binds: tuple, fresh: list[int],
-               seeds: tuple[int, int] | None = None, size: int | None = None) -> None:
+               seeds: tuple[int, int] | None = None, size: int | None = None,
+               knobs: tuple | None = None) -> None:
         """Run ``program`` again: ``binds`` are (current id, recorded id) of its inputs, its
         outputs take the ids ``fresh``, and its random ops derive their seeds from ``seeds``
         (the session seed, the count of random ops before the call); ``size``: its growing
-        argument's (install's ``sized``).
+        argument's (install's ``sized``); ``knobs``: its Knobs' values (install's
+        ``knobbed``).
 
         After GRAPH_AFTER plain replays its workers capture it as a CUDA graph, all of them at
         the same point of their streams (a collective inside is captured by every member
@@ -542,7 +550,7 @@ class Dispatcher:
             self._route_frees()
         self.settle_transfers()
         renames = tuple((out[0], new) for out, new in zip(program.outputs, fresh))
-        self.run_program(program, binds, renames, seeds, size)
+        self.run_program(program, binds, renames, seeds, size, knobs)
         placer = self.placer
         for key, (count, nbytes) in program.inserted.items():  # what the replay runs again
             entry = placer.inserted.setdefault(key, [0, 0])
@@ -575,7 +583,7 @@ class Dispatcher:
 
     def run_program(self, program: Program, binds: tuple | dict[int, tuple],
                     renames: tuple | dict[int, tuple], seeds: tuple[int, int] | None,
-                    size: int | None = None) -> None:
+                    size: int | None = None, knobs: tuple | None = None) -> None:
         """The replay word for ``program`` to each of its workers (replay() says what it does;
         ``binds`` and ``renames`` may differ per worker), and, where it is captured now, the
         agreement on its graph."""
@@ -602,7 +610,8 @@ class Dispatcher:
             word = ("replay", None, (program.key, binds.get(rank, ()) if type(binds) is dict
                                      else binds, renames.get(rank, ()) if type(renames) is dict
                                      else renames, mode, seeds) +
-                    (() if size is None else (size,)), 0, None)
+                    (() if size is None and knobs is None else (size,)) +
+                    (() if knobs is None else (knobs,)), 0, None)
             self._batch[rank].append(word)
             if self.log is not None:
                 self.log.received(word, rank)

@@ -79,6 +79,7 @@ class Program(Graphing):
         self.ranks = ranks
         self.reads = reads  # ids from outside it reads (besides its inputs): freed, it is stale
         self.before = before  # (id, the placer's entry for it) at the start of the recording
+        self.placed = any(entry is not None for _, entry in before)
         self.changed = changed  # (id, entry) of tensors from outside that it placed anew
         self.outputs = outputs  # (recorded id, the placer's entry for it, whether viewed)
         self.random_ops = random_ops

@@ -30,7 +30,6 @@ GTMPI_CAPTURE=1 turns it on (off by default this round: unchecked on GPUs at sca
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 from collections import Counter
 from typing import Any, Callable, NamedTuple
@@ -38,7 +37,7 @@ from typing import Any, Callable, NamedTuple
 from ..autograd import engine
 from ..client import gradmode
 from ..client.replay import (RECORDINGS_MAX, SIGNATURES_MAX, Guard, _build, _signature,
-                             _template, _tensor_ids)
+                             _template, _tensor_ids, capture_enabled)
 from ..client.creation import zeros, zeros_like
 from ..client.runtime import Runtime, runtime
 from ..client.tensor import Tensor
@@ -48,13 +47,9 @@ from ..ops.table import Dim
 WARMUP = 1  # calls of a key run as written before one is recorded (lazy state settles)
 
 
-def enabled() -> bool:
-    return os.environ.get("GTMPI_CAPTURE", "0") == "1"
-
-
 def call(module: Any, args: tuple, kwargs: dict, as_written: Callable) -> Any:
     """``module(*args, **kwargs)``: replayed where a recording fits, else ``as_written``."""
-    if not enabled():  # first: the default's cost per module call is one lookup
+    if not capture_enabled():  # first: the default's cost per module call is one lookup
         return as_written(*args, **kwargs)
     rt = runtime()
     d = rt.dispatcher

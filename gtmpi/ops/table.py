@@ -152,6 +152,21 @@ class Dim(int):
         return Dim, (int(self), self.a, self.b)
 
 
+class Knob(float):
+    """A number inside a program that its calls give anew each time (an optimizer's learning
+    rate and step count, a gradient scaler's inverse scale): its value there, and ``index``,
+    its place in the values each replay sends (worker: Executor._replay). A program holding
+    one runs op by op: a CUDA graph would keep the captured value."""
+
+    def __new__(cls, value: float, index: int) -> "Knob":
+        knob = super().__new__(cls, value)
+        knob.index = index
+        return knob
+
+    def __reduce__(self):
+        return Knob, (float(self), self.index)
+
+
 def _generator(seed: int | torch.Generator, device: torch.device) -> torch.Generator:
     """A generator seeded for one op; inside a CUDA graph, the graph's own (seeded again
     before each launch), which the caller passes instead of a seed."""

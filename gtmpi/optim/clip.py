@@ -2,11 +2,13 @@
 torch's arithmetic: the norm of each gradient's norm (foreach), times min(1, max/(norm+eps))."""
 from __future__ import annotations
 
-from typing import Iterable
+import functools
+from typing import Callable, Iterable
 
 from ..autograd import no_grad
 from ..client.creation import zeros
-from ..client.runtime import runtime
+from ..client.replay import as_is, capture_enabled, repeated_at
+from ..client.runtime import Runtime, runtime
 from ..client.tensor import Tensor, apply
 
 
@@ -20,6 +22,17 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     if not grads:  # nothing to scale, and the norm of nothing is 0, as torch returns it
         return zeros(())
     rt = runtime()
+    run = functools.partial(_clip, rt, grads, max_norm, norm_type, eps)
+    if not capture_enabled():
+        return run(as_is)
+    # a step's gradients are new tensors each time: bound, never followed
+    key = (tuple(g._sig for g in grads), float(max_norm), float(norm_type), eps)
+    repeated = repeated_at(rt, rt.repeated.setdefault("clip_grad_norm_", {}), "clip_grad_norm_")
+    return repeated(rt, key, grads, set(), run)
+
+
+def _clip(rt: Runtime, grads: list[Tensor], max_norm: float, norm_type: float, eps: float,
+          knob: Callable) -> Tensor:
     # one norm instruction and one scaling per group of gradients that live alike, as torch
     # groups them by device; gradients on several meshes (pipeline stages): each part of the
     # norm is made where its gradients are, and only those scalars and the scale travel

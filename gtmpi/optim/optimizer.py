@@ -4,14 +4,16 @@ group of parameters that live alike (ops/table.py: sgd_foreach, adam_foreach), w
 foreach arithmetic (Adam's fused kernel on GPU workers)."""
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..autograd import no_grad, zero_grads
 from ..client.creation import beside, tensor
-from ..client.runtime import runtime
+from ..client.replay import Repeated, as_is, capture_enabled, repeated_at
+from ..client.runtime import Runtime, runtime
 from ..client.tensor import Tensor, apply
 from .zero import gather as zero_gather
 from .zero import level as zero_level
@@ -36,6 +38,7 @@ class Optimizer:
         # keyed by the parameter, as torch's: opt.state[p] is p's state ({} before its first
         # step), never a KeyError
         self.state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        self._repeated: dict[str, Repeated] = {}  # the step captured, per call site
         zero_shard([p for group in self.param_groups for p in group["params"]])
 
     def check(self, group: dict) -> None:
@@ -50,25 +53,91 @@ class Optimizer:
 
     @no_grad()
     def step(self) -> None:
+        rt = runtime()
+        if not capture_enabled():  # first: the default's cost is one lookup
+            self._step(rt, as_is)
+            return
+        repeated = repeated_at(rt, self._repeated, f"{type(self).__name__}.step")
+        run = functools.partial(self._step, rt)
+        if type(self) not in _CAPTURED:  # what a subclass does besides its instructions
+            repeated.as_written("a subclass of gtmpi's optimizers", run)
+            return
+        key, grads, followed = self._key()
+        repeated(rt, key, grads, followed, run, self._knob, self._advance)
+
+    def _step(self, rt: Runtime, knob: Callable[[float, Any], float]) -> None:
         # each update agrees on its gradients' faults before writing (a failed batch leaves
         # every replica untouched); agreeing on all of them first makes that one host
         # barrier per step instead of one per group of parameters that live alike
-        runtime().agree([p.grad.id for group in self.param_groups for p in group["params"]
-                         if p.grad is not None])
-        for group in self.param_groups:
+        rt.agree([p.grad.id for group in self.param_groups for p in group["params"]
+                  if p.grad is not None])
+        for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             states = [self.state[p] for p in params]
             zero = [zero_level(p) for p in params]
-            for bucket in runtime().alike([p.id for p in params],
-                                          [(self.bucket_key(s), z) for s, z in zip(states, zero)]):
+            lr = knob(group["lr"], ("lr", index))
+            for bucket in rt.alike([p.id for p in params],
+                                   [(self.bucket_key(s), z) for s, z in zip(states, zero)]):
                 mine, theirs = [params[i] for i in bucket], [states[i] for i in bucket]
                 if not zero[bucket[0]]:
-                    self.update(mine, theirs, group)
+                    self.update(mine, theirs, group, lr, knob)
                     continue
                 shards = zero_pieces(mine)  # ZeRO: each worker updates its piece (optim/zero.py)
-                self.update(shards, theirs, group)
+                self.update(shards, theirs, group, lr, knob)
                 if zero[bucket[0]] < 3:  # at 3 the weights are their pieces already
                     zero_gather(mine, shards, zero[bucket[0]])
+
+    def _key(self) -> tuple[Any, list[Tensor], set[int]]:
+        """What decides a step's instructions (Repeated's key): per group its constants, per
+        parameter which tensor it is, its gradient's shape, its state's tensors and counts
+        (relative: every step moves them all); the gradients, which each step binds; the
+        tensors from before the key names. Flat, in one loop: it runs every step."""
+        key: list = []
+        add = key.append
+        grads, followed = [], set()
+        base = None
+        state_of = self.state.get
+        for group in self.param_groups:
+            add(tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in group.items()
+                      if k != "params" and k != "lr"))
+            for p in group["params"]:
+                g = p.grad
+                add(p.id)
+                followed.add(p.id)
+                if g is None:
+                    add(None)
+                else:
+                    add(g._sig)
+                    grads.append(g)
+                state = state_of(p)
+                if not state:
+                    add(None)
+                    continue
+                for k, v in state.items():
+                    add(k)
+                    if isinstance(v, Tensor):
+                        add(v.id)
+                        followed.add(v.id)
+                    elif k == "step":
+                        base = v if base is None else base
+                        add(v - base)
+                    else:
+                        add(v)
+        return tuple(key), grads, followed
+
+    def _knob(self, source: tuple) -> float:
+        what, where = source
+        return self.param_groups[where]["lr"] if what == "lr" else self.state[where]["step"]
+
+    def _advance(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.advance(self.state[p])
+
+    def advance(self, state: dict) -> None:
+        """What an update does to a parameter's state on the client besides its instruction
+        (a replayed step does only this)."""
 
     def bucket_key(self, state: dict) -> Any:
         """What parameters updated by one instruction must share besides their placement."""
@@ -90,7 +159,10 @@ class Optimizer:
         """``p``'s state before its first update."""
         return {}
 
-    def update(self, params: list[Tensor], states: list[dict], group: dict) -> None:
+    def update(self, params: list[Tensor], states: list[dict], group: dict, lr: float,
+               knob: Callable[[float, Any], float]) -> None:
+        """One instruction updating ``params`` at rate ``lr``; ``knob`` (Repeated's) marks any
+        other number that changes step to step."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -183,7 +255,8 @@ class SGD(Optimizer):
     def fresh(self, p: Tensor, group: dict) -> dict:
         return {"momentum_buffer": zero_state(p)} if group["momentum"] else {}
 
-    def update(self, params: list[Tensor], states: list[dict], group: dict) -> None:
+    def update(self, params: list[Tensor], states: list[dict], group: dict, lr: float,
+               knob: Callable[[float, Any], float]) -> None:
         bufs = []
         first = False
         if group["momentum"]:
@@ -192,7 +265,7 @@ class SGD(Optimizer):
                 for p, state in zip(params, states):
                     state.update(self.fresh(p, group))
             bufs = [state["momentum_buffer"] for state in states]
-        apply("sgd_foreach", *params, *(p.grad for p in params), *bufs, group["lr"],
+        apply("sgd_foreach", *params, *(p.grad for p in params), *bufs, lr,
               group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"],
               first)
 
@@ -222,16 +295,20 @@ class Adam(Optimizer):
     def fresh(self, p: Tensor, group: dict) -> dict:
         return {"step": 0, "exp_avg": zero_state(p), "exp_avg_sq": zero_state(p)}
 
-    def update(self, params: list[Tensor], states: list[dict], group: dict) -> None:
+    def advance(self, state: dict) -> None:
+        state["step"] += 1
+
+    def update(self, params: list[Tensor], states: list[dict], group: dict, lr: float,
+               knob: Callable[[float, Any], float]) -> None:
         for p, state in zip(params, states):
             if not state:
                 state.update(self.fresh(p, group))
-            state["step"] += 1
+            self.advance(state)
         b1, b2 = group["betas"]
         apply("adam_foreach", *params, *(p.grad for p in params),
-              *(s["exp_avg"] for s in states), *(s["exp_avg_sq"] for s in states), group["lr"],
-              b1, b2, group["eps"], group["weight_decay"], self.decoupled, states[0]["step"],
-              group.get("fused"))
+              *(s["exp_avg"] for s in states), *(s["exp_avg_sq"] for s in states), lr,
+              b1, b2, group["eps"], group["weight_decay"], self.decoupled,
+              knob(states[0]["step"], ("step", params[0])), group.get("fused"))
 
 
 class AdamW(Adam):
@@ -240,3 +317,7 @@ class AdamW(Adam):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, fused=fused)
+
+
+# the optimizers whose advance() is all a step does on the client besides its instructions
+_CAPTURED = (SGD, Adam, AdamW)

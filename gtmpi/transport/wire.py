@@ -23,7 +23,7 @@ from typing import Any, Callable, Collection
 import numpy as np
 import torch
 
-from ..ops.table import Seed
+from ..ops.table import Knob, Seed
 
 MAX_DEPTH = 32
 BIG_INT_BYTES = 64
@@ -116,6 +116,11 @@ def _put_seed(x: Seed, out: bytearray) -> None:
     _put_int(x.offset, out)
 
 
+def _put_knob(x: Knob, out: bytearray) -> None:
+    out += b"k" + _F64.pack(x)
+    _put_int(x.index, out)
+
+
 def _put_slice(x: slice, out: bytearray) -> None:
     out += b":"
     for v in (x.start, x.stop, x.step):
@@ -143,6 +148,7 @@ _PUT: dict[type, Callable[[Any, bytearray], None]] = {
     slice: _put_slice,
     type(Ellipsis): lambda x, out: out.extend(b"."),
     Seed: _put_seed,
+    Knob: _put_knob,
     torch.Size: _put_seq(b"S"),
     torch.device: _put_tagged(b"D", str),
     **{cls: _put_tagged(kind, lambda x: str(x).removeprefix("torch."))
@@ -293,6 +299,7 @@ _READ: dict[int, Callable[[_Reader, int], Any]] = {
     b"n"[0]: _Reader.scalar,
     b"y"[0]: lambda r, depth: r.numeric_dtype(),
     b"e"[0]: lambda r, depth: Seed(r.int_(), r.int_()),
+    b"k"[0]: lambda r, depth: Knob(_F64.unpack_from(r.buf, r._need(8))[0], r.int_()),
     **{kind[0]: _constant(cls) for kind, cls in _TORCH_KINDS.items()},
 }
 

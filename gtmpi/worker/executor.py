@@ -110,6 +110,7 @@ class Executor(Programs, Control, Quota):
         self.programs: dict[int, list[tuple]] = {}
         self.seeded: dict[int, list] = {}
         self.sized: dict[int, list[int]] = {}  # where a program's sizes follow its call's
+        self.knobbed: dict[int, list] = {}  # where a program holds Knobs (ops/table.py)
         self.graphs = graphs.Kept(os.environ.get("GTMPI_GRAPH_SAVED_ASIDE", "1") != "0")
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture

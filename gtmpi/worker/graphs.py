@@ -385,20 +385,22 @@ def _uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def seeded(program: list[tuple]) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
-    """Where a program's random ops hold their seeds: (instruction index, argument positions,
-    keyword names) of each instruction with a Seed."""
+def seeded(program: list[tuple], kind: type = Seed
+           ) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
+    """Where a program holds values its replays give anew: (instruction index, argument
+    positions, keyword names) of each instruction with a ``kind`` (a random op's Seed, a
+    Knob)."""
     found = []
     for i, (_, _, args, _, kw) in enumerate(program):
-        at = tuple(j for j, a in enumerate(args) if type(a) is Seed)
-        keys = tuple(k for k, v in kw.items() if type(v) is Seed) if kw else ()
+        at = tuple(j for j, a in enumerate(args) if type(a) is kind)
+        keys = tuple(k for k, v in kw.items() if type(v) is kind) if kw else ()
         if at or keys:
             found.append((i, at, keys))
     return found
 
 
-def with_seeds(program: list[tuple], where: list, value: Callable[[Seed], Any]) -> list[tuple]:
-    """``program`` with each Seed replaced by ``value(seed)``."""
+def with_seeds(program: list[tuple], where: list, value: Callable[[Any], Any]) -> list[tuple]:
+    """``program`` with each marked value (seeded's) replaced by ``value(marked)``."""
     program = list(program)
     for i, at, keys in where:
         name, out, args, tmask, kw = program[i]

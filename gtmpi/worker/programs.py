@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import Fault
-from ..ops.table import Graph, derive_seed
+from ..ops.table import Graph, Knob, derive_seed
 from ..recording import events
 from ..transport.tags import GRAPH_LATER, Tag
 from . import graphs
@@ -24,10 +24,12 @@ class Programs:
             self.programs.pop(key, None)
             self.seeded.pop(key, None)
             self.sized.pop(key, None)
+            self.knobbed.pop(key, None)
         else:
             self.programs[key] = instructions
             self.seeded[key] = graphs.seeded(instructions)
             self.sized[key] = graphs.sized(instructions)
+            self.knobbed[key] = graphs.seeded(instructions, Knob)
 
     def _replay(self, out, args: tuple) -> None:
         """(key, binds, renames, mode, seeds): run a kept sequence again. Its inputs are bound
@@ -38,9 +40,12 @@ class Programs:
         ``mode``: 'plain', op by op; 'capture', capture it as a CUDA graph and say whether that
         worked (the dispatcher's 'commit' then runs it); 'emulate', the same with the stand-in
         backend (tests); 'graph', launch the graph. A sixth item, the call's growing size,
-        gives its sizes (ops/table.py: Dim); each size is a graph of its own."""
+        gives its sizes (ops/table.py: Dim); each size is a graph of its own. A seventh, the
+        values of its Knobs (an optimizer's rate), by their index; such a program runs op by
+        op."""
         key, binds, renames, mode, seeds = args[:5]
         size = args[5] if len(args) > 5 else None
+        knobs = args[6] if len(args) > 6 else None
         if self.profiler is not None:
             self.profiler.replay()
         start = self.now()
@@ -56,7 +61,7 @@ class Programs:
                 self._cuda_backend = graphs.cuda_backend(self.device, shared=alone)
             self._try_capture(key, size, binds, renames, seeds, self._cuda_backend)
         else:
-            self._run_program(self._instructions(key, seeds, size), binds, renames)
+            self._run_program(self._instructions(key, seeds, size, knobs), binds, renames)
         if self.device.type == "cuda" and mode != "capture":
             self._note_ready(new for _, new in renames)
         if self.trace is not None:
@@ -64,10 +69,12 @@ class Programs:
                              key, count=len(self.programs[key]))
 
     def _instructions(self, key: int, seeds: tuple[int, int] | None,
-                      size: int | None = None) -> list[tuple]:
+                      size: int | None = None, knobs: tuple | None = None) -> list[tuple]:
         program, where = self.programs[key], self.seeded[key]
         if size is not None:
             program = graphs.with_sizes(program, self.sized[key], size)
+        if knobs is not None:
+            program = graphs.with_seeds(program, self.knobbed[key], lambda k: knobs[k.index])
         if not where:
             return program
         session, base = seeds
