@@ -75,9 +75,10 @@ def test_a_captured_training_loop_gives_the_numbers_as_written(monkeypatch, drop
     assert notes == {"as written: warm-up": 1, "as written: recorded": 1, "replayed": 4}
 
 
-def _steps(capture: str, monkeypatch, make_opt, steps: int = 6):
+def _steps(capture: str, monkeypatch, make_opt, steps: int = 6, change=None):
     """A loop whose rate changes every step (a schedule), clipped: losses, weights, the
-    optimizer's state as saved, and the notes of its step and its clip."""
+    optimizer's state as saved, and the notes of its step and its clip. ``change(model,
+    opt)`` runs before the fifth step."""
     monkeypatch.setenv("GTMPI_CAPTURE", capture)
     gtmpi.manual_seed(3)
     c, model = _gpt()
@@ -88,6 +89,8 @@ def _steps(capture: str, monkeypatch, make_opt, steps: int = 6):
         for group in opt.param_groups:
             group["lr"] = 1e-2 * (0.5 + 0.5 * i / steps)
         data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=gen)
+        if change is not None and i == 4:
+            change(model, opt)
         loss = model(gtmpi.tensor(data[:, :-1]), gtmpi.tensor(data[:, 1:]))
         loss.backward()
         gtmpi.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -125,6 +128,63 @@ def test_the_optimizer_step_and_the_clip_replay_with_each_steps_rate(monkeypatch
     assert notes[step] == {"as written: warm-up": 2, "as written: recorded": 1, "replayed": 3}
     assert notes["clip_grad_norm_"] == {"as written: warm-up": 1, "as written: recorded": 1,
                                         "replayed": 4}
+
+
+def _set(group_key, value):
+    def change(model, opt):
+        opt.param_groups[-1][group_key] = value
+    return change
+
+
+def _frozen(model, opt):
+    model.head.weight.requires_grad_(False)  # no gradient from here on: updated no more
+
+
+def _reloaded(model, opt):
+    opt.load_state_dict(opt.state_dict())  # new state tensors, the same numbers
+
+
+def _regrouped(model, opt):
+    opt.param_groups = [dict(g) for g in opt.param_groups]  # new group dicts
+
+
+def _replaced(model, opt):
+    with gtmpi.no_grad():
+        model.head.weight.data = model.head.weight.data * 0.5  # another tensor
+
+
+_STEP_CHANGES = {"weight_decay": _set("weight_decay", 0.5), "betas": _set("betas", (0.8, 0.9)),
+                 "eps": _set("eps", 1e-3), "frozen": _frozen, "reloaded": _reloaded,
+                 "regrouped": _regrouped, "data replaced": _replaced}
+
+
+@pytest.mark.parametrize("change", _STEP_CHANGES)
+def test_every_change_an_optimizer_step_reads_gives_the_result_as_written(monkeypatch, change):
+    runs = []
+    for capture in ("0", "1"):
+        runtime().capture_notes.clear()
+        runtime().repeated.clear()
+        runs.append(_steps(capture, monkeypatch, _OPTIMIZERS["adamw"], steps=8,
+                           change=_STEP_CHANGES[change]))
+    (written, weights_written, _, _), (losses, weights, _, notes) = runs
+    assert losses == written
+    for k in weights_written:
+        torch.testing.assert_close(weights[k], weights_written[k], rtol=0, atol=0, msg=k)
+    assert notes["AdamW.step"]["replayed"] >= 2  # before the change and after it
+
+
+def test_a_weight_replaced_between_a_captured_forward_and_its_backward_is_an_error(monkeypatch):
+    c, model = _gpt()
+    data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=torch.Generator().manual_seed(1))
+    x, y = gtmpi.tensor(data[:, :-1]), gtmpi.tensor(data[:, 1:])
+    for _ in range(3):  # warm-up, recorded, replayed
+        loss = model(x, y)
+        loss.backward()
+    loss = model(x, y)
+    with gtmpi.no_grad():
+        model.head.weight.data = model.head.weight.data * 0.5
+    with pytest.raises(RuntimeError, match="replaced or freed between its forward and this"):
+        loss.backward()
 
 
 def test_the_guard_walks_the_model_only_when_it_changed(monkeypatch):

@@ -278,6 +278,11 @@ class _Call:
                     "that its recording's backward was not: run with GTMPI_CAPTURE=0")
             else:
                 return self._record_backward(rt, mask, grads, held, inputs, params, graph)
+        if not rt.dispatcher.fits(rec.program):
+            raise RuntimeError(
+                f"gtmpi: a tensor that the captured backward of {self.name} reads was replaced "
+                "or freed between its forward and this backward (a parameter's .data set): "
+                "change it before the forward, or run with GTMPI_CAPTURE=0")
         given = [g for g in grads if g is not None]
         binds = tuple((g.id, rid) for g, rid in zip(given, rec.grads_in)) + \
             tuple((t.id, self.made[i]) for i, t in zip(self.held, held)) + \

@@ -89,8 +89,8 @@ class Optimizer:
 
     def _key(self) -> tuple[Any, list[Tensor], set[int]]:
         """What decides a step's instructions (Repeated's key): per group its constants, per
-        parameter which tensor it is, its gradient's shape, its state's tensors and counts
-        (relative: every step moves them all); the gradients, which each step binds; the
+        parameter which tensor it is, and if it has a gradient, its shape and the state's
+        tensors and counts (relative: every step moves them all); the gradients, which each step binds; the
         tensors from before the key names. Flat, in one loop: it runs every step."""
         key: list = []
         add = key.append
@@ -103,12 +103,12 @@ class Optimizer:
             for p in group["params"]:
                 g = p.grad
                 add(p.id)
-                followed.add(p.id)
-                if g is None:
+                if g is None:  # not updated: its state is no part of the step
                     add(None)
-                else:
-                    add(g._sig)
-                    grads.append(g)
+                    continue
+                followed.add(p.id)
+                add(g._sig)
+                grads.append(g)
                 state = state_of(p)
                 if not state:
                     add(None)
