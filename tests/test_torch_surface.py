@@ -357,6 +357,40 @@ def test_convolutions_match_torch(dims, kw):
     assert_same(g.bias.grad, t.bias.grad, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name,args,kw,shape", [
+    ("MaxPool2d", (2,), {}, (3, 4, 9, 9)),
+    ("MaxPool2d", (3, 2, 1), {"ceil_mode": True}, (2, 3, 8, 8)),
+    ("MaxPool2d", ((2, 3),), {"dilation": 2}, (3, 9, 11)),  # unbatched
+    ("MaxPool1d", (3,), {"stride": 1}, (2, 4, 10)),
+    ("AvgPool2d", (2,), {}, (2, 3, 8, 8)),
+    ("AvgPool2d", (3, 2, 1), {"count_include_pad": False, "divisor_override": 5}, (2, 3, 7, 7)),
+    ("AvgPool1d", (4,), {"ceil_mode": True}, (2, 3, 17)),
+    ("AdaptiveAvgPool2d", ((1, 1),), {}, (2, 3, 7, 7)),
+    ("AdaptiveAvgPool2d", ((3, None),), {}, (2, 3, 8, 6)),
+    ("AdaptiveAvgPool1d", (5,), {}, (2, 3, 12)),
+])
+def test_pooling_layers_and_their_gradients_match_torch(name, args, kw, shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    t, g = getattr(torch.nn, name)(*args, **kw), getattr(gnn, name)(*args, **kw)
+    assert repr(g) == repr(t)
+    tx, gx = x.clone().requires_grad_(), gtmpi.tensor(x, requires_grad=True)
+    want, got = t(tx), g(gx)
+    assert_same(got.detach(), want.detach(), rtol=0, atol=0)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert_same(gx.grad, tx.grad, rtol=0, atol=0)  # torch's own backward kernel, on the worker
+    functional = {"MaxPool2d": "max_pool2d", "AvgPool1d": "avg_pool1d",
+                  "AdaptiveAvgPool1d": "adaptive_avg_pool1d"}.get(name)
+    if functional and not kw:  # the F form, torch's positional arguments
+        assert_same(getattr(gnn.functional, functional)(gtmpi.tensor(x), *args).detach(),
+                    getattr(torch.nn.functional, functional)(x, *args), rtol=0, atol=0)
+
+
+def test_max_pooling_with_indices_is_refused_by_name():
+    with pytest.raises(NotImplementedError, match="return_indices"):
+        gnn.MaxPool2d(2, return_indices=True)(gtmpi.zeros(1, 1, 4, 4))
+
+
 @pytest.mark.parametrize("kind,shape", [("1d", (8, 3)), ("1d", (4, 3, 5)), ("2d", (4, 3, 5, 2))])
 def test_batch_norm_trains_and_evaluates_as_torch(kind, shape):
     t = (torch.nn.BatchNorm1d if kind == "1d" else torch.nn.BatchNorm2d)(3, momentum=0.2)

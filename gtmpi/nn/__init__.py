@@ -4,10 +4,11 @@ target)``), which torch keeps in torch.nn.functional."""
 from . import functional, init, utils
 from .functional import (LinearCrossEntropyOptions, cross_entropy, gelu, log_softmax, mse_loss,
                          relu, sigmoid, silu, softmax, tanh)
-from .layers import (GELU, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, CrossEntropyLoss, Dropout,
-                     Embedding, Flatten, Identity, LayerNorm, LeakyReLU, Linear, MSELoss,
-                     MultiheadAttention, MultiheadSelfAttention, NLLLoss, ReLU, RMSNorm, Sigmoid,
-                     SiLU, Softmax, Tanh)
+from .layers import (GELU, AdaptiveAvgPool1d, AdaptiveAvgPool2d, AvgPool1d, AvgPool2d,
+                     BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, CrossEntropyLoss, Dropout,
+                     Embedding, Flatten, Identity, LayerNorm, LeakyReLU, Linear, MaxPool1d,
+                     MaxPool2d, MSELoss, MultiheadAttention, MultiheadSelfAttention, NLLLoss, ReLU,
+                     RMSNorm, Sigmoid, SiLU, Softmax, Tanh)
 from .module import Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
@@ -17,4 +18,6 @@ __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax"
            "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "Identity", "LayerNorm",
            "LeakyReLU", "Linear", "MSELoss", "MultiheadAttention", "MultiheadSelfAttention",
            "NLLLoss", "ReLU", "RMSNorm", "Sigmoid", "SiLU", "Softmax", "Tanh", "Module",
-           "ModuleDict", "ModuleList", "Sequential", "Parameter", "SGD", "Adam", "AdamW"]
+           "ModuleDict", "ModuleList", "Sequential", "Parameter", "SGD", "Adam", "AdamW",
+           "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AvgPool1d", "AvgPool2d", "MaxPool1d",
+           "MaxPool2d"]

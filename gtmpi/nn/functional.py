@@ -19,6 +19,8 @@ from ..client.tensor import Tensor, apply
 __all__ = ["linear", "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "softmax",
            "log_softmax", "dropout", "layer_norm", "rms_norm", "embedding",
            "scaled_dot_product_attention", "one_hot", "pad", "normalize", "conv1d", "conv2d",
+           "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d",
+           "adaptive_avg_pool2d",
            "batch_norm", "mse_loss", "nll_loss",
            "cross_entropy", "linear_cross_entropy", "LinearCrossEntropyOptions",
            "binary_cross_entropy",
@@ -47,6 +49,53 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int | 
 
 def _conv(name: str, x, weight, bias, stride, padding, dilation, groups: int) -> Tensor:
     return apply(name, x, weight, bias, *map(_per_dim, (stride, padding, dilation)), groups)
+
+
+Size = int | tuple[int, ...] | list[int]  # a pooling's sizes: one for every dim, or per dim
+
+
+def max_pool1d(x: Tensor, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
+               dilation: Size = 1,
+               ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
+    _no_indices(return_indices)
+    return apply("max_pool1d", x, *map(_per_dim, (kernel_size, stride, padding, dilation)),
+                 bool(ceil_mode))
+
+
+def max_pool2d(x: Tensor, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
+               dilation: Size = 1,
+               ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
+    _no_indices(return_indices)
+    return apply("max_pool2d", x, *map(_per_dim, (kernel_size, stride, padding, dilation)),
+                 bool(ceil_mode))
+
+
+def avg_pool1d(x: Tensor, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
+               ceil_mode: bool = False,
+               count_include_pad: bool = True) -> Tensor:
+    return apply("avg_pool1d", x, *map(_per_dim, (kernel_size, stride, padding)),
+                 bool(ceil_mode), bool(count_include_pad))
+
+
+def avg_pool2d(x: Tensor, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
+               ceil_mode: bool = False,
+               count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
+    return apply("avg_pool2d", x, *map(_per_dim, (kernel_size, stride, padding)),
+                 bool(ceil_mode), bool(count_include_pad), divisor_override)
+
+
+def adaptive_avg_pool1d(x: Tensor, output_size: Size) -> Tensor:
+    return apply("adaptive_avg_pool1d", x, _per_dim(output_size))
+
+
+def adaptive_avg_pool2d(x: Tensor, output_size: Size | tuple[int | None, ...]) -> Tensor:
+    return apply("adaptive_avg_pool2d", x, _per_dim(output_size))
+
+
+def _no_indices(return_indices: bool) -> None:
+    if return_indices:
+        raise NotImplementedError("gtmpi's max pooling: return_indices=True (the indices for "
+                                  "max_unpool) is not supported")
 
 
 def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,

@@ -377,6 +377,88 @@ class Conv2d(_ConvNd):
     dims = 2
 
 
+class _Pool(Module):
+    """torch's pooling layers: their constructor's arguments, kept under torch's names, given
+    to the F form of the same name."""
+
+    function: Any = None
+    names: tuple[str, ...] = ()
+    defaults: tuple = ()
+    shown: tuple[str, ...] = ("kernel_size", "stride", "padding")  # torch's repr
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        if len(args) > len(self.names):
+            raise TypeError(f"{type(self).__name__}() takes at most {len(self.names)} arguments")
+        values = dict(zip(self.names, self.defaults))
+        values.update(zip(self.names, args))
+        for name, value in kwargs.items():
+            if name not in values:
+                raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument "
+                                f"'{name}'")
+            values[name] = value
+        if "stride" in values and values["stride"] is None:
+            values["stride"] = values["kernel_size"]  # as torch's constructor keeps it
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return type(self).function(x, *(getattr(self, name) for name in self.names))
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)}" for name in self.shown)
+
+
+_MAX = ("kernel_size", "stride", "padding", "dilation", "return_indices", "ceil_mode")
+_AVG = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
+
+
+class MaxPool1d(_Pool):
+    names, defaults = _MAX, (None, None, 0, 1, False, False)
+    shown = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.max_pool1d(x, self.kernel_size, self.stride, self.padding, self.dilation,
+                            self.ceil_mode, self.return_indices)
+
+
+class MaxPool2d(_Pool):
+    names, defaults = _MAX, (None, None, 0, 1, False, False)
+    shown = MaxPool1d.shown
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation,
+                            self.ceil_mode, self.return_indices)
+
+
+class AvgPool1d(_Pool):
+    names, defaults = _AVG, (None, None, 0, False, True)
+    function = staticmethod(F.avg_pool1d)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name in ("kernel_size", "stride", "padding"):  # torch keeps these as 1-tuples
+            value = getattr(self, name)
+            setattr(self, name, (value,) if isinstance(value, int) else tuple(value))
+
+
+class AvgPool2d(_Pool):
+    names, defaults = (*_AVG, "divisor_override"), (None, None, 0, False, True, None)
+    function = staticmethod(F.avg_pool2d)
+
+
+class AdaptiveAvgPool1d(_Pool):
+    names = shown = ("output_size",)
+    defaults = (None,)
+    function = staticmethod(F.adaptive_avg_pool1d)
+
+
+class AdaptiveAvgPool2d(_Pool):
+    names = shown = ("output_size",)
+    defaults = (None,)
+    function = staticmethod(F.adaptive_avg_pool2d)
+
+
 @_factory_keywords
 class _BatchNorm(Module):
     """torch's BatchNorm: affine weight and bias, running mean and variance with momentum and

@@ -986,6 +986,13 @@ _ops = [
     Op("batch_norm", Kind.GENERAL, _batch_norm),
     Op("conv1d", Kind.GENERAL, F.conv1d),
     Op("conv2d", Kind.GENERAL, F.conv2d),
+    # pooling, torch's arguments in its order (nn/functional.py)
+    Op("max_pool1d", Kind.GENERAL, F.max_pool1d),
+    Op("max_pool2d", Kind.GENERAL, F.max_pool2d),
+    Op("avg_pool1d", Kind.GENERAL, F.avg_pool1d),
+    Op("avg_pool2d", Kind.GENERAL, F.avg_pool2d),
+    Op("adaptive_avg_pool1d", Kind.GENERAL, F.adaptive_avg_pool1d),
+    Op("adaptive_avg_pool2d", Kind.GENERAL, F.adaptive_avg_pool2d),
     Op("multinomial", Kind.GENERAL, _multinomial, meta=_multinomial_meta),
     Op("vjp", Kind.GENERAL, _vjp, meta=_vjp_meta),
     # shape
