@@ -42,6 +42,7 @@ from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, a
                                unsqueeze, var, where)
 from .client.dryrun import dry_run
 from .client.generator import Generator
+from .client.generator import host_state as _host_state
 from .client.remote import connect
 from .client.replay import replayable
 from .client.runtime import runtime as _runtime
@@ -56,6 +57,13 @@ bool = bool_
 float, int = float32, int32  # torch.float, torch.int
 device, dtype, Size = _torch.device, _torch.dtype, _torch.Size
 get_default_dtype, set_default_dtype = _torch.get_default_dtype, _torch.set_default_dtype
+# the host's generator, which the client's draws use (gtmpi.cuda's: the workers' stream); a
+# state gtmpi.load gave back is read first
+get_rng_state = _torch.get_rng_state
+
+
+def set_rng_state(new_state: Any) -> None:
+    _torch.set_rng_state(_host_state(new_state))
 gpu_workers = workers
 
 Tensor.__torch_function__ = _torch_function(_sys.modules[__name__], nn.functional)

@@ -170,6 +170,30 @@ def manual_seed(seed: int) -> None:
 manual_seed_all = manual_seed
 
 
+def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    """torch.cuda.get_rng_state's use: a state that set_rng_state returns to, and the same
+    draws after it. gtmpi's workers draw from one stream (each op's seed derived from the
+    session seed and its position), so the state is those two numbers, the same for every
+    device: a CPU int64 tensor, saved and loaded as any (a checkpoint's)."""
+    return torch.tensor(runtime().rng_state(), dtype=torch.int64)
+
+
+def set_rng_state(state: Any, device: Any = "cuda") -> None:
+    values = state.tolist()
+    if len(values) != 2:
+        raise RuntimeError("gtmpi.cuda.set_rng_state: not a state gtmpi.cuda.get_rng_state made "
+                           f"(2 numbers: the seed and the draws so far), got {len(values)}")
+    runtime().set_rng_state(*values)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(i) for i in range(max(device_count(), 1))]
+
+
+def set_rng_state_all(states: list) -> None:
+    set_rng_state(states[0])
+
+
 # torch.cuda.amp's names (deprecated in torch for torch.amp, still what many scripts use)
 amp = SimpleNamespace(autocast=lambda dtype=None, enabled=True, cache_enabled=None:
                       _amp.autocast("cuda", dtype, enabled, cache_enabled),

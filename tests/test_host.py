@@ -46,6 +46,28 @@ def test_draws_without_a_device_are_torchs():
     assert a == b
 
 
+def test_random_states_saved_and_loaded_with_gtmpi_set_the_same_draws_again(tmp_path):
+    """A checkpoint's random states (the host's generator, a torch.Generator, the workers'
+    stream) come back from gtmpi.load as gtmpi tensors: each set_state takes them."""
+    gtmpi.manual_seed(3)
+    gen = gtmpi.Generator()
+    gen.manual_seed(4)
+    gtmpi.save({"cpu": gtmpi.get_rng_state(), "cuda": gtmpi.cuda.get_rng_state(),
+                "gen": gen.get_state()}, tmp_path / "rng.pt")
+    want = (torch.randn(3), gtmpi.randn(3, device="cuda").cpu_torch(),
+            torch.randn(3, generator=gen))
+    states = gtmpi.load(tmp_path / "rng.pt")
+    gtmpi.set_rng_state(states["cpu"])
+    gtmpi.cuda.set_rng_state(states["cuda"])
+    gen.set_state(states["gen"])
+    got = (torch.randn(3), gtmpi.randn(3, device="cuda").cpu_torch(),
+           torch.randn(3, generator=gen))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="2 numbers"):
+        gtmpi.cuda.set_rng_state(torch.zeros(5, dtype=torch.int64))
+
+
 def test_torch_seed_gives_torchs_initial_weights_and_loss():
     """A nanoGPT-style GPT (tests/gpt_torch_style.py, imports switched) built under one seed
     has torch's weights, and its first loss on torch's first batch is torch's, bit for bit."""

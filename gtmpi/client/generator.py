@@ -22,7 +22,7 @@ class Generator:
 
     def __new__(cls, device: Any = None) -> Any:
         if device is None or torch.device(device).type == "cpu":
-            return torch.Generator()
+            return HostGenerator()
         return super().__new__(cls)
 
     def __init__(self, device: Any = None) -> None:
@@ -43,13 +43,26 @@ class Generator:
     def get_state(self) -> torch.Tensor:
         return torch.tensor([self._seed, self._count], dtype=torch.int64)
 
-    def set_state(self, state: torch.Tensor) -> "Generator":
+    def set_state(self, state: Any) -> "Generator":
         self._seed, self._count = (int(v) for v in state.tolist())
         return self
 
     def next_seed(self) -> int:
         self._count += 1
         return derive_seed(self._seed, self._count)
+
+
+class HostGenerator(torch.Generator):
+    """torch's CPU generator, whose set_state also takes the state as gtmpi.load gives it
+    back (a tensor on the workers, read here)."""
+
+    def set_state(self, state: Any) -> "HostGenerator":
+        return super().set_state(host_state(state))
+
+
+def host_state(state: Any) -> torch.Tensor:
+    """A generator's state as torch takes it: a gtmpi tensor (gtmpi.load's) read back."""
+    return state.cpu_torch() if hasattr(state, "cpu_torch") else state
 
 
 def host_generator(generator: Any) -> torch.Generator | None:

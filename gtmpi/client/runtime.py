@@ -184,6 +184,13 @@ class Runtime:
         self._seed = int(seed)
         self._random_ops = 0
 
+    def rng_state(self) -> tuple[int, int]:
+        """The workers' random stream: (session seed, random ops drawn so far)."""
+        return self._seed, self._random_ops
+
+    def set_rng_state(self, seed: int, drawn: int) -> None:
+        self._seed, self._random_ops = int(seed), int(drawn)
+
     def next_seed(self) -> int:
         """Each random op gets its own seed, derived from the session seed and its position;
         inside a recorded call, a Seed that replays derive afresh (so a replayed step draws
