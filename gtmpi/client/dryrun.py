@@ -34,13 +34,16 @@ import atexit
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..transport.local import LocalLink
 from ..worker import costmodel
-from ..worker.metaplane import MetaExecutor
 from .runtime import Runtime, current, set_default_start
+
+if TYPE_CHECKING:
+    from ..worker.metaplane import MetaExecutor
 
 GPU_BYTES = {name: spec.memory for name, spec in costmodel.GPUS.items()}
 
@@ -50,6 +53,8 @@ def start_dry_run(workers: int, gpu: str) -> Runtime:
         raise ValueError(f"GTMPI_DRY_RUN={workers}: a dry run needs at least one worker")
     if gpu not in GPU_BYTES:
         raise ValueError(f"GTMPI_DRY_RUN_GPU={gpu!r}: one of {', '.join(GPU_BYTES)}")
+    # the meta workers' torch dispatch machinery costs every process's import a quarter second
+    from ..worker.metaplane import MetaExecutor
     links, infos = {}, {}
     for rank in range(1, workers + 1):
         link = LocalLink()
