@@ -36,6 +36,7 @@ def save_sharded(obj: Any, folder: str | os.PathLike) -> None:
     hold it, one file per worker and group of tensors laid out alike, and an index."""
     folder = os.path.abspath(os.fspath(folder))
     rt = runtime()
+    _not_served(rt, "save_sharded")
     dry = rt.dry_run is not None
     if not dry:
         os.makedirs(folder, exist_ok=True)
@@ -84,10 +85,19 @@ def save_sharded(obj: Any, folder: str | os.PathLike) -> None:
             os.remove(os.path.join(folder, name))
 
 
+def _not_served(rt: Any, what: str) -> None:
+    """A server's workers write and read no file a client names (server/__init__.py)."""
+    if rt.dispatcher.rounds is not None:
+        raise RuntimeError(f"gtmpi.{what}: the workers of a server do not touch files on their "
+                           "hosts for a client; gtmpi.save and gtmpi.load work on this "
+                           "program's own host")
+
+
 def load_sharded(obj: Any, folder: str | os.PathLike) -> None:
     """Fill every gtmpi tensor of ``obj`` in place from the checkpoint in ``folder`` (keys by
     their place in ``obj``, as save_sharded named them), whatever layout each has now."""
     folder = os.path.abspath(os.fspath(folder))
+    _not_served(runtime(), "load_sharded")
     try:
         with open(os.path.join(folder, INDEX), encoding="utf-8") as f:
             index = json.load(f)

@@ -521,6 +521,12 @@ HOSTILE = """
     elif case == "upload never sent":  # the worker would wait for its bytes for good
         import torch
         link.send([("upload", 7, ((4,), torch.float32), 0, None)], 99)
+    elif case == "file":  # a path on the server's host: another user's checkpoint, read
+        link.send([("load_piece_", None, (x.id, (("/etc/passwd", "k", (0,)),), ((0, 3),), 1), 1,
+                    None)], 99)
+    elif case == "program":  # a server-only word inside a program, run by its replay
+        link.send([("program", None, (77, [("monitor", None, (), 0, None)]), 0, None),
+                   ("replay", None, (77, (), (), "plain", None), 0, None)], 99)
     elif case == "oversized":  # 80 MB as one batch: the server would hold it all
         link.comms.ctrl.Isend([bytearray(80 << 20), MPI.BYTE], link.peer, Tag.BATCH + link._o)
     elif case == "torn":  # a frame that says 1,000 bytes and stops after 10
@@ -548,6 +554,7 @@ HOSTILE = """
 HOSTILE_CASES = {
     "code": "not a message of gtmpi's: a value of kind",
     "garbage": "not a message of gtmpi's", "server word": "named 'serving'",
+    "file": "named 'load_piece_'", "program": "named 'monitor'",
     "round": "a round whose payload is not its count of uploads",
     "upload never sent": f"the bytes of an upload did not come within {TIMEOUT_S} s",
     "oversized": "a message of 83,886,080 bytes, over its limit of 67,108,864",
@@ -563,10 +570,36 @@ HOSTILE_CASES = {
 CROSSED = "each waiting in another of its collectives or transfers"
 
 
+def test_a_client_cannot_have_the_workers_write_or_read_files(server, tmp_path):
+    out = finish(server.client(tmp_path, "sharded", f"""
+        import gtmpi as t
+        x = t.ones(3, device="cuda")
+        for call in (lambda: t.save_sharded({{"x": x}}, {str(tmp_path / "ck")!r}),
+                     lambda: t.load_sharded({{"x": x}}, "/etc")):
+            try:
+                call()
+            except RuntimeError as e:
+                print("told:", e)
+        print("after", x.numpy().tolist())
+    """))
+    assert out.count("do not touch files on their hosts for a client") == 2, out
+    assert "after [1.0, 1.0, 1.0]" in out and not (tmp_path / "ck").exists()
+
+
+def test_what_a_client_says_of_itself_is_one_line_of_the_servers_log():
+    from gtmpi.server import Client
+    c = Client(1, None, {"name": "train.py\ngtmpi.server: client 2 (x): forged", "pid": "7\n",
+                         "host": "h\x1b[2J"})
+    assert c.name == "train.py\\ngtmpi.server: client 2 (x): forged" and c.pid is None
+    assert c.host == "h\\x1b[2J"
+
+
 @pytest.mark.timeout(300)
 def test_hostile_clients_messages_run_nothing_and_drop_them_alone(server, tmp_path):
     """A message whose pickle calls a function as it loads, bytes that are no pickle, a control
-    word only the server sends, a round count that is code, an upload whose bytes never come,
+    word only the server sends, an op that names a file on the server's host, a program that
+    holds a word only the server sends, a round count that is code, an upload whose bytes never
+    come,
     a batch too large to take in, a message cut short, bytes on the connection that are no
     message, a collective or a receive sent to one of its two workers only, all sent at once by
     as many clients: nothing of it runs, on a worker or on the server, and nothing waits for

@@ -61,6 +61,9 @@ class Op:
     # of range is a device-side assert that ends the worker's CUDA context, so a server's worker
     # checks them first (worker/bounds.py).
     indices: Callable[[tuple, dict], list["IndexArg"]] | None = None
+    # Reads or writes a file at a path its instruction names: a server's client may not send
+    # it (the path would be on the server's host, another user's files among them).
+    host_files: bool = False
 
 
 class IndexArg(NamedTuple):
@@ -1048,8 +1051,8 @@ _ops = [
     Op("zero_foreach", Kind.INPLACE, _zero_foreach, sigs=_first_operand),
     # a sharded checkpoint (gtmpi/sharded.py, ops/files.py): each worker its own file
     Op("save_pieces", Kind.GENERAL, files.save_pieces,
-       sigs=lambda sigs: ((torch.Size([1]), torch.int64),)),
-    Op("load_piece_", Kind.INPLACE, files.load_piece_, sigs=_first_operand),
+       sigs=lambda sigs: ((torch.Size([1]), torch.int64),), host_files=True),
+    Op("load_piece_", Kind.INPLACE, files.load_piece_, sigs=_first_operand, host_files=True),
     Op("mul_foreach", Kind.INPLACE, _mul_foreach, sigs=_first_operand),
     Op("add_foreach", Kind.ELEMENTWISE, _add_foreach, sigs=_first_half),
 ]

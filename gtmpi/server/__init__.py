@@ -71,12 +71,23 @@ UPLOAD_MAX = 1 << 62
 GRACE_S = 2.0  # how long clients get, once told the server ends, before the workers stop
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (a newline, a terminal escape)
+    written as its escape: a log line a client's words cannot break or forge."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
 class Client:
     def __init__(self, slot: int, chan: Channel, hello: dict[str, Any]) -> None:
         self.slot = slot
         self.chan = chan
-        self.name = str(hello.get("name", "?"))[:80]
-        self.pid, self.host = hello.get("pid"), hello.get("host")
+        # what the client says of itself goes into the server's log: one line each, whatever
+        # it sent (a newline in a name would write a line of the client's choosing)
+        self.name = printable(str(hello.get("name", "?"))[:80])
+        pid = hello.get("pid")
+        self.pid = pid if type(pid) is int else None
+        self.host = printable(str(hello.get("host", "?"))[:80])
         # whole rounds not yet sent on: (their batches, when the last part arrived, how many
         # uploads the client had sent by then)
         self.rounds: collections.deque[tuple[list, int, int]] = collections.deque()
@@ -413,7 +424,7 @@ class Server:
     def _expel(self, c: Client, why: str) -> None:
         """Drop a client for what it sent, telling it why (its next read raises that)."""
         message = f"{why}; the server has dropped the client"
-        print(f"gtmpi.server: client {c.slot} ({c.name}, pid {c.pid}): {message}",
+        print(f"gtmpi.server: client {c.slot} ({c.name}, pid {c.pid}): {printable(message)}",
               file=sys.stderr, flush=True)
         self._to_client(c, Tag.ENDING, pickle.dumps((True, message)))
         self._drop(c, killed=True)

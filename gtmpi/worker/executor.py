@@ -84,8 +84,10 @@ class Executor(Programs, Control, Quota):
                          "backend": lambda out, args: settings.apply(*args),
                          "serving": self._serving, "monitor": self._monitor,
                          "device": DeviceQueries(device, link.reply).run}
-        # what a server's client may send: every op, and the control words but the server's
-        self.client_words = frozenset(OPS) | (frozenset(self._control) - {"serving", "monitor"})
+        # what a server's client may send: every op but those naming a file on the server's
+        # host, and the control words but the server's
+        self.client_words = frozenset(name for name, op in OPS.items() if not op.host_files) | \
+            (frozenset(self._control) - {"serving", "monitor"})
         # what a monitor is sent: this worker's executors by slot (worker/loop.py sets it)
         self.executors: dict[int, "Executor"] = {0: self}
         self._pusher = None

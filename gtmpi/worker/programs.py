@@ -9,6 +9,7 @@ import torch
 from ..errors import Fault
 from ..ops.table import Graph, Knob, derive_seed
 from ..recording import events
+from ..transport import wire
 from ..transport.tags import GRAPH_LATER, Tag
 from . import graphs
 
@@ -19,6 +20,10 @@ class Programs:
     def _program(self, out, args: tuple) -> None:
         """(key, instructions): keep a recorded sequence; (key, None): drop it."""
         key, instructions = args
+        if self.slot and instructions is not None:
+            # a server's client: what a replay runs is checked as a batch is, once, here; a
+            # program holds ops and the words a recording keeps (frees), never programs
+            wire.check(instructions, self.client_words - {"program", "replay"})
         self.graphs.pop(key)
         if instructions is None:
             self.programs.pop(key, None)
