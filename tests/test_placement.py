@@ -3,10 +3,13 @@ placements of the results, and the collectives that ran; bad configs and misuse.
 from __future__ import annotations
 
 import contextlib
+import json
 import io
 import os
 import sys
+import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from conftest import assert_same, line_of, mpiexec, run_job
 from gtmpi.placement.rules import PlacementError
 from gtmpi.signals.config import ConfigError, load, parse
 
+ROOT = Path(__file__).resolve().parent.parent
 WORKERS = sorted(gtmpi.info()["workers"])
 spread = pytest.mark.skipif(len(WORKERS) < 2, reason="needs 2 or more workers (the MPI suite)")
 
@@ -1219,3 +1223,119 @@ def test_einsum_gradients_match_torch(equation, shapes):
     gtmpi.einsum(equation, *gs).square().sum().backward()
     for t, g in zip(ts, gs):
         torch.testing.assert_close(g.grad.cpu_torch(), t.grad, rtol=1e-5, atol=1e-5)
+
+
+BATCH_KINDS = """
+    import json, os, sys
+    import numpy as np
+    import torch
+    import gtmpi
+    import gtmpi.nn as nn
+    import gtmpi.nn.functional as F
+    from gtmpi.client.runtime import runtime
+    from gtmpi.utils.data import DataLoader, TensorDataset
+
+    gtmpi.manual_seed(0)
+    torch.manual_seed(0)
+    N = 2048  # a dataset larger than the client computes on by itself (host.HOST_NUMEL)
+    X, Y = torch.randn(N, 1, 8, 8), torch.randint(0, 4, (N,))
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(4 * 16, 4))
+    ref = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 16, 4))
+    ref.load_state_dict({k: v.cpu_torch() for k, v in model.state_dict().items()})
+    opt = gtmpi.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    Xg, Yg = gtmpi.tensor(X), gtmpi.tensor(Y)
+    loader = iter(DataLoader(TensorDataset(X, Y), batch_size=32, shuffle=True, generator=gen))
+    loader_g = iter(DataLoader(TensorDataset(Xg, Yg), batch_size=32, shuffle=True,
+                               generator=gen))
+
+    def rows(i):
+        return X[i * 32:(i + 1) * 32], Y[i * 32:(i + 1) * 32]
+
+    KINDS = {
+        "loader": lambda i: next(loader),
+        "loader over gtmpi tensors": lambda i: next(loader_g),
+        "indices": lambda i: (lambda idx: (Xg[idx], Yg[idx]))(torch.randint(0, N, (32,),
+                                                                             generator=gen)),
+        "device=": lambda i: tuple(gtmpi.tensor(t, device="cuda") for t in rows(i)),
+        "from_numpy .to": lambda i: tuple(gtmpi.from_numpy(t.numpy()).to("cuda")
+                                          for t in rows(i)),
+        "pinned": lambda i: tuple(gtmpi.tensor(t).pin_memory().to("cuda", non_blocking=True)
+                                  for t in rows(i)),
+        ".cuda()": lambda i: tuple(gtmpi.tensor(t).cuda() for t in rows(i)),
+    }
+    if os.environ["GTMPI_HOST_TENSORS"] == "0":
+        # the dataset went to the workers at once, split as an upload: rows picked from it
+        # by the program's own indices gather it (a TensorDataset's are kept whole instead)
+        del KINDS["indices"]
+    placer = runtime().dispatcher.placer
+    report = {}
+    def counts():
+        found = {}
+        for (_, what, _), (n, _) in placer.inserted.items():
+            found[what] = found.get(what, 0) + n
+        return found
+
+    for kind, make in KINDS.items():
+        losses, want, ran = [], [], {}
+        for i in range(3):
+            before = counts()
+            x, y = make(i)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            for what, n in counts().items():  # the step's own, not the reads below
+                if n - before.get(what, 0):
+                    ran[what] = ran.get(what, 0) + n - before.get(what, 0)
+            tl = torch.nn.functional.cross_entropy(ref(x.cpu_torch()), y.cpu_torch())
+            tl.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            want.append(tl.item())
+        report[kind] = {"losses": losses, "torch": want, "collectives": ran}
+    print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(len(WORKERS) > 1, reason="starts its own job (the serial suite)")
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("held", ["1", "0"])
+def test_every_kind_of_batch_is_split_by_a_data_parallel_config(tmp_path, held):
+    """A CNN under configs/ddp.yaml on 2 workers, its batches made every common way (a
+    DataLoader over a TensorDataset of host or gtmpi tensors, shuffled; rows picked by random
+    indices; tensor(device=); from_numpy().to(); pin_memory().to(non_blocking=True);
+    .cuda()), with host tensors held or not: the loop gathers nothing, sums the gradients,
+    and its losses are torch's on one device."""
+    proc, _ = run_job(tmp_path, BATCH_KINDS, 180, n=3,
+                      env={"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml"),
+                           "GTMPI_HOST_TENSORS": held})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
+    for kind, got in json.loads(line[len("REPORT "):]).items():
+        assert got["losses"] == pytest.approx(got["torch"], rel=1e-5, abs=1e-6), kind
+        assert "all_gather" not in got["collectives"], (kind, got["collectives"])
+        assert got["collectives"].get("all_reduce_bucket", 0) >= 3, (kind, got["collectives"])
+    assert "placed nothing" not in proc.stderr and "never used" not in proc.stderr
+
+
+def test_a_config_that_placed_nothing_says_so_at_the_first_backward():
+    from gtmpi.client.signalbook import SignalBook
+    placer = types.SimpleNamespace(zero={})  # the book's own, not the session's placer
+    book = SignalBook(placer, [1, 2])
+    book.register(parse({"paramters": {"shard": {"workers": "all", "replicated": True}}},
+                        "ddp.yaml"))
+    with pytest.warns(UserWarning, match="paramters placed nothing before the first backward"):
+        book.check_used()
+    book.used.add("paramters")  # its report at exit has nothing to say
+    used = SignalBook(placer, [1, 2])
+    used.register(parse({"uploads": {"shard": {"axis": 0, "workers": "all"}}}, "ddp.yaml"))
+    used.used.add("uploads")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        used.check_used()

@@ -126,7 +126,10 @@ def function(operands: Sequence, outputs: tuple, backward_fn: Any) -> None:
 
 def backward(root: Any, gradient: Any = None, retain_graph: bool = False) -> None:
     """torch's Tensor.backward: the gradients of ``root`` accumulated into the leaves."""
-    with no_grad(), runtime().sites_here():
+    rt = runtime()
+    if not rt.signals.checked:
+        rt.signals.check_used()
+    with no_grad(), rt.sites_here():
         _run([(root, _seed(root, gradient, 0))], retain_graph)
 
 

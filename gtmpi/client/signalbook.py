@@ -29,6 +29,7 @@ class SignalBook:
         self.used: set[str] = set()  # signals the program entered, placed by or placed with
         self._reporting = False
         self._said_idle = False
+        self.checked = False  # check_used ran (at the first backward)
 
     def register(self, signals: dict[str, Signal]) -> None:
         signals = {n: s if s.workers else replace(s, workers=tuple(range(len(self.ranks))))
@@ -95,6 +96,17 @@ class SignalBook:
     def unused(self) -> list[str]:
         """The config's signals the program never used."""
         return sorted(set(self.signals) - self.used)
+
+    def check_used(self) -> None:
+        """At the first backward: a config none of whose signals has placed anything says so
+        now, while the step that would have been parallel has not yet run (a batch made where
+        no signal reaches, a misspelt name), rather than only at exit."""
+        self.checked = True
+        if self.signals and not self.used & set(self.signals):
+            warnings.warn(f"gtmpi: the config's signal(s) {', '.join(sorted(self.signals))} "
+                          "placed nothing before the first backward: everything runs on one "
+                          "worker (gtmpi.debug.explain() says where each tensor was made)",
+                          stacklevel=user_stacklevel())
 
     def report(self) -> None:
         """At exit: a misspelt name in a config leaves the program running on fewer workers

@@ -873,7 +873,11 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
         return None
     inplace = name in _INPLACE
     rt = runtime()
-    if (not inplace and total > host.HOST_NUMEL) or not host.allowed(rt) or \
+    # rows taken from a held dataset (x[idx], x[a:b]) are taken here whatever its size, as
+    # torch's loader takes a batch from host memory: placed, the dataset would be split by a
+    # data-parallel config and every batch would gather it whole
+    selection = name in _SELECTIONS and isinstance(args[0], Tensor)  # every tensor held
+    if (not inplace and not selection and total > host.HOST_NUMEL) or not host.allowed(rt) or \
             (inplace and not isinstance(args[0], Tensor)) or \
             (rt.autocast is not None and rt.autocast.operands(name, args) is not None):
         return None  # an autocast region's op runs as the workers cast it
@@ -969,6 +973,7 @@ def upload(value: torch.Tensor, copy: bool = True) -> Tensor:
 _PLAIN = (Tensor, *SCALARS)  # operands that need no conversion
 _URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker
 _INPLACE = frozenset(name for name, op in OPS.items() if op.kind is Kind.INPLACE)
+_SELECTIONS = frozenset({"getitem", "index_select"})
 _RECORDED = frozenset(FUSED_FNS)
 # ops whose result is a new value or, at most, an operand itself: no view of one
 _FRESH = frozenset(name for name, op in OPS.items()
@@ -990,9 +995,13 @@ def hold(value: torch.Tensor, device: torch.device | None, recipe: tuple | None 
     workers at once where it is placed now (a GPU device, a signal's scope): by its recipe,
     else by its bytes, straight to where the signal places it."""
     rt = runtime()
+    t = Tensor.held(value, recipe)
     if host.allowed(rt, device) and not rt.dispatcher.placer.signals:
-        return Tensor.held(value, recipe)
-    return apply(*recipe) if recipe is not None else upload(value)
+        return t
+    # placed now, as a held value is at its first use: by the signal open, else by a config's
+    # 'uploads' (a batch made with device="cuda", or with host tensors off, is split as any)
+    t.id
+    return t
 
 
 def constant(name: str, make: Callable[[], torch.Tensor], args: tuple,

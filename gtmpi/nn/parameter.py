@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from ..autograd import no_grad
+from ..client.runtime import runtime
 from ..client.tensor import Tensor
+from ..signals import tensor as signal_tensor
 
 
 class Parameter(Tensor):
@@ -15,8 +17,14 @@ class Parameter(Tensor):
             param.requires_grad = requires_grad
             param._state, param._scope = True, data._scope
             return param
+        book = runtime().signals
         with no_grad():
-            alias = data.detach()
+            if "parameters" in book.signals and not book.open and not data._scope:
+                # made on a worker (host tensors off, a named GPU): a config's 'parameters'
+                # signal places it as it places a held one at its first use
+                alias = signal_tensor(data, "parameters")
+            else:
+                alias = data.detach()
         param = object.__new__(cls)
         Tensor.__init__(param, alias.id, alias._sig)
         alias.id = None  # the parameter now owns the worker tensor: only it frees it

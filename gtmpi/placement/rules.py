@@ -677,11 +677,19 @@ def _basic(key: tuple, ndim: int) -> list[int | None] | None:
 
 def _getitem(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     """x[key] with a basic key that takes the split dim whole (x[:, -1], x[..., :3]): each
-    member indexes its piece."""
+    member indexes its piece; a whole x indexed along dim 0 by split indices: each member
+    picks its rows."""
     x = kinds[0]
+    key = kw["key"]
+    if x.kind == "R" and len(kinds) == 2 and key[:1] == ("T",) and \
+            all(k == slice(None) for k in key[1:]) and kinds[1] is not None and \
+            kinds[1].kind == "S" and kinds[1].dim == 0 and kinds[1].mesh == x.mesh:
+        # a dataset whole on every member, its rows picked by indices split as a batch is
+        # (x[idx]): each member picks its rows, and the batch stays split, nothing gathered
+        return Plan(tuple(kinds), Placement(mesh, "S", 0))
     if x.kind != "S":
         return _partial(name, mesh, kinds)
-    whole = _basic(kw["key"], len(sigs[0][0]))
+    whole = _basic(key, len(sigs[0][0]))
     if whole is None or len(kinds) > 1 or whole[x.dim] is None:
         return None
     return Plan(tuple(kinds), Placement(mesh, "S", whole[x.dim]))

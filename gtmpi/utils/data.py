@@ -13,9 +13,12 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Dataset, Sampler  # noqa: F401  (torch's, under its names)
 
+from ..autograd import no_grad
 from ..client.creation import tensor as _tensor
 from ..client.functions import stack
+from ..client.runtime import runtime
 from ..client.tensor import Tensor
+from ..signals import tensor as signal_tensor
 
 
 class TensorDataset:
@@ -27,10 +30,11 @@ class TensorDataset:
         if any(t.shape[0] != tensors[0].shape[0] for t in tensors):
             raise ValueError("Size mismatch between tensors: every tensor's first dimension "
                              f"must match ({[t.shape[0] for t in tensors]})")
-        self.tensors = tuple(_tensor(t) if not isinstance(t, Tensor) else t for t in tensors)
+        self.tensors = tuple(_whole(_tensor(t) if not isinstance(t, Tensor) else t)
+                             for t in tensors)
 
     def __getitem__(self, index: Any) -> tuple:
-        return tuple(t[index] for t in self.tensors)
+        return tuple(_rows(t, index) for t in self.tensors)
 
     def __len__(self) -> int:
         return self.tensors[0].shape[0]
@@ -64,10 +68,31 @@ class DataLoader:
         if self.batch_size is None and not isinstance(index, torch.Tensor):
             return self.dataset[int(index)]
         if isinstance(self.dataset, TensorDataset) and self.collate_fn is None:
-            where = _tensor(index)
-            return [t[where] for t in self.dataset.tensors]
+            return [_rows(t, index) for t in self.dataset.tensors]
         samples = [self.dataset[int(i)] for i in index]
         return (self.collate_fn or default_collate)(samples)
+
+
+def _whole(t: Tensor) -> Tensor:
+    """A dataset's tensor already on the workers (host tensors off), as a data-parallel config
+    places the model: whole on every worker, so that each takes its rows of a batch (whose
+    indices are split as any upload) without gathering the dataset for every batch."""
+    book = runtime().signals
+    if t._host is not None or "parameters" not in book.signals or book.open:
+        return t
+    with no_grad():
+        return signal_tensor(t, "parameters")
+
+
+def _rows(t: Tensor, index: Any) -> Tensor:
+    """``t[index]``: taken by the client from the value it holds, as torch's loader takes a
+    batch from host memory, so that the batch is an upload (split by a data-parallel config)
+    and the dataset never goes to the workers (placed split, every batch would gather it
+    whole); a dataset already on the workers is indexed there."""
+    value = t._host
+    if value is None or value.is_meta:
+        return t[_tensor(index) if isinstance(index, torch.Tensor) else index]
+    return _tensor(value[index])
 
 
 def default_collate(samples: list) -> Any:
