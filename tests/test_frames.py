@@ -52,6 +52,15 @@ def test_a_large_frame_passes_a_socket_that_takes_it_in_pieces():
     assert np.array_equal(np.frombuffer(frame.body, np.float32), data)
 
 
+def test_a_header_that_claims_a_gigabyte_costs_what_came_not_what_it_claims():
+    a, b = socket.socketpair()
+    theirs = Channel(b)
+    a.sendall(HEADER.pack(0, 5, 1 << 30) + b"four")
+    _until(lambda: (theirs.pump(), theirs._got == 4)[1])
+    assert len(theirs._body) <= 1 << 20 and not theirs.frames
+    a.close()
+
+
 def test_a_frame_over_its_limit_is_refused_from_its_header_and_the_peer_still_told():
     ours, theirs = _pair(limit=lambda tag: 1000 if tag == 1 else 10)
     ours.send(0, 1, bytes(1000))

@@ -521,6 +521,9 @@ HOSTILE = """
     elif case == "upload never sent":  # the worker would wait for its bytes for good
         import torch
         link.send([("upload", 7, ((4,), torch.float32), 0, None)], 99)
+    elif case == "huge upload":  # 4 PB declared: the worker would wait and grow for good
+        import torch
+        link.send([("upload", 7, ((1 << 50,), torch.float32), 0, None)], 99)
     elif case == "file":  # a path on the server's host: another user's checkpoint, read
         link.send([("load_piece_", None, (x.id, (("/etc/passwd", "k", (0,)),), ((0, 3),), 1), 1,
                     None)], 99)
@@ -555,6 +558,7 @@ HOSTILE_CASES = {
     "code": "not a message of gtmpi's: a value of kind",
     "garbage": "not a message of gtmpi's", "server word": "named 'serving'",
     "file": "named 'load_piece_'", "program": "named 'monitor'",
+    "huge upload": "an upload of 4,503,599,627,370,496 bytes, over the",
     "round": "a round whose payload is not its count of uploads",
     "upload never sent": f"the bytes of an upload did not come within {TIMEOUT_S} s",
     "oversized": "a message of 83,886,080 bytes, over its limit of 67,108,864",
@@ -598,7 +602,7 @@ def test_what_a_client_says_of_itself_is_one_line_of_the_servers_log():
 def test_hostile_clients_messages_run_nothing_and_drop_them_alone(server, tmp_path):
     """A message whose pickle calls a function as it loads, bytes that are no pickle, a control
     word only the server sends, an op that names a file on the server's host, a program that
-    holds a word only the server sends, a round count that is code, an upload whose bytes never
+    holds a word only the server sends, an upload larger than a worker may hold, a round count that is code, an upload whose bytes never
     come,
     a batch too large to take in, a message cut short, bytes on the connection that are no
     message, a collective or a receive sent to one of its two workers only, all sent at once by

@@ -21,6 +21,7 @@ from collections import deque
 from typing import Any, Callable
 
 HEADER = struct.Struct("<iiQ")
+BODY_START = 1 << 20  # a body's first buffer; it doubles as its bytes come
 
 
 class Frame:
@@ -51,6 +52,7 @@ class Channel:
         self._head = bytearray(already)  # header bytes (and, at first, whatever came after)
         self._body: bytearray | None = None  # the body being received, and how much of it
         self._got = 0
+        self._size = 0  # the body's size, as its header says
         self._last_byte = time.monotonic()  # when bytes last came
         self._out: deque[memoryview] = deque()
         self.queued = 0  # bytes not yet taken by the socket
@@ -77,6 +79,8 @@ class Channel:
                     self._last_byte = time.monotonic()
                     self._parse()
                 else:
+                    if self._got == len(self._body):  # grown as its bytes come (_parse)
+                        self._body.extend(bytes(min(len(self._body), self._size - self._got)))
                     n = self.sock.recv_into(memoryview(self._body)[self._got:])
                     if not n:
                         self.closed = True
@@ -98,16 +102,18 @@ class Channel:
             if self.limit is not None and size > self.limit(tag):
                 self.refused = f"a message of {size:,} bytes, over its limit of {self.limit(tag):,}"
                 return
-            self._source, self._tag = source, tag
-            self._body = bytearray(size)
+            self._source, self._tag, self._size = source, tag, size
             start = HEADER.size
             self._got = min(size, len(self._head) - start)
+            # memory for what came, doubled as more comes: a header is only the sender's word,
+            # and one that claims a gigabyte and sends four bytes must not cost a gigabyte
+            self._body = bytearray(max(self._got, min(size, BODY_START)))
             self._body[:self._got] = self._head[start:start + self._got]
             del self._head[:start + self._got]
             self._finish()
 
     def _finish(self) -> bool:
-        if self._body is None or self._got < len(self._body):
+        if self._body is None or self._got < self._size:
             return False
         self.frames.append(Frame(self._source, self._tag, self._body))
         self._body = None

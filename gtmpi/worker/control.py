@@ -4,6 +4,7 @@ worker.executor.Executor, whose state it reads and writes."""
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 from typing import Any
@@ -16,6 +17,7 @@ from ..ops.table import Kind
 from ..recording import events
 from ..recording.recorder import Recorder
 from ..transport.buffers import UPLOAD_PIECE_BYTES, as_bytes, upload_pieces
+from ..transport import wire
 from ..transport.tags import Tag
 from . import bounds
 
@@ -32,7 +34,10 @@ def cuda_event() -> torch.cuda.Event:
 class Control:
     def _upload(self, out: int, args: tuple) -> None:
         shape, dtype = args
-        pieces = upload_pieces(math.prod(shape) * dtype.itemsize)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.slot:
+            self._may_hold(nbytes)
+        pieces = upload_pieces(nbytes)
         try:
             if self.device.type == "cuda" and pieces[-1][1] > UPLOAD_PIECE_BYTES:
                 value = self._upload_in_pieces(shape, dtype, pieces)
@@ -47,6 +52,19 @@ class Control:
         if self.trace is not None:
             self.trace.annotate(nbytes=value.nbytes, peer=0)
         self.env[out] = value
+
+    def _may_hold(self, nbytes: int) -> None:
+        """A server's client's upload, checked by what its instruction declares before
+        anything is allocated or waited for: at most its quota, and at most this device's
+        memory (a declared size is only the client's word)."""
+        if self.device.type == "cuda":
+            room = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        limit = min(room, self.quota) if self.quota is not None else room
+        if nbytes > limit:
+            raise wire.Refused(f"an upload of {nbytes:,} bytes, over the {limit:,} this "
+                               "worker may hold for a client")
 
     def _upload_whole(self, shape: torch.Size, dtype: torch.dtype, pieces: list) -> torch.Tensor:
         # pinned, so that the copy joins the stream without waiting for it: a copy from
