@@ -249,17 +249,9 @@ class Repeated:
         def knob(value: float, source: Any) -> Knob:
             sources.append(source)
             return Knob(value, len(sources) - 1)
-        try:
-            result = run(knob)
-        except BaseException:
-            d.abandon_recording()
-            raise
-        outs: list[Tensor] = []
-        try:
-            structure = _template(result, outs, first)
-        except ReplayError as e:
-            d.abandon_recording()
-            return result, str(e).split(":")[0].replace("a replayable function", "it")
+        result, outs, structure, why = run_recorded(d, first, lambda: run(knob))
+        if why is not None:
+            return result, why
         gc.collect()  # what the call dropped in cycles is freed within it
         program, kept = d.install([t.id for t in outs], [t.id for t in inputs], self.name,
                                   knobbed=bool(sources))
@@ -274,6 +266,25 @@ class Repeated:
         self.kept[key] = _Repeat(program, structure, [t._sig for t in outs],
                                  [t.id for t in inputs], sources)
         return result, None
+
+
+def run_recorded(d: Any, first: int, run: Callable[[], Any]
+                 ) -> tuple[Any, list[Tensor], Any, str | None]:
+    """``run()`` while the dispatcher records (from client id ``first``): its result, the
+    tensors in it and its shape (_template), or why a replay could not hand it back (the
+    recording abandoned then)."""
+    try:
+        result = run()
+    except BaseException:
+        d.abandon_recording()
+        raise
+    outs: list[Tensor] = []
+    try:
+        structure = _template(result, outs, first)
+    except ReplayError as e:
+        d.abandon_recording()
+        return result, outs, None, str(e).split(":")[0].replace("a replayable function", "it")
+    return result, outs, structure, None
 
 
 def as_is(value: float, source: Any) -> float:

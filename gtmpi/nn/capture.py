@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple
 from ..autograd import engine
 from ..client import gradmode
 from ..client.replay import (RECORDINGS_MAX, SIGNATURES_MAX, Guard, _build, _signature,
-                             _template, _tensor_ids, capture_enabled)
+                             _tensor_ids, capture_enabled, run_recorded)
 from ..client.creation import zeros, zeros_like
 from ..client.runtime import Runtime, runtime
 from ..client.tensor import Tensor
@@ -341,17 +341,9 @@ def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tens
     d = rt.dispatcher
     first, placed = rt.new_id(), d.placer.placed
     d.start_recording(first)
-    try:
-        result = as_written(*args, **kwargs)
-    except BaseException:
-        d.abandon_recording()
-        raise
-    outs: list[Tensor] = []
-    try:
-        structure = _template(result, outs, first)
-    except ReplayError as e:
-        d.abandon_recording()
-        return result, None, str(e).split(":")[0].replace("a replayable function", "it")
+    result, outs, structure, why = run_recorded(d, first, lambda: as_written(*args, **kwargs))
+    if why is not None:
+        return result, None, why
     grad_outs = [i for i, o in enumerate(outs) if o.requires_grad and o._node is not None] \
         if gradmode.is_grad_enabled() else []
     read, params, why = _graph(outs, grad_outs, first)

@@ -55,18 +55,25 @@ Size = int | tuple[int, ...] | list[int]  # a pooling's sizes: one for every dim
 
 
 def max_pool1d(x: Tensor, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
-               dilation: Size = 1,
-               ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
-    _no_indices(return_indices)
-    return apply("max_pool1d", x, *map(_per_dim, (kernel_size, stride, padding, dilation)),
-                 bool(ceil_mode))
+               dilation: Size = 1, ceil_mode: bool = False,
+               return_indices: bool = False) -> Tensor:
+    return _max_pool("max_pool1d", x, kernel_size, stride, padding, dilation, ceil_mode,
+                     return_indices)
 
 
 def max_pool2d(x: Tensor, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
-               dilation: Size = 1,
-               ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
-    _no_indices(return_indices)
-    return apply("max_pool2d", x, *map(_per_dim, (kernel_size, stride, padding, dilation)),
+               dilation: Size = 1, ceil_mode: bool = False,
+               return_indices: bool = False) -> Tensor:
+    return _max_pool("max_pool2d", x, kernel_size, stride, padding, dilation, ceil_mode,
+                     return_indices)
+
+
+def _max_pool(name: str, x: Tensor, kernel_size, stride, padding, dilation, ceil_mode: bool,
+              return_indices: bool) -> Tensor:
+    if return_indices:
+        raise NotImplementedError("gtmpi's max pooling: return_indices=True (the indices for "
+                                  "max_unpool) is not supported")
+    return apply(name, x, *map(_per_dim, (kernel_size, stride, padding, dilation)),
                  bool(ceil_mode))
 
 
@@ -90,12 +97,6 @@ def adaptive_avg_pool1d(x: Tensor, output_size: Size) -> Tensor:
 
 def adaptive_avg_pool2d(x: Tensor, output_size: Size | tuple[int | None, ...]) -> Tensor:
     return apply("adaptive_avg_pool2d", x, _per_dim(output_size))
-
-
-def _no_indices(return_indices: bool) -> None:
-    if return_indices:
-        raise NotImplementedError("gtmpi's max pooling: return_indices=True (the indices for "
-                                  "max_unpool) is not supported")
 
 
 def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
