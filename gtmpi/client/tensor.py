@@ -995,12 +995,13 @@ def hold(value: torch.Tensor, device: torch.device | None, recipe: tuple | None 
     workers at once where it is placed now (a GPU device, a signal's scope): by its recipe,
     else by its bytes, straight to where the signal places it."""
     rt = runtime()
+    if rt.dispatcher.placer.signals:  # a scope open (a signal's, beside()): placed by it
+        return apply(*recipe) if recipe is not None else upload(value)
     t = Tensor.held(value, recipe)
-    if host.allowed(rt, device) and not rt.dispatcher.placer.signals:
-        return t
-    # placed now, as a held value is at its first use: by the signal open, else by a config's
-    # 'uploads' (a batch made with device="cuda", or with host tensors off, is split as any)
-    t.id
+    if not host.allowed(rt, device):
+        # placed now as a held value is at its first use: by a config's 'uploads' (a batch
+        # made with device="cuda", or with host tensors off, is split as any other)
+        t.id
     return t
 
 
