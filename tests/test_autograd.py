@@ -289,3 +289,61 @@ def test_accumulated_gradients_are_added_in_one_instruction(tmp_path):
     ops = analysis.select(trace.events[home], (Kind.EXEC,), Lane.WORKER)
     names = [trace.name(int(n)) for n in ops["name"]]
     assert names.count("add_foreach") == 1, names
+
+
+def _inplace_run(lib, fn):
+    """``fn(lib, w, b)``'s sum differentiated: (value, w's gradient), or the error's text."""
+    gen = torch.Generator().manual_seed(0)
+    w0, b0 = torch.randn(4, 3, generator=gen), torch.randn(4, 3, generator=gen)
+    w = (w0.clone() if lib is torch else gtmpi.tensor(w0)).requires_grad_()
+    b = (b0.clone() if lib is torch else gtmpi.tensor(b0)).requires_grad_()
+    try:
+        out = fn(lib, w, b)
+        out.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return (out.detach(), w.grad) if lib is torch else (out, w.grad)
+
+
+def _after(x, *steps):
+    for step in steps:
+        step(x)
+    return x
+
+
+INPLACE = {
+    "relu_": lambda L, w, b: _after(w * b, lambda x: x.relu_()),
+    "F.relu(inplace)": lambda L, w, b: L.nn.functional.relu(w @ b.t(), inplace=True),
+    "nn.ReLU(inplace)": lambda L, w, b: L.nn.ReLU(inplace=True)(w * b + 1),
+    "+= -= *= /=": lambda L, w, b: _after(w * 2, lambda x: x.__iadd__(b),
+                                          lambda x: x.__isub__(1), lambda x: x.__imul__(b),
+                                          lambda x: x.__itruediv__(3)),
+    "mul_ clamp_ sigmoid_": lambda L, w, b: _after(w * b, lambda x: x.mul_(3),
+                                                  lambda x: x.clamp_(-0.5, 0.5),
+                                                  lambda x: x.sigmoid_()),
+    "used before, unsaved": lambda L, w, b: (lambda x: (lambda y: _after(x, lambda x: x.relu_())
+                                                        + y)(x + 1))(w * 2),
+    "copy_": lambda L, w, b: _after(b * 2, lambda x: x.copy_(w * 3)),  # the gradient: src's
+}
+
+
+@pytest.mark.parametrize("name", INPLACE)
+def test_in_place_ops_under_autograd_give_torchs_values_and_gradients(name):
+    want, got = _inplace_run(torch, INPLACE[name]), _inplace_run(gtmpi, INPLACE[name])
+    assert not isinstance(got, str), got
+    assert_same(got[0], want[0], rtol=1e-6, atol=1e-6)
+    assert_same(got[1], want[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn, message", [
+    # a tensor a gradient rule saved, changed in place before backward: torch's error
+    (lambda L, w, b: (lambda x: (lambda y: _after(y, lambda _: x.relu_()))(x * b))(w * 2),
+     "modified by an inplace operation"),
+    (lambda L, w, b: w.relu_(), "a leaf Variable that requires grad"),
+    # a view's storage is another tensor's, which a new value would not reach
+    (lambda L, w, b: (lambda x: (lambda v: _after(v, lambda _: x.relu_()))(x[0]))(w * 2),
+     "on a view, or on a tensor a view was taken of"),
+])
+def test_in_place_ops_under_autograd_that_cannot_be_right_are_refused(fn, message):
+    got = _inplace_run(gtmpi, fn)
+    assert isinstance(got, str) and message in got, got

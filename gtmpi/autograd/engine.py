@@ -228,6 +228,12 @@ def backward_inputs(root: Any, gradient: Any, now: Sequence[Any]) -> Later:
 def _rule(node: Node, grads: Any, masked: Any, book: Any) -> tuple:
     """``node``'s gradient rule on its incoming ``grads``, not asked for the gradients of the
     operands in ``masked`` (ids), under the signal its forward named for its backward."""
+    for a, version in zip(node.operands, node.versions):
+        if version is not None and a._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{a.dtype} {list(a.shape)}], which {node.name()} saved, "
+                f"is at version {a._version}; expected version {version} instead.")
     MASKED.update(masked)
     try:
         with nullcontext() if node.backward is None else book.scope(node.backward):

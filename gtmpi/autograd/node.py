@@ -20,7 +20,7 @@ class Node:
     results."""
 
     __slots__ = ("op", "operands", "kw", "outputs", "saved", "freed", "results", "backward",
-                 "uses", "__weakref__")
+                 "uses", "versions", "__weakref__")
 
     def __init__(self, op: str, operands: tuple, kw: dict | None, outputs: int, saved: Any):
         self.op, self.operands, self.kw, self.outputs, self.saved = op, operands, kw, outputs, saved
@@ -31,6 +31,9 @@ class Node:
         # from that one op, so the op may finish it at once (linear's partial sums, summed
         # while the weight's gradient computes) instead of leaving it to be added to others
         self.uses = [0] * outputs
+        # of each operand kept whole (a tensor the rule reads), its _version now: an in-place
+        # op under autograd since makes it another value, which the rule must not read
+        self.versions = tuple(getattr(a, "_version", None) for a in operands)
 
     def name(self) -> str:
         """torch's name for the backward of this op (``AddBackward0``), as torch's own kernels

@@ -38,7 +38,8 @@ Dims = Union[int, Sequence[int], None]  # one dim, several, or all
 
 class Tensor:
     __slots__ = ("_id", "_host", "_recipe", "_sig", "requires_grad", "grad", "_node", "_slot",
-                 "_strides", "_state", "_scope", "_shared", "__weakref__")
+                 "_strides", "_state", "_scope", "_shared", "_version", "_aliased",
+                 "__weakref__")
     __array_priority__ = 1000  # numpy defers to our reflected operators instead of reading us
 
     def __init__(self, tensor_id: int | None, sig: tuple[torch.Size, torch.dtype],
@@ -59,6 +60,12 @@ class Tensor:
         self._node = None  # the autograd Node that made this tensor; None for leaves
         self._slot = 0     # which of that Node's results this is
         self._strides: tuple | None = None  # a view's layout where not contiguous (shapes.py)
+        # in-place ops under autograd made this tensor another value (torch's version counter:
+        # a gradient rule that saved it refuses to run on what it is now)
+        self._version = 0
+        # a view, or viewed: its storage may be another tensor's, so an in-place op under
+        # autograd (which makes a new value, _rebind) could not reach that other tensor
+        self._aliased = False
 
     @staticmethod
     def held(value: torch.Tensor, recipe: tuple | None = None, scope: tuple = ()) -> "Tensor":
@@ -423,7 +430,7 @@ class Tensor:
     def scatter(self, dim: int, index: Tensor, src: Operand) -> Tensor: return apply("scatter", self, dim, index, src)
     def scatter_add(self, dim: int, index: Tensor, src: Tensor) -> Tensor: return apply("scatter_add", self, dim, index, src)
     def scatter_add_(self, dim: int, index: Tensor, src: Tensor) -> Tensor:
-        return self.copy_(self.scatter_add(dim, index, src))
+        return self._assign(self.scatter_add(dim, index, src))
 
     def argsort(self, dim: int = -1, descending: bool = False, stable: bool = False) -> Tensor:
         return self.sort(dim, descending, stable).indices
@@ -454,7 +461,7 @@ class Tensor:
         return self + weight * (end - self)
 
     def lerp_(self, end: Operand, weight: Operand) -> Tensor:
-        return self.copy_(self.lerp(end, weight))
+        return self._assign(self.lerp(end, weight))
 
     def repeat_interleave(self, repeats: int, dim: int | None = None) -> Tensor:
         """Each element (along ``dim``; of the flattened tensor without one) ``repeats`` times
@@ -498,15 +505,15 @@ class Tensor:
     def masked_fill_(self, mask: Operand, value: Operand) -> Tensor:
         return apply("masked_fill_", self, mask, value)
 
-    def exp_(self) -> Tensor: return self.copy_(self.exp())
-    def log_(self) -> Tensor: return self.copy_(self.log())
-    def sqrt_(self) -> Tensor: return self.copy_(self.sqrt())
-    def abs_(self) -> Tensor: return self.copy_(self.abs())
-    def neg_(self) -> Tensor: return self.copy_(self.neg())
-    def relu_(self) -> Tensor: return self.copy_(self.relu())
-    def tanh_(self) -> Tensor: return self.copy_(self.tanh())
-    def sigmoid_(self) -> Tensor: return self.copy_(self.sigmoid())
-    def pow_(self, o: Operand) -> Tensor: return self.copy_(self.pow(o))
+    def exp_(self) -> Tensor: return self._assign(self.exp())
+    def log_(self) -> Tensor: return self._assign(self.log())
+    def sqrt_(self) -> Tensor: return self._assign(self.sqrt())
+    def abs_(self) -> Tensor: return self._assign(self.abs())
+    def neg_(self) -> Tensor: return self._assign(self.neg())
+    def relu_(self) -> Tensor: return self._assign(self.relu())
+    def tanh_(self) -> Tensor: return self._assign(self.tanh())
+    def sigmoid_(self) -> Tensor: return self._assign(self.sigmoid())
+    def pow_(self, o: Operand) -> Tensor: return self._assign(self.pow(o))
 
     def normal_(self, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> Tensor:
         if self._draws_here(generator):
@@ -734,6 +741,13 @@ class Tensor:
     def fill_(self, value: Operand) -> Tensor: return apply("fill_", self, value)
     def copy_(self, src: Operand) -> Tensor: return apply("copy_", self, src)
 
+    def _assign(self, result: Tensor) -> Tensor:
+        """An in-place op given as its out-of-place ``result``, made just now: copied in, or,
+        where autograd records it, this tensor becomes ``result`` (_rebind)."""
+        if gradmode.is_grad_enabled() and (self.requires_grad or result.requires_grad):
+            return _rebind(self, "copy_", result)
+        return self.copy_(result)
+
 
 # the one path every op takes -------------------------------------------------------------------
 
@@ -811,6 +825,8 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         raise e.with_traceback(None)  # shape inference and meta kernels below the user's op
     if name in _INPLACE:
         if recording:
+            if name in _OUT_OF_PLACE:
+                return _rebind(operands[0], name, _out_of_place(name, operands, kw))
             gradmode.autograd().record(name, operands, kw, None)  # raises: in place needs no_grad()
         rt.dispatcher.submit((name, args[0].id, tuple(wire), tmask, kw), True, issued, sigs,
                              outs, key=key)
@@ -844,6 +860,10 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
         rt.note_site(out)
         result = Tensor(out, outs[0])
         result._strides = strides
+    if name in _ALIASING:
+        operands[0]._aliased = True
+        for r in (result if isinstance(result, tuple) else (result,)):
+            r._aliased = True
     if recording:
         gradmode.autograd().record(name, operands, kw, result)
     if saving is not None:
@@ -974,6 +994,56 @@ _PLAIN = (Tensor, *SCALARS)  # operands that need no conversion
 _URGENT_NUMEL = 1 << 16  # results this large are worth a message of their own to an idle worker
 _INPLACE = frozenset(name for name, op in OPS.items() if op.kind is Kind.INPLACE)
 _SELECTIONS = frozenset({"getitem", "index_select"})
+# ops whose result may share its first operand's storage (a view, or the operand itself)
+_ALIASING = VIEWS | frozenset(name for name, op in OPS.items()
+                              if op.kind in (Kind.SHAPE, Kind.INDEX)) | {"to"}
+# in-place ops that autograd records as their out-of-place form, the tensor becoming its result
+_OUT_OF_PLACE = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "truediv",
+                 "clamp_": "clamp", "masked_fill_": "masked_fill", "copy_": None}
+
+
+def _out_of_place(name: str, operands: list, kw: dict | None) -> Tensor:
+    target = operands[0]
+    if name == "copy_":  # the source as the target's shape and dtype, a value of its own
+        src = operands[1] if isinstance(operands[1], Tensor) else \
+            apply("full", tuple(target.shape), operands[1], target.dtype)
+        return apply("clone", apply("expand", src.to(target.dtype), tuple(target.shape)))
+    # the op reads the target through a second name: a rule that saves its operand saves that
+    # one, which stays the old value when the target becomes the result (x.mul_(3) as torch's)
+    aliased = target._aliased
+    before = apply("alias", target)
+    target._aliased = aliased
+    return apply(_OUT_OF_PLACE[name], before, *operands[1:], **(kw or {}))
+
+
+def _rebind(target: Tensor, name: str, result: Tensor) -> Tensor:
+    """``name`` in place on ``target`` where autograd records it: ``target`` becomes
+    ``result`` (its value, its place in the graph), as torch's in-place op makes the tensor the
+    op's output. Refused where that could not be the in-place op: a leaf that requires grad
+    (torch's error), a view or a viewed tensor (the other tensors of its storage would keep
+    the old value). A gradient rule that saved ``target`` and runs later refuses (_version)."""
+    if target.requires_grad and target._node is None:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                           "operation.")
+    if target._aliased:
+        raise RuntimeError(f"gtmpi: in-place '{name}' under autograd on a view, or on a tensor "
+                           "a view was taken of: not supported (the views would keep the old "
+                           "values); use the out-of-place op, or gtmpi.no_grad()")
+    if tuple(result.shape) != tuple(target.shape):
+        raise RuntimeError(f"output with shape {list(target.shape)} doesn't match the "
+                           f"broadcast shape {list(result.shape)}")
+    if result.dtype != target.dtype:
+        result = result.to(target.dtype)
+    rt = runtime()
+    if target._id is not None:
+        rt.dispatcher.frees.append(target._id)
+    target._id, result._id = result._id, None
+    target._host = target._recipe = None
+    target._sig, target._strides = result._sig, result._strides
+    target._node, target._slot = result._node, result._slot
+    target.requires_grad = result.requires_grad
+    target._version += 1
+    return target
 _RECORDED = frozenset(FUSED_FNS)
 # ops whose result is a new value or, at most, an operand itself: no view of one
 _FRESH = frozenset(name for name, op in OPS.items()
