@@ -130,6 +130,17 @@ def test_the_optimizer_step_and_the_clip_replay_with_each_steps_rate(monkeypatch
                                         "replayed": 4}
 
 
+def test_a_subclass_of_an_optimizer_steps_as_written_and_says_why(monkeypatch):
+    class Mine(gtmpi.optim.AdamW):  # its step could do anything besides the update
+        pass
+    runtime().capture_notes.clear()
+    runtime().repeated.clear()
+    written, weights_written, _, _ = _steps("0", monkeypatch, lambda p: Mine(p, lr=1e-2))
+    losses, weights, _, notes = _steps("1", monkeypatch, lambda p: Mine(p, lr=1e-2))
+    assert losses == written
+    assert notes["Mine.step"] == {"as written: a subclass of gtmpi's optimizers": 6}
+
+
 def _set(group_key, value):
     def change(model, opt):
         opt.param_groups[-1][group_key] = value
