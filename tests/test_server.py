@@ -172,16 +172,24 @@ def test_the_port_file_is_the_owners_and_its_token_is_required(server, tmp_path)
     assert stat.S_IMODE(os.stat(server.port_file).st_mode) == 0o600
     from gtmpi.transport.rendezvous import dial, read_port_file
     info = read_port_file(server.port_file)
-    lines = dial({**info, "token": "guess"}, {"role": "client", "port": "x"})
-    assert "wrong token" in lines.recv(timeout_s=10)["refused"]
+    # a wrong token: the server's proof does not match it, and the dialler stops there
+    with pytest.raises(ConnectionRefusedError, match="did not prove it knows this port file"):
+        dial({**info, "token": "guess"}, {"role": "client", "port": "x"})
+    # a peer that skips the proofs and names the token (it learnt nothing from the server)
+    import socket
+    sock = socket.create_connection((info["host"], info["port"]), timeout=10)
+    from gtmpi.transport.rendezvous import Lines
+    lines = Lines(sock)
+    lines.send({"token": info["token"], "role": "client"})
+    assert "prove it knows the port file's token" in lines.recv(timeout_s=10)["refused"]
     lines.close()
-    # a client given a forged port file is refused the same way, with one clear error
+    # a client given a forged port file stops with one clear error, its token never sent
     forged = tmp_path / "forged.port"
     forged.write_text(json.dumps({**info, "token": "0" * 48}))
     proc = server.client(tmp_path, "forged", "import gtmpi\ngtmpi.zeros(2).numpy()\n",
                          GTMPI_CONNECT=str(forged))
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "refused this client: wrong token" in err, err
+    assert proc.returncode != 0 and "did not prove it knows this port file" in err, err
 
 
 ISOLATION_VICTIM = """

@@ -1,12 +1,13 @@
 """Rank 0's monitor hub: one listening TCP socket, in a thread of its own.
 
-Peers present the port file's token, then say what they are:
+Peers prove they know the port file's token, after the hub has proved it
+(transport/rendezvous.py: dial), then say what they are:
   worker   a worker's pusher (push.py): a JSON line of its figures every interval
   monitor  ``gtmpi-trace top``: gets the job's figures as one JSON line every interval
   client   (a server's only) a program joining it: handed to the server's loop through
            ``arrivals``, which does the MPI part
   stop     (a server's only) asks the server to shut down
-A peer without the token is told so and dropped; so is one that sends what is not a JSON
+A peer without the token (or its proof) is told so and dropped; so is one that sends what is not a JSON
 object line, or says nothing for HELLO_S. Nothing a peer sends, and no failure to accept (out
 of file descriptors), ends the hub's thread: it logs and goes on listening.
 """
@@ -22,7 +23,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from ..transport.rendezvous import LOOPBACK, Lines, listen, token_matches, write_port_file
+from ..transport.rendezvous import (LOOPBACK, Lines, listen, nonce, proof_matches, prove,
+                                   write_port_file)
 
 # how often workers push and monitors are sent the figures
 INTERVAL_S = float(os.environ.get("GTMPI_MONITOR_INTERVAL_S", "1"))
@@ -144,7 +146,17 @@ class Hub:
             return role
         if role is not None:
             return role
-        if not token_matches(obj, self.token):
+        if lines.expect is None:  # first the peer's challenge: this hub proves it is itself
+            ask = obj.get("nonce") if isinstance(obj, dict) else None
+            if not isinstance(ask, str) or len(ask) > 64:
+                lines.send({"refused": "a peer first asks the listener to prove it knows the "
+                                       "port file's token"})
+                lines.closed = True
+                return None
+            lines.expect = nonce()
+            lines.send({"proof": prove(self.token, "listener", ask), "nonce": lines.expect})
+            return None
+        if not proof_matches(obj, self.token, "peer", lines.expect):
             lines.send({"refused": "wrong token: read it from the port file"})
             lines.closed = True
             return None

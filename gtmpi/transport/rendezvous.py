@@ -1,14 +1,23 @@
 """The port file and the TCP line protocol, for servers, clients and monitors.
 
-A peer's first lines are JSON (its hello with the token, the answer). A server's client then
+A peer's first lines are JSON (the proofs, its hello, the answer). A server's client then
 goes on in frames on the same connection (transport/frames.py) for its whole life: its end of
 file is how the server learns, within a poll, that a client was killed (kill -9 included).
 
 The port file holds where to reach the process and a secret token; it is written whole, readable
-by its owner only, and every TCP peer must present the token first.
+by its owner only. Neither side sends the token: each proves it knows it (an HMAC of a nonce
+the other chose), the listener first, so that whatever answers at a port file's address (a
+stale file's port taken over, anyone on a --bind network) learns nothing and is sent nothing
+before it has proved it is the process that wrote the file:
+
+    peer -> listener   {"nonce": Np}
+    listener -> peer   {"proof": hmac(token, "listener:" + Np), "nonce": Nl}
+    peer -> listener   {"proof": hmac(token, "peer:" + Nl), ...its hello}
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -64,14 +73,27 @@ def listen(bind: str = LOOPBACK) -> tuple[socket.socket, tuple[str, int]]:
     return sock, (host, sock.getsockname()[1])
 
 
-def token_matches(hello: Any, token: str) -> bool:
-    """Whether a peer's first line holds the port file's token (compared in constant time)."""
-    given = hello.get("token") if isinstance(hello, dict) else None
-    return isinstance(given, str) and secrets.compare_digest(given.encode(), token.encode())
+def prove(token: str, side: str, nonce: str) -> str:
+    """What ``side`` ("listener" or "peer") answers to ``nonce``: only a holder of the token
+    can make it."""
+    return hmac.new(token.encode(), f"{side}:{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def proof_matches(obj: Any, token: str, side: str, nonce: str | None) -> bool:
+    """Whether ``obj`` holds ``side``'s proof for ``nonce`` (compared in constant time)."""
+    given = obj.get("proof") if isinstance(obj, dict) else None
+    return isinstance(given, str) and nonce is not None and \
+        hmac.compare_digest(given.encode(), prove(token, side, nonce).encode())
+
+
+def nonce() -> str:
+    return secrets.token_hex(16)
 
 
 def dial(info: dict[str, Any], hello: dict[str, Any], timeout_s: float = 10.0) -> "Lines":
-    """Connect to the process a port file names and present the token with ``hello``."""
+    """Connect to the process a port file names, have it prove it knows the file's token,
+    prove it back, and say ``hello``. Raises ConnectionRefusedError, having sent nothing of
+    the token's, where what answers is not that process."""
     host = info["host"]
     try:
         sock = socket.create_connection((host, info["port"]), timeout=timeout_s)
@@ -80,7 +102,17 @@ def dial(info: dict[str, Any], hello: dict[str, Any], timeout_s: float = 10.0) -
             raise
         sock = socket.create_connection(("127.0.0.1", info["port"]), timeout=timeout_s)
     lines = Lines(sock)
-    lines.send({"token": info["token"], **hello})
+    ours = nonce()
+    lines.send({"nonce": ours})
+    answer = lines.recv(timeout_s=timeout_s)
+    if not proof_matches(answer, info["token"], "listener", ours) or \
+            not isinstance(answer.get("nonce"), str):
+        lines.close()
+        raise ConnectionRefusedError(
+            f"gtmpi: what answers at {host}:{info['port']} did not prove it knows this port "
+            "file's secret: it is not the process that wrote the file (a stale port file "
+            "whose port another process took, or a file not its own); nothing was sent to it")
+    lines.send({"proof": prove(info["token"], "peer", answer["nonce"]), **hello})
     return lines
 
 
@@ -91,6 +123,7 @@ class Lines:
         self.sock = sock
         self._buf = b""
         self.closed = False
+        self.expect: str | None = None  # a listener's: the nonce it asked the peer to prove
 
     def send(self, obj: Any) -> bool:
         """False if the peer is gone."""
