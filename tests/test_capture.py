@@ -290,11 +290,15 @@ def _each_change():
     def hook_added(m):
         m.lin.register_forward_hook(lambda mod, args, out: out * 17.0)
 
+    def pre_hook_added(m):
+        m.lin.register_forward_pre_hook(lambda mod, args: (args[0] * 19.0,))
+
     def submodule_swapped(m):
         m.lin = nn.Linear(4, 4)
 
     return [attribute, class_attribute, global_rebound, list_appended, object_field, eval_mode,
-            weight_replaced, layer_frozen, data_replaced, hook_added, submodule_swapped]
+            weight_replaced, layer_frozen, data_replaced, hook_added, pre_hook_added,
+            submodule_swapped]
 
 
 @pytest.mark.parametrize("change", _each_change(), ids=lambda f: f.__name__)
