@@ -1339,3 +1339,16 @@ def test_a_config_that_placed_nothing_says_so_at_the_first_backward():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         used.check_used()
+
+
+def test_a_stage_that_holds_none_of_a_layers_kind_leaves_its_part_unused_without_a_word():
+    """The seed's Mini-GPT on TP=2 x PP=4: a middle stage has no vocabulary, the last no
+    blocks; their parts of the config (stage1.vocab, stage3.col) are no misspelling."""
+    from gtmpi.client.signalbook import SignalBook
+    book = SignalBook(types.SimpleNamespace(zero={}), [1, 2])
+    body = {"shard": {"workers": [0, 1], "replicated": True}}
+    book.register(parse({name: body for name in ("stage1", "stage1.vocab", "stage2",
+                                                 "stage2.col", "other")}, "pp.yaml"))
+    book.used.update({"stage1"})
+    assert book.unused() == ["other", "stage2", "stage2.col"]
+    book.used.update(book.signals)  # its report at exit has nothing to say

@@ -94,8 +94,12 @@ class SignalBook:
         return s
 
     def unused(self) -> list[str]:
-        """The config's signals the program never used."""
-        return sorted(set(self.signals) - self.used)
+        """The config's signals the program never used; a part of a layout (``stage3.col``)
+        counts only where its whole (``stage3``) went unused too: a pipeline's config gives
+        every stage every part (the vocabulary's, the blocks'), and a stage holding none of
+        those layers leaves them unused by design."""
+        return sorted(name for name in set(self.signals) - self.used
+                      if "." not in name or name.split(".")[0] not in self.used)
 
     def check_used(self) -> None:
         """At the first backward: a config none of whose signals has placed anything says so
