@@ -44,24 +44,37 @@ def _gpt(dropout: float = 0.0):
     return c, model
 
 
-def _train(capture: str, monkeypatch, steps: int = 6, dropout: float = 0.0):
+def _loop(capture: str, monkeypatch, make_opt, steps: int, dropout: float = 0.0,
+          schedule: bool = False, clip: float = 1.0, change=None):
+    """The tiny GPT trained ``steps`` steps, clipped; ``schedule``: its rate changes every step;
+    ``change(model, opt)`` runs before the fifth. Its losses, weights, model and optimizer."""
     monkeypatch.setenv("GTMPI_CAPTURE", capture)
     gtmpi.manual_seed(3)
     c, model = _gpt(dropout)
-    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = make_opt(model.parameters())
     gen = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(steps):
+    for i in range(steps):
+        if schedule:
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 * (0.5 + 0.5 * i / steps)
         data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=gen)
-        x, y = gtmpi.tensor(data[:, :-1]), gtmpi.tensor(data[:, 1:])
-        loss = model(x, y)
+        if change is not None and i == 4:
+            change(model, opt)
+        loss = model(gtmpi.tensor(data[:, :-1]), gtmpi.tensor(data[:, 1:]))
         loss.backward()
-        gtmpi.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        gtmpi.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    grads_after = {k: p.cpu_torch() for k, p in model.named_parameters()}
-    return losses, grads_after, model
+    weights = {k: p.cpu_torch() for k, p in model.named_parameters()}
+    return losses, weights, model, opt
+
+
+def _train(capture: str, monkeypatch, steps: int = 6, dropout: float = 0.0):
+    losses, weights, model, _ = _loop(capture, monkeypatch,
+                                      lambda p: gtmpi.optim.AdamW(p, lr=1e-2), steps, dropout)
+    return losses, weights, model
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -77,27 +90,9 @@ def test_a_captured_training_loop_gives_the_numbers_as_written(monkeypatch, drop
 
 def _steps(capture: str, monkeypatch, make_opt, steps: int = 6, change=None):
     """A loop whose rate changes every step (a schedule), clipped: losses, weights, the
-    optimizer's state as saved, and the notes of its step and its clip. ``change(model,
-    opt)`` runs before the fifth step."""
-    monkeypatch.setenv("GTMPI_CAPTURE", capture)
-    gtmpi.manual_seed(3)
-    c, model = _gpt()
-    opt = make_opt(model.parameters())
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for i in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = 1e-2 * (0.5 + 0.5 * i / steps)
-        data = torch.randint(0, c.vocab, (4, c.seq + 1), generator=gen)
-        if change is not None and i == 4:
-            change(model, opt)
-        loss = model(gtmpi.tensor(data[:, :-1]), gtmpi.tensor(data[:, 1:]))
-        loss.backward()
-        gtmpi.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    weights = {k: p.cpu_torch() for k, p in model.named_parameters()}
+    optimizer's state as saved, and the notes of its step and its clip."""
+    losses, weights, _, opt = _loop(capture, monkeypatch, make_opt, steps, schedule=True,
+                                    clip=0.5, change=change)
     notes = {name.split(" (")[0]: dict(n) for name, n in runtime().capture_notes.items()
              if name.startswith((f"{type(opt).__name__}.step", "clip_grad_norm_"))}
     return losses, weights, opt.state_dict(), notes
