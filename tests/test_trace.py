@@ -165,6 +165,28 @@ def test_steps_time_rank0_per_training_step(tmp_path, capsys, monkeypatch):
     assert code == 2 and "no two issues of conv2d" in err
 
 
+def test_a_captured_step_is_a_step_of_the_trace(tmp_path, monkeypatch):
+    """With GTMPI_CAPTURE=1 the optimizer's step replays (no adam_foreach issued): its replay
+    is recorded under the update's name, so every iteration is still a step."""
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    path = str(tmp_path / "captured.h5")
+    model = gtmpi.nn.Sequential(gtmpi.nn.Linear(8, 16), gtmpi.nn.ReLU(), gtmpi.nn.Linear(16, 1))
+    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    gtmpi.synchronize()
+    gtmpi.trace.start(path)
+    for _ in range(8):
+        loss = gtmpi.nn.functional.mse_loss(model(gtmpi.tensor(x)), gtmpi.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss.item()
+    gtmpi.trace.stop()
+    rows = analysis.step_rows(fileformat.read(path))
+    assert len(rows) == 7 and {r["op"] for r in rows} == {"adam_foreach"}
+    assert rows[-1]["issued"] < rows[0]["issued"]  # replayed: a few words, not every op
+
+
 def test_summary_ops_idle(traced, capsys):
     trace, _, _ = traced
     code, out, _ = cli(capsys, "summary", trace.path)

@@ -41,7 +41,7 @@ from ..recording.events import Flag, Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import GRAPH_LATER, Tag
 from .foresight import DONE, FREE, READY
-from .programs import Graphing, Program, Recording
+from .programs import STEP_OPS, Graphing, Program, Recording
 from .repeats import Repeats
 
 _clock = time.perf_counter_ns
@@ -494,6 +494,8 @@ class Dispatcher:
                 program.graph = "its sizes follow its call's (a growing argument; " \
                     "GTMPI_SIZED_GRAPHS=1: a graph per size)"
                 self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
+        program.marks = next((name for instructions in rec.per_rank.values()
+                              for name, *_ in instructions if name in STEP_OPS), "replay")
         if knobbed:
             program.graph = "numbers in it change per call (an optimizer's rate)"
             self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
@@ -565,7 +567,7 @@ class Dispatcher:
                 placer.viewed.add(new)
         rec = self.trace
         if rec is not None:
-            rec.issues.append((received, received, _clock(), "replay", program.key,
+            rec.issues.append((received, received, _clock(), program.marks, program.key,
                                program.ranks[0]))
             self.trace_inserted(program.inserted.items(), program.key)
 

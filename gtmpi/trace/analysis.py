@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..recording.events import Flag, Kind, Lane
+from ..dispatcher.programs import STEP_OPS
 from ..recording.fileformat import Trace
 
 # What counts as working, per lane; everything else on a lane's timeline is idle or waiting.
@@ -165,12 +166,10 @@ def wait_rows(trace: Trace) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["total_us"])
 
 
-STEP_OPS = ("adam_foreach", "sgd_foreach")  # an optimizer's update: once a training step
-
-
 def step_rows(trace: Trace, op: str | None = None) -> list[dict[str, Any]]:
     """Rank 0's time per training step: from one issue of ``op`` (by default the optimizer's
-    update, the first of STEP_OPS issued) to the next (issues of it in a row, one per parameter
+    update, the first of STEP_OPS issued, or replayed: a captured step's replay is recorded
+    under its name) to the next (issues of it in a row, one per parameter
     group, start one step), its wall time, the time rank 0 waited for workers in it (reads,
     syncs, back-pressure) and the rest, rank 0's host time: the program's Python, autograd's
     record and gtmpi's issue and dispatch. Empty when ``op`` was never issued."""
