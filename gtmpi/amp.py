@@ -180,25 +180,26 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since "
                                "the last update().")
         from .autograd import no_grad
-        inverse = float(torch.tensor(self._scale, dtype=torch.float64).reciprocal().float())
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
         if not grads:
             self._found_inf[id(optimizer)] = None
             return
-        run = functools.partial(_unscale, grads, inverse)
+        run = functools.partial(_unscale, grads, self._inverse())
         with no_grad():
             if not capture_enabled():
                 self._found_inf[id(optimizer)] = run(as_is)
                 return
             rt = runtime()
-            repeated = repeated_at(rt, rt.repeated.setdefault("GradScaler.unscale_", {}),
-                                   "GradScaler.unscale_")
+            repeated = repeated_at(rt, "GradScaler.unscale_")
             # its tensors: the gradients, bound; its number: the inverse of the scale now
             self._found_inf[id(optimizer)] = repeated(
                 rt, tuple(g._sig for g in grads), grads, set(), run,
-                lambda source: float(torch.tensor(self._scale, dtype=torch.float64)
-                                     .reciprocal().float()))
+                lambda source: self._inverse())
+
+    def _inverse(self) -> float:
+        """1 / scale as torch's unscale computes it (in float64, then to float32)."""
+        return float(torch.tensor(self._scale, dtype=torch.float64).reciprocal().float())
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not self._enabled:

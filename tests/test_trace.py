@@ -135,24 +135,29 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_steps_time_rank0_per_training_step(tmp_path, capsys, monkeypatch):
-    """Steps between the optimizer's updates: as many as the loop made, less one; each issues
-    the same ops; the loss read every step is rank 0's wait, the rest its host time."""
-    monkeypatch.setenv("GTMPI_CAPTURE", "0")  # a captured model issues fewer after its warm-up
-    path = str(tmp_path / "steps.h5")
+def _traced_loop(path: str, steps: int) -> list[dict]:
+    """A small model's training loop, its loss read every step, traced: the trace's steps."""
     model = gtmpi.nn.Sequential(gtmpi.nn.Linear(8, 16), gtmpi.nn.ReLU(), gtmpi.nn.Linear(16, 1))
     opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     gtmpi.synchronize()
     gtmpi.trace.start(path)
-    for _ in range(6):
+    for _ in range(steps):
         loss = gtmpi.nn.functional.mse_loss(model(gtmpi.tensor(x)), gtmpi.tensor(y))
         opt.zero_grad()
         loss.backward()
         opt.step()
         loss.item()
     gtmpi.trace.stop()
-    rows = analysis.step_rows(fileformat.read(path))
+    return analysis.step_rows(fileformat.read(path))
+
+
+def test_steps_time_rank0_per_training_step(tmp_path, capsys, monkeypatch):
+    """Steps between the optimizer's updates: as many as the loop made, less one; each issues
+    the same ops; the loss read every step is rank 0's wait, the rest its host time."""
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")  # a captured model issues fewer after its warm-up
+    path = str(tmp_path / "steps.h5")
+    rows = _traced_loop(path, 6)
     assert len(rows) == 5 and {r["op"] for r in rows} == {"adam_foreach"}
     assert len({r["issued"] for r in rows}) == 1 and rows[0]["issued"] > 10
     for r in rows:
@@ -169,20 +174,7 @@ def test_a_captured_step_is_a_step_of_the_trace(tmp_path, monkeypatch):
     """With GTMPI_CAPTURE=1 the optimizer's step replays (no adam_foreach issued): its replay
     is recorded under the update's name, so every iteration is still a step."""
     monkeypatch.setenv("GTMPI_CAPTURE", "1")
-    path = str(tmp_path / "captured.h5")
-    model = gtmpi.nn.Sequential(gtmpi.nn.Linear(8, 16), gtmpi.nn.ReLU(), gtmpi.nn.Linear(16, 1))
-    opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(4, 8), torch.randn(4, 1)
-    gtmpi.synchronize()
-    gtmpi.trace.start(path)
-    for _ in range(8):
-        loss = gtmpi.nn.functional.mse_loss(model(gtmpi.tensor(x)), gtmpi.tensor(y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        loss.item()
-    gtmpi.trace.stop()
-    rows = analysis.step_rows(fileformat.read(path))
+    rows = _traced_loop(str(tmp_path / "captured.h5"), 8)
     assert len(rows) == 7 and {r["op"] for r in rows} == {"adam_foreach"}
     assert rows[-1]["issued"] < rows[0]["issued"]  # replayed: a few words, not every op
 

@@ -292,8 +292,12 @@ def as_is(value: float, source: Any) -> float:
     return value
 
 
-def repeated_at(rt: Runtime, table: dict[str, Repeated], name: str) -> Repeated:
-    """The Repeated of ``name`` called at the program's line running now, from ``table``."""
+def repeated_at(rt: Runtime, name: str, table: dict[str, Repeated] | None = None
+                ) -> Repeated:
+    """The Repeated of ``name`` called at the program's line running now, from ``table`` (by
+    default the runtime's for ``name``)."""
+    if table is None:
+        table = rt.repeated.setdefault(name, {})
     site = rt.current_site()
     found = table.get(site)
     if found is None:

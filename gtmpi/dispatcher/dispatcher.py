@@ -493,12 +493,12 @@ class Dispatcher:
             else:
                 program.graph = "its sizes follow its call's (a growing argument; " \
                     "GTMPI_SIZED_GRAPHS=1: a graph per size)"
-                self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
-        program.marks = next((name for instructions in rec.per_rank.values()
-                              for name, *_ in instructions if name in STEP_OPS), "replay")
         if knobbed:
             program.graph = "numbers in it change per call (an optimizer's rate)"
+        if isinstance(program.graph, str):
             self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
+        program.marks = next((op for instructions in rec.per_rank.values()
+                              for op, *_ in instructions if op in STEP_OPS), "replay")
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions if sized is None
                                   else sized(instructions)), [rank])

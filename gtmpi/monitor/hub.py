@@ -7,9 +7,9 @@ Peers prove they know the port file's token, after the hub has proved it
   client   (a server's only) a program joining it: handed to the server's loop through
            ``arrivals``, which does the MPI part
   stop     (a server's only) asks the server to shut down
-A peer without the token (or its proof) is told so and dropped; so is one that sends what is not a JSON
-object line, or says nothing for HELLO_S. Nothing a peer sends, and no failure to accept (out
-of file descriptors), ends the hub's thread: it logs and goes on listening.
+A peer without the token (or its proof) is told so and dropped; so is one that sends what
+is not a JSON object line, or says nothing for HELLO_S. Nothing a peer sends, and no failure
+to accept (out of file descriptors), ends the hub's thread: it logs and goes on listening.
 """
 from __future__ import annotations
 

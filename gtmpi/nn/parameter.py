@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from ..autograd import no_grad
-from ..client.runtime import runtime
 from ..client.tensor import Tensor
-from ..signals import tensor as signal_tensor
+from ..signals import as_state
 
 
 class Parameter(Tensor):
@@ -17,13 +16,11 @@ class Parameter(Tensor):
             param.requires_grad = requires_grad
             param._state, param._scope = True, data._scope
             return param
-        book = runtime().signals
         with no_grad():
-            if "parameters" in book.signals and not book.open and not data._scope:
-                # made on a worker (host tensors off, a named GPU): a config's 'parameters'
-                # signal places it as it places a held one at its first use
-                alias = signal_tensor(data, "parameters")
-            else:
+            # made on a worker (host tensors off, a named GPU): a config's 'parameters'
+            # signal places it as it places a held one at its first use
+            alias = None if data._scope else as_state(data)
+            if alias is None:
                 alias = data.detach()
         param = object.__new__(cls)
         Tensor.__init__(param, alias.id, alias._sig)

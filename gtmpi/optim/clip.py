@@ -27,8 +27,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
         return run(as_is)
     # a step's gradients are new tensors each time: bound, never followed
     key = (tuple(g._sig for g in grads), float(max_norm), float(norm_type), eps)
-    repeated = repeated_at(rt, rt.repeated.setdefault("clip_grad_norm_", {}), "clip_grad_norm_")
-    return repeated(rt, key, grads, set(), run)
+    return repeated_at(rt, "clip_grad_norm_")(rt, key, grads, set(), run)
 
 
 def _clip(rt: Runtime, grads: list[Tensor], max_norm: float, norm_type: float, eps: float,

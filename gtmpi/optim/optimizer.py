@@ -57,7 +57,7 @@ class Optimizer:
         if not capture_enabled():  # first: the default's cost is one lookup
             self._step(rt, as_is)
             return
-        repeated = repeated_at(rt, self._repeated, f"{type(self).__name__}.step")
+        repeated = repeated_at(rt, f"{type(self).__name__}.step", self._repeated)
         run = functools.partial(self._step, rt)
         if type(self) not in _CAPTURED:  # what a subclass does besides its instructions
             repeated.as_written("a subclass of gtmpi's optimizers", run)
@@ -90,8 +90,9 @@ class Optimizer:
     def _key(self) -> tuple[Any, list[Tensor], set[int]]:
         """What decides a step's instructions (Repeated's key): per group its constants, per
         parameter which tensor it is, and if it has a gradient, its shape and the state's
-        tensors and counts (relative: every step moves them all); the gradients, which each step binds; the
-        tensors from before the key names. Flat, in one loop: it runs every step."""
+        tensors and counts (relative: every step moves them all); the gradients, which each
+        step binds; the tensors from before the key names. Flat, in one loop: it runs every
+        step."""
         key: list = []
         add = key.append
         grads, followed = [], set()

@@ -74,6 +74,16 @@ def place(x: Any, name: str) -> Any:
     return x
 
 
+def as_state(x: Any) -> Any:
+    """A copy of ``x`` (a tensor already on the workers) placed as a config's 'parameters'
+    signal places a module's state at its first use; None where that signal does not apply
+    (the config has none, or a scope is open)."""
+    book = _book()
+    if "parameters" not in book.signals or book.open:
+        return None
+    return tensor(x, "parameters")
+
+
 def tensor(x: Any, name: str) -> Any:
     """A copy of ``x`` placed by signal ``name`` (autograd flows back to ``x``). Host data
     (torch, numpy, lists) is uploaded straight to where the signal places it: each member its

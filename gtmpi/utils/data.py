@@ -16,9 +16,8 @@ from torch.utils.data import Dataset, Sampler  # noqa: F401  (torch's, under its
 from ..autograd import no_grad
 from ..client.creation import tensor as _tensor
 from ..client.functions import stack
-from ..client.runtime import runtime
 from ..client.tensor import Tensor
-from ..signals import tensor as signal_tensor
+from ..signals import as_state
 
 
 class TensorDataset:
@@ -77,11 +76,11 @@ def _whole(t: Tensor) -> Tensor:
     """A dataset's tensor already on the workers (host tensors off), as a data-parallel config
     places the model: whole on every worker, so that each takes its rows of a batch (whose
     indices are split as any upload) without gathering the dataset for every batch."""
-    book = runtime().signals
-    if t._host is not None or "parameters" not in book.signals or book.open:
+    if t._host is not None:
         return t
     with no_grad():
-        return signal_tensor(t, "parameters")
+        whole = as_state(t)
+    return t if whole is None else whole
 
 
 def _rows(t: Tensor, index: Any) -> Tensor:
