@@ -606,6 +606,8 @@ class Dispatcher:
             mode = {"0": "plain", "emulate": "emulate"}.get(graphs, "capture")
             if mode == "plain":
                 self._graph_note(program, state, "GTMPI_CUDA_GRAPHS=0")
+            elif compile_mode():
+                mode = f"{mode}:{compile_mode()}"
         if state is not None:
             state.replays += 1
         for rank in program.ranks:  # every member of its collectives gets it at once
@@ -619,16 +621,17 @@ class Dispatcher:
                 self.log.received(word, rank)
             self.flush(rank)
         self.end_round()
-        if mode in ("capture", "emulate"):
+        if mode.startswith(("capture", "emulate")):
             self._commit(program, state)
 
     def _commit(self, program: Program, state: Graphing) -> None:
         """Every worker of a program being captured says whether it could; all launch their
         graphs, or none does (a collective captured by some members only would never run)."""
         start = _clock()
-        refusals = {rank: self.links[rank].wait_reply(Tag.GRAPH, self.watchdog)
-                    for rank in program.ranks}
-        refused = {rank: why for rank, why in refusals.items() if why is not None}
+        replies = {rank: self.links[rank].wait_reply(Tag.GRAPH, self.watchdog)
+                   for rank in program.ranks}
+        refused = {rank: why for rank, (why, _) in replies.items() if why is not None}
+        compiled = sorted({note for _, note in replies.values() if note is not None})
         # straight behind the replay word: a free routed between them could take an input
         # the capture binds
         for rank in program.ranks:
@@ -636,22 +639,26 @@ class Dispatcher:
             self.flush(rank)
         self.end_round()
         note = "; ".join(f"worker rank {rank}: {why}" for rank, why in sorted(refused.items()))
-        self._graph_note(program, state, note or None)
+        self._graph_note(program, state, note or None, "; ".join(compiled))
         if self.trace is not None:
             self.trace.event(Kind.REPLAY, Lane.DISPATCHER, start, _clock(), "capture",
                              program.key, count=len(program.ranks),
                              detail=f"{program.name}: " + (f"no CUDA graph ({note})" if note
-                                                           else "captured"))
+                                                           else "captured") +
+                             "".join(f"; {c}" for c in compiled))
 
-    def _graph_note(self, program: Program, state: Graphing, refused: str | None) -> None:
+    def _graph_note(self, program: Program, state: Graphing, refused: str | None,
+                    compiled: str = "") -> None:
         state.captures += 1
         if refused is not None and refused.endswith(GRAPH_LATER) and state.captures < CAPTURES_MAX:
             return  # tried again at its next replay
         state.graph = True if refused is None else refused
         ranks = ", ".join(map(str, program.ranks))
         if program.sizes is None:
-            self.graph_notes[program.name] = f"a CUDA graph on worker(s) {ranks}" if \
-                refused is None else f"replayed op by op, no CUDA graph: {refused}"
+            self.graph_notes[program.name] = (f"a CUDA graph on worker(s) {ranks}" if
+                                              refused is None else
+                                              f"replayed op by op, no CUDA graph: {refused}") + \
+                (f" ({compiled})" if compiled else "")
             return
         graphed = sum(s.graph is True for s in program.sizes.values())
         self.graph_notes[program.name] = (
@@ -736,3 +743,13 @@ def _reads(ins: tuple, ids: set[int]) -> bool:
             return True
         i += 1
     return False
+
+
+def compile_mode() -> str:
+    """What a capture asks its workers to compile with (GTMPI_COMPILE; worker/compiled.py):
+    '' (0, the default), 'inductor' (1) or 'fx' (the traced graph run as it is)."""
+    value = os.environ.get("GTMPI_COMPILE", "0")
+    modes = {"0": "", "1": "inductor", "inductor": "inductor", "fx": "fx"}
+    if value not in modes:
+        raise ValueError(f"GTMPI_COMPILE={value!r}: one of 0, 1, fx")
+    return modes[value]

@@ -498,6 +498,38 @@ class Graph:
             return (self.finish(grads[0]),)
 
 
+class Redo(Graph):
+    """A fused op's record under compiled replay (worker/compiled.py): its operands alone. Its
+    backward runs the op again under torch's autograd, which a compiled program traces with
+    the rest of the backward (a torch record holds its saved tensors in autograd nodes that no
+    trace can read), so Inductor fuses the recomputation into the backward's kernels."""
+
+    __slots__ = ("fn", "args", "kw", "grads")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], args: tuple, kw: dict,
+                 grads: tuple[int, ...]) -> None:
+        self.fn, self.args, self.kw, self.grads = fn, tuple(args), kw, tuple(grads)
+        self.output, self.finish, self.slots = None, None, None
+        self.leaves = [a for a in self.args if isinstance(a, torch.Tensor)]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "Redo":
+        """The same record over other tensors, in the order of ``leaves``."""
+        it = iter(tensors)
+        return Redo(self.fn, tuple(next(it) if isinstance(a, torch.Tensor) else a
+                                   for a in self.args), self.kw, self.grads)
+
+    def backward(self, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(self.args)
+        with torch.enable_grad():
+            for i in self.grads:
+                leaves[i] = leaves[i].detach().requires_grad_()
+            out = self.fn(*leaves, **self.kw)
+            got = torch.autograd.grad(out, [leaves[i] for i in self.grads], grad,
+                                      allow_unused=True)
+        return tuple(torch.zeros_like(self.args[i]) if g is None else g.detach()
+                     for g, i in zip(got, self.grads))
+
+
 def _recorded(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple]:
     """The kernel of a FUSED row: ``fn`` on the operands, recorded by torch's autograd for the
     operands at positions ``grads`` (none: nothing is recorded, the Graph is None)."""

@@ -67,7 +67,7 @@ class Executor(Programs, Control, Quota):
         self.stats = {"ops": 0, "control": 0, "batches": 0, "faults": 0, "skipped": 0,
                       "bytes_received": 0, "bytes_sent": 0, "graph_launches": 0,
                       "graphed_ops": 0, "graph_fallbacks": 0, "graph_input_bytes": 0, "graph_copies": 0,
-                      "graph_fallback_reasons": {},
+                      "graph_fallback_reasons": {}, "compiles": 0, "compile_refusals": 0,
                       "exec_ns": 0, "wait_ns": 0}
         # exec_ns: host time in batches; wait_ns: the part of it in reads and syncs, which wait
         # for the device; graph_input_bytes: the buffers graphs copy their inputs into;

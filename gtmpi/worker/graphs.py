@@ -359,7 +359,7 @@ def saved_storages(record: Graph) -> dict[int, torch.UntypedStorage]:
 
     note(record.output)
     note(record.leaves)
-    todo, seen = [record.output.grad_fn], set()
+    todo, seen = [None if record.output is None else record.output.grad_fn], set()
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or hasattr(node, "variable"):  # a leaf's

@@ -11,7 +11,7 @@ from ..ops.table import Graph, Knob, derive_seed
 from ..recording import events
 from ..transport import wire
 from ..transport.tags import GRAPH_LATER, Tag
-from . import graphs
+from . import compiled as compiling, graphs
 
 _ABSENT = object()
 
@@ -47,8 +47,10 @@ class Programs:
         backend (tests); 'graph', launch the graph. A sixth item, the call's growing size,
         gives its sizes (ops/table.py: Dim); each size is a graph of its own. A seventh, the
         values of its Knobs (an optimizer's rate), by their index; such a program runs op by
-        op."""
+        op. A capture's mode may name a compile mode after a colon ('capture:inductor',
+        worker/compiled.py): the graph captured is of the compiled program."""
         key, binds, renames, mode, seeds = args[:5]
+        mode, _, compile_mode = mode.partition(":")
         size = args[5] if len(args) > 5 else None
         knobs = args[6] if len(args) > 6 else None
         if self.profiler is not None:
@@ -59,12 +61,14 @@ class Programs:
             if self._launch(graph, binds, renames, seeds) is not None:
                 self._run_program(self._instructions(key, seeds, size), binds, renames)
         elif mode == "emulate":
-            self._try_capture(key, size, binds, renames, seeds, graphs.EmulatedBackend())
+            self._try_capture(key, size, binds, renames, seeds, graphs.EmulatedBackend(),
+                              compile_mode)
         elif mode == "capture":
             if self._cuda_backend is None:
                 alone = self.plane is None or self.plane.workers == 1
                 self._cuda_backend = graphs.cuda_backend(self.device, shared=alone)
-            self._try_capture(key, size, binds, renames, seeds, self._cuda_backend)
+            self._try_capture(key, size, binds, renames, seeds, self._cuda_backend,
+                              compile_mode)
         else:
             self._run_program(self._instructions(key, seeds, size, knobs), binds, renames)
         if self.device.type == "cuda" and mode != "capture":
@@ -115,20 +119,43 @@ class Programs:
                     table[recorded] = value
 
     def _try_capture(self, key: int, size: int | None, binds: tuple, renames: tuple, seeds,
-                     backend) -> None:
+                     backend, compile_mode: str) -> None:
         """Capture a program as a graph (nothing runs yet) and tell rank 0 whether it worked
-        (None) or why not; the capture waits for the dispatcher's commit."""
+        (None) or why not, and how its compiling went (a note, or None); the capture waits
+        for the dispatcher's commit."""
         captured, why = None, backend if isinstance(backend, str) else None
+        notes: list[str] = []
         if why is None:
             try:
-                captured = self._capture_graph(key, size, binds, renames, backend)
+                captured = self._capture_graph(key, size, binds, renames, backend,
+                                               compile_mode, notes)
             except Exception as e:  # what cannot be captured: a host sync, a data-dependent shape
-                why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                why = _why(e)
         self._capture = (key, size, binds, renames, seeds, captured)
-        self.link.reply(Tag.GRAPH, why)
+        self.link.reply(Tag.GRAPH, (why, notes[0] if notes else None))
+
+    def _compiled(self, key: int, program: list[tuple], values: dict, mode: str,
+                  notes: list[str]) -> compiling.Compiled | None:
+        """``program`` compiled (worker/compiled.py) for the inputs ``values``, or None with
+        the reason in ``notes``; the time it took in the trace."""
+        start = self.now()
+        try:
+            done = compiling.compile_program(program, list(values), values, mode, self.device)
+        except Exception as e:  # refused, or what the trace or Inductor raised
+            done = None
+            notes.append(f"not compiled: {_why(e)}")
+        else:
+            notes.append(done.note())
+        self.stats["compiles" if done else "compile_refusals"] += 1
+        if self.trace is not None:
+            self.trace.event(events.Kind.REPLAY, events.Lane.WORKER, start, self.now(),
+                             "compile", key, count=len(program), detail=notes[-1])
+        return done
 
     def _capture_graph(self, key: int, size: int | None, binds: tuple, renames: tuple,
-                       backend: graphs.CudaBackend | graphs.EmulatedBackend) -> graphs.Captured:
+                       backend: graphs.CudaBackend | graphs.EmulatedBackend,
+                       compile_mode: str = "", notes: list[str] | None = None
+                       ) -> graphs.Captured:
         program = self.programs[key] if size is None else \
             graphs.with_sizes(self.programs[key], self.sized[key], size)
         program = [ins for ins in program if ins[0] not in graphs.HOST_WORDS]
@@ -159,15 +186,23 @@ class Programs:
             elif not same:
                 self.stats["graph_input_bytes"] += inputs[recorded].nbytes
         saved = self._saved(inputs)
+        compiled = None
+        if compile_mode:
+            values = {**inputs, **{tid: env[tid] for tid in reads}}
+            compiled = self._compiled(key, program, values, compile_mode,
+                                      notes if notes is not None else [])
 
         def execute(instructions: list[tuple]) -> None:
             env.update(inputs)
             try:
                 if backend.emulated:  # as a graph's end joins them, every collective is waited
-                    self._execute(instructions)
+                    if compiled is None:
+                        self._execute(instructions)
+                    else:
+                        compiled.run(env)
                     self._settle_all()
                 else:
-                    self._captured(instructions)
+                    self._captured(instructions, compiled)
             finally:
                 self._restore(saved)
 
@@ -198,13 +233,16 @@ class Programs:
                                len(program), graphs.written_inputs(program, set(inputs)),
                                frozenset(shared))
 
-    def _captured(self, program: list[tuple]) -> None:
-        """The program's instructions inside a capture: no GPU timing events, and every
-        collective and send joined back before the capture ends."""
+    def _captured(self, program: list[tuple], compiled: compiling.Compiled | None) -> None:
+        """The program's instructions (or the program compiled) inside a capture: no GPU
+        timing events, and every collective and send joined back before the capture ends."""
         gpu_every, self._gpu_every = self._gpu_every, 0
         self._plane_capture(True)
         try:
-            self._execute(program)
+            if compiled is None:
+                self._execute(program)
+            else:
+                compiled.run(self.env)
             self._settle_all()
         finally:
             self._plane_capture(False)
@@ -330,3 +368,7 @@ class Programs:
             for table in tables:
                 if a in table:
                     table[b] = table[a] if keep else table.pop(a)
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]

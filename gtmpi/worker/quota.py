@@ -42,7 +42,7 @@ class Quota:
         held = []
         for t in list(self.env.values()):  # one step under the GIL: a monitor reads it too
             if isinstance(t, Graph):
-                held += [t.output, *t.leaves]
+                held += [t.output, *t.leaves] if t.output is not None else t.leaves
             elif t is not None:
                 held.append(t)
         # meta tensors (a dry run) all have address 0: told apart by their storage object
