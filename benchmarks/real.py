@@ -41,6 +41,8 @@ The runs:
                the same with GTMPI_AUTO_REPLAY=0 (repeated runs not replayed: no CUDA graphs)
   embedded-captured, mpiexec-captured
                the same with GTMPI_CAPTURE=1 (the model's calls captured: nn/capture.py)
+  embedded-compiled, mpiexec-compiled
+               captured, and the captured programs compiled by Inductor (GTMPI_COMPILE=1)
   torch-compiled  the original with --compile=True (the default runs are eager)
   ddp          torchrun --nproc-per-node N train.py (the original's own DDP), N GPUs, batch
                --batch per GPU (gradient_accumulation_steps N: one micro-step each)
@@ -282,7 +284,8 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
     if "torch-compiled" in runs:
         out.append(one("torch compiled", [py, "run.py", *args_, "--compile=True"], dirs["torch"],
                        env))
-    variants = {"": {}, "-eager": {"GTMPI_AUTO_REPLAY": "0"}, "-captured": {"GTMPI_CAPTURE": "1"}}
+    variants = {"": {}, "-eager": {"GTMPI_AUTO_REPLAY": "0"}, "-captured": {"GTMPI_CAPTURE": "1"},
+                "-compiled": {"GTMPI_CAPTURE": "1", "GTMPI_COMPILE": "1"}}
     for variant, extra in variants.items():
         genv = {**env, **extra}
         if "embedded" + variant in runs:

@@ -111,6 +111,9 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
     if mode == "inductor":
         from torch._inductor import compile as inductor
         run = inductor(traced, flat)
+        if device.type == "cuda":  # its first call loads its kernels, which a capture cannot
+            run(*[t.clone() for t in flat])
+            torch.cuda.synchronize(device)
     else:
         run = traced
     return Compiled(run, layouts, made["outputs"], made["freed"],
