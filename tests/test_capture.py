@@ -37,10 +37,10 @@ def _gpt(dropout: float = 0.0):
     ref = build(torch)(c)
     model = build(gtmpi)(c)
     model.load_state_dict(ref.state_dict())
-    if dropout:
-        for m in model.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = dropout
+    if dropout:  # after each block (the example's GPT has no dropout of its own)
+        for block in model.blocks:
+            block.drop = nn.Dropout(dropout)
+            block.register_forward_hook(lambda m, args, out: m.drop(out))
     return c, model
 
 

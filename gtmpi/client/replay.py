@@ -542,6 +542,10 @@ class _Walk:
             fn = value.fn if isinstance(value, Replayable) else value
             if depth:
                 self.note(path, fn.__code__)  # a name rebound to another function
+            if (fn.__module__ or "").startswith("gtmpi."):
+                # gtmpi's own function: what it reads by name is the session's state (the
+                # random draws so far, made anew each call), none of the program's
+                return
             names = fn.__globals__
             for name in _global_names(fn.__code__):
                 found = names.get(name, _ABSENT)
