@@ -311,3 +311,21 @@ def test_a_replays_bound_input_is_not_kept_by_its_gpu_event():
             ("replay", None, (7, ((1, 10),), ((20, 2),), "plain", None), 0, None)])
     assert torch.equal(ex.env[2], -torch.zeros(4)) and 10 not in ex.env
     assert set(ex.ready) == {1}
+
+
+@pytest.mark.parametrize("capture", ["0", "1"])
+def test_models_trained_one_after_another_get_the_numbers_of_the_first(monkeypatch, capture):
+    """Each new model's optimizer state comes out of the graph of its lazy zeros, the same
+    tensor objects every time: what AdamW notes on them (their step counts) must not follow
+    them into the next model's state (it did: the fifth model's first update used the fourth's
+    last bias corrections)."""
+    from test_capture import _loop
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", GRAPHS)
+    first = None
+    for _ in range(5):
+        losses, weights, _, _ = _loop(capture, monkeypatch,
+                                      lambda p: gtmpi.optim.AdamW(p, lr=1e-2), 5)
+        first = first or (losses, weights)
+        assert losses == first[0]
+        for key, w in first[1].items():
+            assert torch.equal(weights[key], w), key

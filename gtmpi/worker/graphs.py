@@ -224,22 +224,28 @@ class Captured:
     def copy_out(self, env: dict[int, Any]) -> list[int]:
         """Before a launch: what still holds the last launch's outputs (the ids they were handed
         out under, or views made of them since) gets copies, since the launch rewrites them.
-        Returns the ids copied."""
+        Returns the ids copied. A copy keeps what a kernel noted on the tensor object (an
+        exp_avg's step count, ops/table.py _adam_foreach); the static output handed out next is
+        a new tensor to its taker and notes nothing (a second model's optimizer state took the
+        first's step count with it, and its bias corrections were wrong)."""
         statics = {id(t) for t in self.outputs.values() if isinstance(t, torch.Tensor)}
         copied = []
         for tid in self.handed:
             t = env.get(tid)
             if t is not None and id(t) in statics:
-                env[tid] = t.clone()
+                env[tid] = _copy(t)
                 copied.append(tid)
         self.handed = []
+        for t in self.outputs.values():
+            if isinstance(t, torch.Tensor) and t.__dict__:
+                t.__dict__.clear()
         grown = {ptr for ptr, t in self._storages.items() if _uses(t) > self._uses[ptr]}
         if not grown:
             return copied
         for tid, t in list(env.items()):
             if isinstance(t, torch.Tensor) and id(t) not in statics and \
                     t.untyped_storage().data_ptr() in grown:
-                env[tid] = t.clone()
+                env[tid] = _copy(t)
                 copied.append(tid)
         return copied
 
@@ -342,6 +348,14 @@ class Kept:
     def clear(self) -> None:
         self.by_key.clear()
         self._made.clear()
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A clone that keeps what kernels noted on the tensor object."""
+    c = t.clone()
+    if t.__dict__:
+        c.__dict__.update(t.__dict__)
+    return c
 
 
 def saved_storages(record: Graph) -> dict[int, torch.UntypedStorage]:

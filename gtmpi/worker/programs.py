@@ -343,6 +343,12 @@ class Programs:
         made = {recorded: env.pop(recorded) for recorded in outputs if recorded in env}
         if fault is None:
             statics = captured.outputs
+            for recorded, value in made.items():
+                if recorded in statics and not isinstance(value, torch.Tensor):
+                    # the stand-in's record, made afresh: the one whose holding keeps the
+                    # next launch from rewriting what it saved (Captured.holds_record), as a
+                    # graph's one record does
+                    statics[recorded] = value
             env.update((new, made.get(recorded, statics.get(recorded))) for recorded, new in
                        renames if recorded in made or recorded in statics)
             captured.handed = [new for _, new in renames]
