@@ -499,26 +499,34 @@ class Graph:
 
 
 class Redo(Graph):
-    """A fused op's record under compiled replay (worker/compiled.py): its operands alone. Its
-    backward runs the op again under torch's autograd, which a compiled program traces with
-    the rest of the backward (a torch record holds its saved tensors in autograd nodes that no
-    trace can read), so Inductor fuses the recomputation into the backward's kernels."""
+    """A fused op's record under compiled replay (worker/compiled.py): its operands, and where
+    the op has a form that keeps what its backward kernel reads (SAVED_FORMS: attention's
+    log-sum-exp, as torch's own record keeps), those tensors. Without one, its backward runs
+    the op again under torch's autograd. Either way a compiled program traces it with the rest
+    of the backward (a torch record holds its saved tensors in autograd nodes no trace can
+    read), so Inductor fuses the recomputation (a layer norm's statistics, a loss's softmax)
+    into the backward's kernels."""
 
-    __slots__ = ("fn", "args", "kw", "grads")
+    __slots__ = ("fn", "args", "kw", "grads", "saved", "back")
 
     def __init__(self, fn: Callable[..., torch.Tensor], args: tuple, kw: dict,
-                 grads: tuple[int, ...]) -> None:
+                 grads: tuple[int, ...], saved: tuple = (),
+                 back: Callable[..., tuple] | None = None) -> None:
         self.fn, self.args, self.kw, self.grads = fn, tuple(args), kw, tuple(grads)
+        self.saved, self.back = tuple(saved), back
         self.output, self.finish, self.slots = None, None, None
-        self.leaves = [a for a in self.args if isinstance(a, torch.Tensor)]
+        self.leaves = [a for a in self.args + self.saved if isinstance(a, torch.Tensor)]
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> "Redo":
         """The same record over other tensors, in the order of ``leaves``."""
         it = iter(tensors)
-        return Redo(self.fn, tuple(next(it) if isinstance(a, torch.Tensor) else a
-                                   for a in self.args), self.kw, self.grads)
+        args, saved = (tuple(next(it) if isinstance(a, torch.Tensor) else a for a in part)
+                       for part in (self.args, self.saved))
+        return Redo(self.fn, args, self.kw, self.grads, saved, self.back)
 
     def backward(self, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.back is not None:
+            return self.back(grad, self.args, self.saved, self.grads)
         leaves = list(self.args)
         with torch.enable_grad():
             for i in self.grads:
@@ -825,6 +833,44 @@ FUSED_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "linear_cross_entropy": _linear_cross_entropy,
 }
 _KERNELS = {"cross_entropy": _cross_entropy_recorded}
+
+
+def _attention_saving(q, k, v, mask, dropout_p, is_causal, scale, seed=None):
+    """Attention under compiled replay: (its result, what its backward kernel reads) from the
+    flash kernel eager sdpa runs for the case, or None where another kernel would (a mask,
+    dropout, heads shared, a float32 GPU): its Redo then recomputes it."""
+    if mask is not None or dropout_p or seed is not None or q.dim() != 4 or \
+            not q.shape[1] == k.shape[1] == v.shape[1] or \
+            not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return None
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, scale=scale)
+        return out, (out, lse)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        made = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal,
+                                                                  scale=scale)
+        return made[0], tuple(made[:8])
+    return None
+
+
+def _attention_saved_backward(g, args: tuple, saved: tuple, grads: tuple) -> tuple:
+    q, k, v, _, _, is_causal, scale = args[:7]
+    if q.device.type == "cpu":
+        out, lse = saved
+        got = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+    else:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
+        got = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset,
+            scale=scale)
+    return tuple(got[i] for i in grads)
+
+
+# fused rows with a form for compiled replay that keeps what their backward kernel reads:
+# NAME -> (forward: (result, saved) or None, backward(g, operands, saved, grads))
+SAVED_FORMS = {"scaled_dot_product_attention": (_attention_saving, _attention_saved_backward)}
 _FUSED_INDICES = {
     # the vocabulary-parallel embedding keeps each member's indices inside its rows itself
     "embedding": lambda a, kw: [] if kw.get("offset") is not None else [IndexArg(0, a[1].shape[0])],

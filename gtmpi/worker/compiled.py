@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..ops.table import FUSED_FNS, OPS, Graph, Kind, Redo, _cross_entropy
+from ..ops.table import FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, _cross_entropy
 from . import graphs
 
 # the plain function of a fused row whose kernel is not _recorded's (cross-entropy's own record)
@@ -139,10 +139,7 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
             if op.kind is Kind.CREATE:
                 kw = {**(kw or {}), "device": device}
             if name in _FNS and kw and kw.get("grads"):
-                fn = _FNS[name]
-                rest = {k: v for k, v in kw.items() if k != "grads"}
-                with torch.no_grad():
-                    res = (fn(*args, **rest), Redo(fn, tuple(args), rest, kw["grads"]))
+                res = _redone(name, args, kw)
             else:
                 res = op.kernel(*args, **kw) if kw else op.kernel(*args)
             if type(out) is int:
@@ -158,6 +155,18 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
         made["freed"] = [tid for tid in given if tid not in env]
         return tensors
     return run
+
+
+def _redone(name: str, args: list, kw: dict) -> tuple[Any, Redo]:
+    """A fused op with gradients: its result and its Redo record (ops/table.py)."""
+    fn, grads = _FNS[name], kw["grads"]
+    rest = {k: v for k, v in kw.items() if k != "grads"}
+    forms = SAVED_FORMS.get(name)
+    with torch.no_grad():
+        made = forms[0](*args, **rest) if forms else None
+        if made is not None:
+            return made[0], Redo(fn, tuple(args), rest, grads, made[1], forms[1])
+        return fn(*args, **rest), Redo(fn, tuple(args), rest, grads)
 
 
 _TENSOR, _NONE = "tensor", "none"
