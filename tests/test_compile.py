@@ -58,14 +58,38 @@ def test_a_compiled_training_step_gives_eager_replays_numbers_bit_for_bit(monkey
     assert "backward: a CUDA graph on worker(s) 1 (compiled by its traced graph" in notes, notes
 
 
-def test_a_program_that_draws_random_numbers_is_replayed_uncompiled_and_says_why(monkeypatch):
+def test_dropout_compiled_draws_the_same_masks_run_after_run(monkeypatch):
+    """Dropout's masks in a compiled program come from a counted hash of each op's seed (not
+    torch's generator): the same seeds, the same losses; kept at the rate asked."""
     monkeypatch.setenv("GTMPI_COMPILE", "fx")
     before = _compiles()
-    _loop("1", monkeypatch, _adamw, 5, dropout=0.1)
+    first, _, _, _ = _loop("1", monkeypatch, _adamw, 6, dropout=0.5)
+    again, _, _, _ = _loop("1", monkeypatch, _adamw, 6, dropout=0.5)
     compiled, refused = (a - b for a, b in zip(_compiles(), before))
-    notes = _explained()
-    assert refused >= 1, notes
-    assert "not compiled: RuntimeError: it draws random numbers" in notes, notes
+    assert refused == 0 and compiled >= 2, _explained()
+    assert first == again
+    plain, _, _, _ = _loop("1", monkeypatch, _adamw, 6)
+    assert first[2:] != plain[2:]  # the replayed steps dropped something
+    from gtmpi.worker import compiled as compiling
+    kept = compiling._COUNTED["dropout_mask"]((1000, 1000), 0.3, torch.tensor(12345), "cpu")
+    assert abs(kept.float().mean().item() - 0.7) < 0.002
+
+
+def test_a_program_drawing_what_cannot_be_counted_is_replayed_uncompiled_and_says_why(
+        monkeypatch):
+    monkeypatch.setenv("GTMPI_COMPILE", "fx")
+    x = gtmpi.tensor(torch.ones(4, 4))
+
+    @gtmpi.replayable
+    def noisy(x):
+        return x + gtmpi.randn(4, 4)
+
+    before = _compiles()
+    for _ in range(4):
+        noisy(x)
+    compiled, refused = (a - b for a, b in zip(_compiles(), before))
+    assert (compiled, refused) == (0, 1)
+    assert "not compiled: RuntimeError: it draws random numbers by randn" in _explained()
 
 
 def _case(fn, names: str, calls: int) -> tuple[list, list]:

@@ -17,9 +17,15 @@ The trace (make_fx over fake tensors: nothing runs, nothing is written):
            graph, which Inductor functionalizes and copies back to the inputs at the end
   outputs  what the program leaves that eager replay would leave: each tensor it makes and
            does not free, and the operands of the records it makes
-Refused with the reason, and replayed as today: control words but frees, collectives, random
-ops, kernels that talk to other workers, a read of an autograd record of an uncompiled program,
-and whatever the trace or Inductor raises.
+  random   dropout's mask and rand draw from a counter-based hash of their seed and each
+           element's index (splitmix64), traced as integer arithmetic that Inductor fuses into
+           their users; each op's seed is an input of the program, a buffer set before each
+           launch to the seed it gets as written (ops/table.py derive_seed): the same seed
+           draws the same numbers run after run, not torch's numbers
+Refused with the reason, and replayed as today: control words but frees, collectives, other
+random ops (randn, randint, multinomial, attention's dropout), kernels that talk to other
+workers, a read of an autograd record of an uncompiled program, and whatever the trace or
+Inductor raises.
 
 Modes (GTMPI_COMPILE, read on rank 0 and sent with each capture): 0 (the default: off), 1
 (Inductor), fx (the traced graph run as it is: the translation checked against eager replay on
@@ -28,12 +34,14 @@ CPU workers, tests/test_compile.py). Inductor keeps what it compiled in its cach
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Iterator
 
 import torch
 
-from ..ops.table import FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, _cross_entropy
+from ..ops.table import (FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, Seed, _cross_entropy,
+                         derive_seed)
 from . import graphs
 
 # the plain function of a fused row whose kernel is not _recorded's (cross-entropy's own record)
@@ -43,8 +51,9 @@ _ACROSS = ("group", "plane", "offset")  # keywords of kernels that split work ov
 
 def refusal(program: list[tuple]) -> str | None:
     """Why ``program`` cannot be compiled, from its instructions alone, or None."""
-    if graphs.seeded(program):
-        return "it draws random numbers"
+    for i, _, _ in graphs.seeded(program):
+        if program[i][0] not in _COUNTED:
+            return f"it draws random numbers by {program[i][0]}"
     for name, _, _, _, kw in program:
         op = OPS.get(name)
         if op is None:
@@ -62,18 +71,28 @@ class Compiled:
 
     def __init__(self, fn: Callable[..., Any], inputs: list[tuple[int, Any]],
                  outputs: list[tuple[int, Any]], freed: list[int], seconds: float,
-                 mode: str) -> None:
+                 mode: str, seeds: list[tuple[int, torch.Tensor]]) -> None:
         self.fn = fn
         self.inputs = inputs  # (id, layout): what each input is (_flat)
+        self.seeds = seeds  # each random op's (offset among the call's, its seed's buffer)
         self.outputs = outputs  # (id, layout) of what it leaves
         self.freed = freed  # inputs the program frees
         self.seconds = seconds  # tracing and compiling
         self.mode = mode
 
+    def seed(self, seeds: tuple[int, int] | None) -> None:
+        """Before a launch: each random op's seed as written, from (session seed, count
+        before the call)."""
+        if self.seeds and seeds is not None:
+            session, base = seeds
+            for offset, buffer in self.seeds:
+                buffer.fill_(derive_seed(session, base + offset))
+
     def run(self, env: dict[int, Any]) -> None:
         flat: list[torch.Tensor] = []
         for tid, _ in self.inputs:
             _flat(env[tid], flat)
+        flat += [buffer for _, buffer in self.seeds]
         results = iter(self.fn(*flat))
         for tid, layout in self.outputs:
             env[tid] = _unflat(layout, results)
@@ -104,8 +123,11 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
     flat: list[torch.Tensor] = []
     for tid in inputs:
         _flat(env[tid], flat)
+    seeds = [(program[i][2][j].offset, torch.zeros((), dtype=torch.int64, device=device))
+             for i, at, _ in graphs.seeded(program) for j in at]
+    flat += [buffer for _, buffer in seeds]
     made: dict[str, Any] = {}
-    fn = _function(program, layouts, made, device)
+    fn = _function(program, layouts, made, device, len(seeds))
     from torch.fx.experimental.proxy_tensor import make_fx
     traced = make_fx(fn, tracing_mode="fake")(*flat)
     if mode == "inductor":
@@ -117,15 +139,17 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
     else:
         run = traced
     return Compiled(run, layouts, made["outputs"], made["freed"],
-                    time.perf_counter() - start, mode)
+                    time.perf_counter() - start, mode, seeds)
 
 
 def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[str, Any],
-              device: torch.device) -> Callable[..., list[torch.Tensor]]:
-    """The program as a function of its flat inputs, returning its flat outputs; what the
-    outputs are (their ids and layouts) and which inputs it frees go into ``made``."""
+              device: torch.device, seeded: int) -> Callable[..., list[torch.Tensor]]:
+    """The program as a function of its flat inputs (the last ``seeded`` its random ops'
+    seeds, in order), returning its flat outputs; what the outputs are (their ids and
+    layouts) and which inputs it frees go into ``made``."""
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
-        it = iter(flat)
+        it = iter(flat[:len(flat) - seeded])
+        seeds = iter(flat[len(flat) - seeded:])
         env = {tid: _unflat(layout, it) for tid, layout in layouts}
         given = dict(env)
         for name, out, args, tmask, kw in program:
@@ -138,7 +162,10 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
                 args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
             if op.kind is Kind.CREATE:
                 kw = {**(kw or {}), "device": device}
-            if name in _FNS and kw and kw.get("grads"):
+            if name in _COUNTED:
+                args = [next(seeds) if type(a) is Seed else a for a in args]
+                res = _COUNTED[name](*args, **kw)
+            elif name in _FNS and kw and kw.get("grads"):
                 res = _redone(name, args, kw)
             else:
                 res = op.kernel(*args, **kw) if kw else op.kernel(*args)
@@ -167,6 +194,34 @@ def _redone(name: str, args: list, kw: dict) -> tuple[Any, Redo]:
         if made is not None:
             return made[0], Redo(fn, tuple(args), rest, grads, made[1], forms[1])
         return fn(*args, **rest), Redo(fn, tuple(args), rest, grads)
+
+
+# splitmix64's constants as int64 (torch's integers are signed; products wrap)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                 0x94D049BB133111EB))
+
+
+def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z >> bits as unsigned (torch shifts int64 arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _uniform(shape: tuple, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """float32 numbers in [0, 1), one per element of ``shape``, from splitmix64 of the seed
+    and the element's index: elementwise integer arithmetic, fused by Inductor."""
+    z = torch.arange(math.prod(shape), dtype=torch.int64, device=device) * _GOLDEN + seed
+    z = (z ^ _shifted(z, 30)) * _MIX1
+    z = (z ^ _shifted(z, 27)) * _MIX2
+    z = z ^ _shifted(z, 31)
+    return (_shifted(z, 40).to(torch.float32) * 2.0 ** -24).view(shape)
+
+
+# the random ops a compiled program draws by counting: the kernels of their table rows with a
+# seed tensor in place of the seed
+_COUNTED = {
+    "dropout_mask": lambda shape, p, seed, device: _uniform(shape, seed, device) >= p,
+    "rand": lambda shape, dtype, seed, device: _uniform(shape, seed, device).to(dtype),
+}
 
 
 _TENSOR, _NONE = "tensor", "none"

@@ -176,8 +176,10 @@ class Captured:
 
     def __init__(self, handle: Any, inputs: dict[int, Any], reads: list[tuple[int, Any]],
                  comm: dict[str, tuple[int, int]], size: int,
-                 written: frozenset[int] = frozenset(), shared: frozenset[int] = frozenset()) -> None:
+                 written: frozenset[int] = frozenset(), shared: frozenset[int] = frozenset(),
+                 compiled: Any = None) -> None:
         self.handle = handle  # _Graph or _Emulated
+        self.compiled = compiled  # the program compiled (worker/compiled.py), or None
         self.inputs = inputs  # recorded id -> the static buffer each call is copied into,
         # or the object captured, for what is not a tensor
         self.written = written  # recorded ids of inputs it writes in place: copied back

@@ -231,7 +231,7 @@ class Programs:
         self._count_as(counts)  # captured, not run: each launch counts them
         return graphs.Captured(handle, inputs, [(tid, env[tid]) for tid in reads], comm,
                                len(program), graphs.written_inputs(program, set(inputs)),
-                               frozenset(shared))
+                               frozenset(shared), compiled)
 
     def _captured(self, program: list[tuple], compiled: compiling.Compiled | None) -> None:
         """The program's instructions (or the program compiled) inside a capture: no GPU
@@ -324,6 +324,8 @@ class Programs:
                 fault = poison.get(tid) or Fault(tid, "replay", self.rank,
                                                  f"tensor {tid} is not the one captured")
         captured.handle.seed(seeds)
+        if captured.compiled is not None:
+            captured.compiled.seed(seeds)
         captured.handle.replay(env, outputs)
         for storage, saved in aside:
             storage.copy_(saved)
