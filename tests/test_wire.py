@@ -95,3 +95,48 @@ def test_random_and_mutated_bytes_are_values_or_refused():
         except wire.Refused:
             refused += 1
     assert refused > 10_000
+
+
+def test_what_a_server_replies_comes_back_as_it_went():
+    from gtmpi.errors import Fault
+    from gtmpi.recording.events import EVENT_DTYPE
+    events = np.zeros(3, EVENT_DTYPE)
+    events["t0"], events["name"] = [5, 6, 7], [0, 1, -1]
+    fault = Fault(12, "add", 2, "RuntimeError: shapes", "add_")
+    back = wire.loads(wire.dumps({"events": events, "names": ["a", "b"], "fault": fault,
+                                  "error": KeyError("k"), "graph": (None, "compiled")}))
+    assert back["events"].dtype == EVENT_DTYPE and np.array_equal(back["events"], events)
+    assert back["fault"] == fault and type(back["fault"]) is Fault
+    assert type(back["error"]) is KeyError and back["error"].args == ("'k'",)
+    assert back["graph"] == (None, "compiled")
+
+
+@pytest.mark.parametrize("body", [
+    b"E" + wire._U32.pack(4) + b"Exit" + wire._U32.pack(0),  # no such exception
+    b"r" + wire.dumps([("o", "|O")]) + wire.dumps((1,)) + wire._U32.pack(8) + b"\0" * 8,
+    b"X" + wire.dumps((1, 2, 3)),  # a fault of the wrong fields
+], ids=["exception", "objects", "fault"])
+def test_a_reply_of_another_kind_is_refused(body):
+    with pytest.raises(wire.Refused):
+        wire.loads(body)
+
+
+def test_a_client_runs_nothing_its_server_sends(tmp_path):
+    """Whatever answers at a port file's address: a pickle that would run code in the client
+    is refused as it loads, and nothing runs."""
+    from gtmpi.transport.frames import Frame
+    from gtmpi.transport.remote import _Matched
+    marker = tmp_path / "ran"
+    bomb = pickle.dumps(_Runs(str(marker)))
+    with pytest.raises(wire.Refused):
+        _Matched(Frame(0, 5, bytearray(bomb))).recv()
+    assert not marker.exists()
+    assert _Matched(Frame(0, 5, bytearray(wire.dumps({"ok": 1})))).recv() == {"ok": 1}
+
+
+class _Runs:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))

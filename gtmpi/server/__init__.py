@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import os
-import pickle
 import signal
 import sys
 import time
@@ -194,7 +193,7 @@ class Server:
         print(f"gtmpi.server: shutting down ({why})", file=sys.stderr, flush=True)
         for c in self.clients.values():
             if c.state in ("live", "leaving"):
-                self._to_client(c, Tag.ENDING, pickle.dumps((False, why)))
+                self._to_client(c, Tag.ENDING, wire.dumps((False, why)))
 
     def _ended(self) -> bool:
         if time.monotonic() > self._ending_at:
@@ -426,7 +425,7 @@ class Server:
         message = f"{why}; the server has dropped the client"
         print(f"gtmpi.server: client {c.slot} ({c.name}, pid {c.pid}): {printable(message)}",
               file=sys.stderr, flush=True)
-        self._to_client(c, Tag.ENDING, pickle.dumps((True, message)))
+        self._to_client(c, Tag.ENDING, wire.dumps((True, message)))
         self._drop(c, killed=True)
 
     def _dropped(self, slot: int) -> None:
@@ -440,7 +439,7 @@ class Server:
         if c.killed:
             how = "gone (its connection ended)" if c.chan.closed else "dropped"
         else:
-            self._to_client(c, Tag.GOODBYE, pickle.dumps(None))
+            self._to_client(c, Tag.GOODBYE, wire.dumps(None))
             how = "left"
         c.closing_by = time.monotonic() + 2.0  # what it was told last, then its connection ends
         c.chan.discard()

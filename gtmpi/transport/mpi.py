@@ -301,7 +301,7 @@ class HostLink:
 
     def send_read_fault(self, fault: Fault) -> None:
         self._send_read(_EMPTY, Tag.READ_FAULT)
-        self.comms.reply.send(fault, 0, Tag.FAULT + self._o)
+        self.reply(Tag.FAULT, fault)
 
     def _send_read(self, data: np.ndarray, tag: Tag) -> None:
         # a server's client's read goes to the server, which relays it and always takes it
@@ -310,12 +310,19 @@ class HostLink:
         comm.Send([data, MPI.BYTE], 0, tag + self._o)
 
     def reply(self, tag: int, obj: Any) -> None:
-        self.comms.reply.send(obj, 0, tag + self._o)
+        if self.slot:  # a server's client: the wire's layout, which its client loads (wire.py)
+            self.comms.reply.Send([wire.dumps(obj), MPI.BYTE], 0, tag + self._o)
+        else:
+            self.comms.reply.send(obj, 0, tag + self._o)
 
     def reply_later(self, tag: int, obj: Any) -> None:
         """A reply rank 0 will collect when it gets to it: never blocks this worker, however
         big (trace snapshots, while rank 0 may be waiting for this worker's next result)."""
-        self._sends.keep(self.comms.reply.isend(obj, 0, tag + self._o))
+        if self.slot:
+            buf = wire.dumps(obj)
+            self._sends.keep(self.comms.reply.Isend([buf, MPI.BYTE], 0, tag + self._o), buf)
+        else:
+            self._sends.keep(self.comms.reply.isend(obj, 0, tag + self._o))
 
     def clock_pongs(self, rounds: int) -> None:
         self.reply(Tag.CLOCK, None)  # ready: pings sent before this would reach the main loop
@@ -326,7 +333,7 @@ class HostLink:
             self.reply(Tag.CLOCK, now())
 
     def ack(self, seq: int) -> None:
-        self._sends.keep(self.comms.reply.isend(seq, 0, Tag.ACK + self._o))
+        self.reply_later(Tag.ACK, seq)
 
     def drain(self) -> None:
         self._sends.drain()

@@ -1,4 +1,5 @@
-"""What a server's client sends, in a fixed binary layout that runs nothing as it loads.
+"""What a server's client and the server send each other, in a fixed binary layout that runs
+nothing as it loads.
 
 A pickle may name any function to call as it loads, and a server's workers run what its
 clients wrote. So a client's messages (its batches, its rounds' counts) are not pickles but
@@ -12,6 +13,12 @@ length past the message's end, so nothing a client sends runs. A client's batch 
 checked to be instructions as gtmpi's dispatcher makes them (``check``): known op names, typed
 and bounded fields. Anything else is Refused, and the server drops that client alone.
 
+The other way, the server's replies (its workers' stats, faults, graph notes, trace parts, a
+device query's answer or error) come in the same layout, with three kinds more: a Fault, an
+exception of Python's own (its class's name, one of EXCEPTIONS, and its message) and a
+numpy record array of numbers (a trace's events): whatever answers at a port file's address
+cannot run code in its client either.
+
 This job's own rank 0 is trusted and keeps pickle (the C pickler is the fastest encoder of
 Python tuples there is).
 """
@@ -23,6 +30,7 @@ from typing import Any, Callable, Collection
 import numpy as np
 import torch
 
+from ..errors import Fault
 from ..ops.table import Knob, Seed
 
 MAX_DEPTH = 32
@@ -55,6 +63,10 @@ def _put(x: Any, out: bytearray) -> None:
         put(x, out)
     elif isinstance(x, np.ndarray):
         _put_array(x, out)
+    elif type(x).__name__ in EXCEPTIONS and type(x) is EXCEPTIONS[type(x).__name__]:
+        out += b"E"
+        _put_str(type(x).__name__, out)
+        _put_str(str(x), out)
     elif isinstance(x, np.generic):
         out += b"n"
         _put_str(x.dtype.str, out)
@@ -104,8 +116,12 @@ def _put_dict(x: dict, out: bytearray) -> None:
 
 
 def _put_array(x: np.ndarray, out: bytearray) -> None:
-    out += b"a"
-    _put_str(x.dtype.str, out)
+    if x.dtype.names:  # a record array: its fields' names and kinds
+        out += b"r"
+        _put([(name, x.dtype.fields[name][0].str) for name in x.dtype.names], out)
+    else:
+        out += b"a"
+        _put_str(x.dtype.str, out)
     _put(x.shape, out)
     _put_bytes(np.ascontiguousarray(x).tobytes(), out)
 
@@ -119,6 +135,11 @@ def _put_seed(x: Seed, out: bytearray) -> None:
 def _put_knob(x: Knob, out: bytearray) -> None:
     out += b"k" + _F64.pack(x)
     _put_int(x.index, out)
+
+
+def _put_fault(x: Fault, out: bytearray) -> None:
+    out += b"X"
+    _put(tuple(x), out)
 
 
 def _put_slice(x: slice, out: bytearray) -> None:
@@ -149,6 +170,7 @@ _PUT: dict[type, Callable[[Any, bytearray], None]] = {
     type(Ellipsis): lambda x, out: out.extend(b"."),
     Seed: _put_seed,
     Knob: _put_knob,
+    Fault: _put_fault,
     torch.Size: _put_seq(b"S"),
     torch.device: _put_tagged(b"D", str),
     **{cls: _put_tagged(kind, lambda x: str(x).removeprefix("torch."))
@@ -156,7 +178,13 @@ _PUT: dict[type, Callable[[Any, bytearray], None]] = {
 }
 
 
-# decoding (a server's workers and its rank 0) ----------------------------------------------
+# Python's own exceptions a reply may carry (a device query's error), made by name
+EXCEPTIONS = {cls.__name__: cls for cls in (RuntimeError, ValueError, TypeError, KeyError,
+                                            IndexError, MemoryError, OSError,
+                                            NotImplementedError)}
+
+
+# decoding (a server's workers and its rank 0; a server's client) --------------------------
 
 def loads(buf: bytes | bytearray | memoryview) -> Any:
     """The value laid out in ``buf``, or Refused if it is not one of gtmpi's messages (nothing
@@ -267,12 +295,37 @@ class _Reader:
             raise Refused("not a message of gtmpi's: no such torch constant")
         return found
 
-    def array(self, depth: int) -> np.ndarray:
-        dtype = self.numeric_dtype()
+    def array(self, depth: int, dtype: np.dtype | None = None) -> np.ndarray:
+        dtype = dtype or self.numeric_dtype()
         shape = self.value(depth)
         if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
             raise Refused("not a message of gtmpi's: an array's shape")
         return np.frombuffer(self.raw(), dtype).reshape(shape).copy()
+
+    def records(self, depth: int) -> np.ndarray:
+        fields = self.value(depth)
+        if type(fields) is not list or not all(
+                type(f) is tuple and len(f) == 2 and all(type(v) is str for v in f)
+                for f in fields):
+            raise Refused("not a message of gtmpi's: a record array's fields")
+        dtype = np.dtype([(name, kind) for name, kind in fields])
+        if any(dtype.fields[name][0].kind not in _NUMBERS for name in dtype.names):
+            raise Refused("not a message of gtmpi's: a record array of what are not numbers")
+        return self.array(depth, dtype)
+
+    def fault(self, depth: int) -> Fault:
+        fields = self.value(depth)
+        types = (int, str, int, str, str)
+        if type(fields) is not tuple or len(fields) != 5 or \
+                not all(type(v) is t for v, t in zip(fields, types)):
+            raise Refused("not a message of gtmpi's: a fault's fields")
+        return Fault(*fields)
+
+    def exception(self, depth: int) -> Exception:
+        cls = EXCEPTIONS.get(self.text())
+        if cls is None:
+            raise Refused("not a message of gtmpi's: an exception of no known class")
+        return cls(self.text())
 
     def scalar(self, depth: int) -> np.generic:
         dtype = self.numeric_dtype()
@@ -296,6 +349,9 @@ _READ: dict[int, Callable[[_Reader, int], Any]] = {
     b":"[0]: _Reader.slice_,
     b"D"[0]: lambda r, depth: torch.device(r.text()),
     b"a"[0]: _Reader.array,
+    b"r"[0]: _Reader.records,
+    b"X"[0]: _Reader.fault,
+    b"E"[0]: _Reader.exception,
     b"n"[0]: _Reader.scalar,
     b"y"[0]: lambda r, depth: r.numeric_dtype(),
     b"e"[0]: lambda r, depth: Seed(r.int_(), r.int_()),
