@@ -200,6 +200,7 @@ class WorkerLink:
 # how long a server waits on a client that has stopped: the rest of a message begun, an
 # upload's bytes, a read it does not take (a slow network may want longer; tests shorter)
 CLIENT_TIMEOUT_S = float(os.environ.get("GTMPI_CLIENT_TIMEOUT_S", "10"))
+UPLOAD_SEEN_S = 1.0  # a server's client's upload's first bytes, once its round runs
 
 
 class ClientGone(RuntimeError):
@@ -281,17 +282,26 @@ class HostLink:
             self.inbox.uploads.setdefault(status.Get_tag(), deque()).append(buf)
 
     def recv_upload(self, buf: np.ndarray) -> None:
-        taken = self.inbox.uploads.get(Tag.UPLOAD + self._o)
+        tag = Tag.UPLOAD + self._o
+        taken = self.inbox.uploads.get(tag)
         if taken:
             buf[:] = taken.popleft()
             return
-        req = self.comms.data.Irecv([buf, MPI.BYTE], 0, Tag.UPLOAD + self._o)
         if not self.slot:  # large bytes move only while this worker calls into MPI too
+            req = self.comms.data.Irecv([buf, MPI.BYTE], 0, tag)
             wait_for(lambda: True if req.Test() else None,
                      busy=(lambda: True) if buf.nbytes >= HEAVY_BYTES else None)
             return
         # a server's client that counted an upload it never sent would hold this worker, and
-        # every client's work on it, for good
+        # every client's work on it, for good. The server relays an upload's bytes before the
+        # round that uses them, so their envelope is here within moments; past UPLOAD_SEEN_S
+        # they never come, and only the bytes of one that is arriving are waited for longer
+        seen = time.monotonic() + UPLOAD_SEEN_S
+        if not wait_for(lambda: True if self.comms.data.Iprobe(0, tag) else
+                        (False if time.monotonic() > seen else None)):
+            raise ClientGone(f"an upload its client counted did not come within "
+                             f"{UPLOAD_SEEN_S:.0f} s")
+        req = self.comms.data.Irecv([buf, MPI.BYTE], 0, tag)
         if not _done_or_cancelled(req, time.monotonic() + CLIENT_TIMEOUT_S):
             raise ClientGone(f"the bytes of an upload did not come within "
                              f"{CLIENT_TIMEOUT_S:.0f} s")
