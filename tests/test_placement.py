@@ -1324,6 +1324,67 @@ def test_every_kind_of_batch_is_split_by_a_data_parallel_config(tmp_path, held):
     assert "placed nothing" not in proc.stderr and "never used" not in proc.stderr
 
 
+CONSTANTS = """
+    import json
+    import torch
+    import gtmpi
+    import gtmpi.nn as nn
+    from gtmpi.client.runtime import runtime
+
+    torch.manual_seed(0)
+    B, T, C = 8, 4, 6
+    model = nn.Linear(C, C)
+    ref = torch.nn.Linear(C, C)
+    ref.load_state_dict({k: v.cpu_torch() for k, v in model.state_dict().items()})
+    values = {"scale": torch.randn(C), "bias": torch.randn(T, C), "idx": torch.tensor([0, 2, 5])}
+    CASES = {
+        "a per-channel scale": lambda h, c: h * c["scale"],
+        "a (T, C) bias": lambda h, c: h + c["bias"],
+        "index_select by an index list": lambda h, c: h.index_select(2, c["idx"]),
+        "x[:, :, idx]": lambda h, c: h[:, :, c["idx"]],
+    }
+    placer = runtime().dispatcher.placer
+    report = {}
+    for name, f in CASES.items():
+        xt = torch.randn(B, T, C)
+        before = dict(placer.inserted)
+        out = f(model(gtmpi.tensor(xt)), {k: gtmpi.tensor(v) for k, v in values.items()})
+        split = gtmpi.debug.placement(out)["type"]
+        loss = out.pow(2).mean()
+        loss.backward()
+        ran = {}
+        for key, (n, _) in placer.inserted.items():
+            if n - before.get(key, (0, 0))[0]:
+                ran[key[1]] = ran.get(key[1], 0) + n - before.get(key, (0, 0))[0]
+        want = f(ref(xt), values).pow(2).mean()
+        want.backward()
+        report[name] = {"loss": loss.item(), "torch": want.item(), "split": split,
+                        "grad": (model.weight.grad.cpu_torch() - ref.weight.grad).abs().max().item(),
+                        "collectives": ran}
+        model.zero_grad()
+        ref.zero_grad()
+    print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(len(WORKERS) > 1, reason="starts its own job (the serial suite)")
+@pytest.mark.timeout(120)
+def test_constants_beside_a_split_batch_stay_whole_and_gather_nothing(tmp_path):
+    """Under configs/ddp.yaml on 2 workers, constants the program makes from host values (a
+    per-channel scale, a (T, C) bias, an index list for index_select or x[:, :, idx]) are used
+    whole where the batch is split: the batch stays split, nothing is gathered, and the
+    numbers are torch's."""
+    proc, _ = run_job(tmp_path, CONSTANTS, 100, n=3,
+                      env={"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml")})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
+    for name, got in json.loads(line[len("REPORT "):]).items():
+        assert got["loss"] == pytest.approx(got["torch"], rel=1e-5), name
+        assert got["grad"] < 1e-5, name
+        assert got["split"] == "S(0)", (name, got["split"])
+        assert "all_gather" not in got["collectives"], (name, got["collectives"])
+
+
 def test_a_config_that_placed_nothing_says_so_at_the_first_backward():
     from gtmpi.client.signalbook import SignalBook
     placer = types.SimpleNamespace(zero={})  # the book's own, not the session's placer

@@ -91,20 +91,22 @@ class Tensor:
         v = self._host
         return torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v
 
-    def _place(self, beside: tuple | None = None) -> int:
+    def _place(self, beside: tuple | None = None, constant: bool = False) -> int:
         """Hand a host-held value to the workers: its recipe run there, else its bytes. Where:
         by the signals open where it was made; else, outside any signal's scope, by a config's
         ``parameters`` signal for a module's parameters and buffers and its ``uploads`` signal
         for the rest of what the program uploads but scalars (its batches: data parallelism by
         a config alone); else whole on every worker of ``beside`` (the mesh of the op that needs it:
-        made where it is used, nothing sent between workers); else on the home worker."""
+        made where it is used, nothing sent between workers); else on the home worker.
+        ``constant``: first used beside a split batch as no batch is (_beside_a_batch): whole
+        where it is used, whatever 'uploads' says."""
         value, recipe = self._host, self._recipe
         self._host = self._recipe = None
         rt = runtime()
         book, placer = rt.signals, rt.dispatcher.placer
         # (a number is no batch: a scalar the program uploads goes where it is used, whole)
         implicit = "parameters" if self._state else \
-            "uploads" if recipe is None and len(self._sig[0]) else None
+            "uploads" if recipe is None and len(self._sig[0]) and not constant else None
         scopes = self._scope or ((implicit,) if implicit in book.signals and not book.open
                                  else ())
         with ExitStack() as inside:
@@ -795,7 +797,9 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
     if held:  # those a signal places first: the rest go where the op's placed operands are
         for i in sorted(held, key=lambda i: not operands[i]._scope):
             a = operands[i]
-            wire[i] = a._id if a._host is None else a._place(_mesh_beside(rt, wire, tmask))
+            wire[i] = a._id if a._host is None else a._place(
+                _mesh_beside(rt, wire, tmask),
+                _beside_a_batch(rt, name, operands, wire, tmask, i, key))
     if key is not None:
         kw["key"] = key
     recording = grad and gradmode.is_grad_enabled()
@@ -960,6 +964,36 @@ def _inherit(name: str, args: tuple, key: tuple | None, kw: dict, results: tuple
 def _sharing(t: Tensor) -> Tensor:
     t._shared = True
     return t
+
+
+def _beside_a_batch(rt: Any, name: str, operands: list, wire: list, tmask: int, i: int,
+                    key: tuple | None) -> bool:
+    """Whether held operand ``i`` is a constant beside a batch, not a batch: another operand
+    lies split along a dim that ``i`` lacks where broadcasting aligns them (a per-channel
+    scale, a (T, C) bias beside a (B, T, C) batch), or ``i`` indexes another's dims but the
+    first (an index list given to index_select, or in x[:, idx]). Split like a batch, such a
+    constant would gather the batch at its use."""
+    placer = rt.dispatcher.placer
+    if not placer.active:
+        return False
+    mine = operands[i]._sig[0]
+    for j, tid in enumerate(wire):
+        if j == i or not tmask >> j & 1 or operands[j]._host is not None:
+            continue
+        split = [d for kind, d in placer.placement(tid).per_axis() if kind == "S"]
+        if not split:
+            continue
+        if name == "index_select":
+            return i == 2 and operands[1] not in split
+        if name == "getitem":
+            return i > 0 and bool(key) and key[0] == slice(None)
+        if OPS[name].kind is Kind.ELEMENTWISE:
+            other = operands[j]._sig[0]
+            for d in split:
+                at = d - (len(other) - len(mine))  # i's dim aligned with the split one
+                if at < 0 or mine[at] == 1 < other[d]:
+                    return True
+    return False
 
 
 def _mesh_beside(rt: Any, wire: list, tmask: int) -> tuple | None:

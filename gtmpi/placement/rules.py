@@ -689,10 +689,24 @@ def _getitem(name, mesh, args, kw, kinds, sigs) -> Plan | None:
         return Plan(tuple(kinds), Placement(mesh, "S", 0))
     if x.kind != "S":
         return _partial(name, mesh, kinds)
+    if _indexed_past(key, x.dim, kinds):
+        return Plan((x, *(Placement(mesh, "R") for _ in kinds[1:])), Placement(mesh, "S", x.dim))
     whole = _basic(key, len(sigs[0][0]))
     if whole is None or len(kinds) > 1 or whole[x.dim] is None:
         return None
     return Plan(tuple(kinds), Placement(mesh, "S", whole[x.dim]))
+
+
+def _indexed_past(key: tuple, dim: int, kinds: tuple) -> bool:
+    """Whether ``key`` takes dims up to ``dim`` whole and picks by whole index tensors only
+    past it, in one group (x[:, :, idx] on a batch split along dim 0: torch leaves the picked
+    dims where they are, so each member indexes its piece and ``dim`` stays where it was)."""
+    if len(key) <= dim or any(k != slice(None) for k in key[:dim + 1]) or \
+            any(k is None or k is Ellipsis for k in key) or \
+            any(p is None or p.kind != "R" for p in kinds[1:]):
+        return False
+    at = [i for i, k in enumerate(key) if type(k) is str and k == "T"]
+    return bool(at) and at == list(range(at[0], at[-1] + 1))
 
 
 def _getitem_grad(name, mesh, args, kw, kinds, sigs) -> Plan | None:
@@ -701,6 +715,8 @@ def _getitem_grad(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     g = kinds[0]
     if g.kind != "S":
         return _partial(name, mesh, kinds)
+    if _indexed_past(kw["key"], g.dim, kinds):
+        return Plan((g, *(Placement(mesh, "R") for _ in kinds[1:])), Placement(mesh, "S", g.dim))
     whole = _basic(kw["key"], len(kw["shape"]))
     if whole is None or len(kinds) > 1 or g.dim not in whole:
         return None
