@@ -1342,6 +1342,8 @@ CONSTANTS = """
         "a (T, C) bias": lambda h, c: h + c["bias"],
         "index_select by an index list": lambda h, c: h.index_select(2, c["idx"]),
         "x[:, :, idx]": lambda h, c: h[:, :, c["idx"]],
+        "x[::2]": lambda h, c: h[::2],  # each member's rows of it are its pieces
+        "x[1::2]": lambda h, c: h[1::2],
     }
     placer = runtime().dispatcher.placer
     report = {}
@@ -1372,8 +1374,9 @@ CONSTANTS = """
 def test_constants_beside_a_split_batch_stay_whole_and_gather_nothing(tmp_path):
     """Under configs/ddp.yaml on 2 workers, constants the program makes from host values (a
     per-channel scale, a (T, C) bias, an index list for index_select or x[:, :, idx]) are used
-    whole where the batch is split: the batch stays split, nothing is gathered, and the
-    numbers are torch's."""
+    whole where the batch is split, and a strided slice of the batch (x[::2]) is cut by each
+    member from its own rows: the batch stays split, nothing is gathered, and the numbers are
+    torch's."""
     proc, _ = run_job(tmp_path, CONSTANTS, 100, n=3,
                       env={"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml")})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -302,7 +302,9 @@ class Placer:
         shapes = local = None
         if name in _SHAPED and p.out.kind != "R":
             shapes = [p.out.local_shape(tuple(outs[0][0]), m) for m in range(len(mesh))]
-        if p.vocab is not None:
+        if p.local is not None:
+            local = list(p.local)
+        elif p.vocab is not None:
             starts = p.wants[p.vocab].starts(tuple(sigs[p.vocab][0]))
             group = self._group(mesh)
             local = [{"offset": start, "group": group} for start in starts]

@@ -42,6 +42,8 @@ class Plan(NamedTuple):
     # seed and keeps its piece (drawing its piece's shape alone, every member would draw the
     # same first numbers: not a one-worker run's, and alike on every member)
     drawn: bool = False
+    # keyword constants of each member's own, in the mesh's order (a strided slice's key)
+    local: tuple[dict, ...] | None = None
 
 
 Rule = Callable[..., Plan]
@@ -656,15 +658,9 @@ def _basic(key: tuple, ndim: int) -> list[int | None] | None:
     """Per dim of the tensor a basic index key (ints, slices, None, ...) reads: the result's dim
     it becomes where the key takes it whole (``:``), else None; None for any other key (index
     tensors, lists, masks: they pick elements, which the rows of a piece do not hold alike)."""
-    if any(not (item is None or item is Ellipsis or type(item) in (int, slice)) for item in key):
+    items = _expanded(key, ndim)
+    if items is None:
         return None
-    used = sum(item is not None and item is not Ellipsis for item in key)
-    if used > ndim or sum(item is Ellipsis for item in key) > 1:
-        return None
-    items: list = []
-    for item in key:
-        items += [slice(None)] * (ndim - used) if item is Ellipsis else [item]
-    items += [slice(None)] * (ndim - sum(item is not None for item in items))
     whole, out = [], 0
     for item in items:
         if item is None:
@@ -692,9 +688,65 @@ def _getitem(name, mesh, args, kw, kinds, sigs) -> Plan | None:
     if _indexed_past(key, x.dim, kinds):
         return Plan((x, *(Placement(mesh, "R") for _ in kinds[1:])), Placement(mesh, "S", x.dim))
     whole = _basic(key, len(sigs[0][0]))
-    if whole is None or len(kinds) > 1 or whole[x.dim] is None:
+    if whole is None or len(kinds) > 1:
         return None
+    if whole[x.dim] is None:
+        return _strided(mesh, x, key, tuple(sigs[0][0]), kinds, None)
     return Plan(tuple(kinds), Placement(mesh, "S", whole[x.dim]))
+
+
+def _strided(mesh: tuple, x: Placement, key: tuple, shape: tuple, kinds: tuple,
+             grad_of: Placement | None) -> Plan | None:
+    """x[start:stop:step] along the split dim (x[::2]): each member slices its own rows, from
+    the first of them the slice takes, where the rows each member keeps are the result's
+    pieces as a split of it lays them out; the gradient (``grad_of``: the incoming gradient's
+    placement) scatters each member's piece into its own rows."""
+    if x.grid or x.dim >= len(shape):
+        return None
+    items = _expanded(key, len(shape))
+    if items is None:
+        return None
+    at = [i for i, item in enumerate(items) if item is not None][x.dim]
+    cut = items[at]
+    if type(cut) is not slice or (cut.step or 1) <= 0:
+        return None
+    start, stop, step = cut.indices(shape[x.dim])
+    picked = range(start, stop, step)
+    keys, counts = [], []
+    for first, length in zip(x.starts(shape), x.sizes(shape)):
+        mine = [i - first for i in picked if first <= i < first + length]
+        counts.append(len(mine))
+        here = slice(mine[0], mine[-1] + 1, step) if mine else slice(0, 0, 1)
+        keys.append(tuple(here if i == at else item for i, item in enumerate(items)))
+    whole = _basic(tuple(slice(None) if i == at else item for i, item in enumerate(items)),
+                   len(shape))
+    out = Placement(mesh, "S", whole[x.dim])
+    result = list(shape)
+    result[x.dim] = len(picked)
+    result = [n for n, item in zip(result, [i for i in items if i is not None])
+              if type(item) is slice]
+    if tuple(counts) != out.sizes(tuple(result)):
+        return None  # its members' rows are not the result's pieces
+    if grad_of is None:
+        return Plan(tuple(kinds), out, local=tuple({"key": k} for k in keys))
+    if grad_of != out:
+        return None
+    return Plan(tuple(kinds), x, local=tuple({"key": k, "shape": x.local_shape(shape, m)}
+                                             for m, k in enumerate(keys)))
+
+
+def _expanded(key: tuple, ndim: int) -> list | None:
+    """A basic key with its Ellipsis spelled out as whole slices, and a whole slice for each
+    dim it does not name (None: not a basic key)."""
+    if any(not (item is None or item is Ellipsis or type(item) in (int, slice)) for item in key):
+        return None
+    used = sum(item is not None and item is not Ellipsis for item in key)
+    if used > ndim or sum(item is Ellipsis for item in key) > 1:
+        return None
+    items: list = []
+    for item in key:
+        items += [slice(None)] * (ndim - used) if item is Ellipsis else [item]
+    return items + [slice(None)] * (ndim - sum(item is not None for item in items))
 
 
 def _indexed_past(key: tuple, dim: int, kinds: tuple) -> bool:
@@ -717,10 +769,17 @@ def _getitem_grad(name, mesh, args, kw, kinds, sigs) -> Plan | None:
         return _partial(name, mesh, kinds)
     if _indexed_past(kw["key"], g.dim, kinds):
         return Plan((g, *(Placement(mesh, "R") for _ in kinds[1:])), Placement(mesh, "S", g.dim))
-    whole = _basic(kw["key"], len(kw["shape"]))
-    if whole is None or len(kinds) > 1 or g.dim not in whole:
+    shape = tuple(kw["shape"])
+    whole = _basic(kw["key"], len(shape))
+    if whole is None or len(kinds) > 1:
         return None
-    return Plan(tuple(kinds), Placement(mesh, "S", whole.index(g.dim)))
+    if g.dim in whole:
+        return Plan(tuple(kinds), Placement(mesh, "S", whole.index(g.dim)))
+    for dim in range(len(shape)):  # a strided slice's: the dim of x it cut
+        plan = _strided(mesh, Placement(mesh, "S", dim), kw["key"], shape, kinds, g)
+        if plan is not None:
+            return plan
+    return None
 
 
 def _setitem(name, mesh, args, kw, kinds, sigs) -> Plan | None:
