@@ -135,6 +135,10 @@ def test_every_op_compiled_gives_eager_replays_numbers_bit_for_bit(name, monkeyp
             assert g == w
 
 
+# what Inductor raises on a CPU worker where no C++ toolchain can build its kernels
+NO_TOOLCHAIN = ("CppCompileError", "InvalidCxxCompiler", "Python.h")
+
+
 @pytest.mark.skipif(HOME_DEVICE.type != "cuda" and shutil.which("g++") is None,
                     reason="Inductor compiles C++ for CPU workers: no C++ compiler here")
 def test_inductors_numbers_agree_within_rounding(monkeypatch):
@@ -142,6 +146,10 @@ def test_inductors_numbers_agree_within_rounding(monkeypatch):
     plain_losses, plain_weights, _, _ = _loop("1", monkeypatch, _adamw, 6)
     monkeypatch.setenv("GTMPI_COMPILE", "1")
     losses, weights, _, _ = _loop("1", monkeypatch, _adamw, 6)
+    notes = _explained()
+    if HOME_DEVICE.type != "cuda" and any(w in notes for w in NO_TOOLCHAIN):
+        pytest.skip("Inductor could not build C++ kernels on this machine: " +
+                    next(line for line in notes.splitlines() if "not compiled" in line))
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     for key, w in plain_weights.items():
         assert torch.allclose(weights[key], w, rtol=1e-3, atol=1e-3), key
