@@ -187,7 +187,10 @@ class Programs:
                 self.stats["graph_input_bytes"] += inputs[recorded].nbytes
         saved = self._saved(inputs)
         compiled = None
-        if compile_mode:
+        if compile_mode and size is not None and notes is not None:
+            # a graph per size of a growing call: a compile each would cost more than it saves
+            notes.append("not compiled: its sizes follow its call's")
+        elif compile_mode:
             values = {**inputs, **{tid: env[tid] for tid in reads}}
             compiled = self._compiled(key, program, values, compile_mode,
                                       notes if notes is not None else [])
