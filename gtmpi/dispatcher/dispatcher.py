@@ -606,8 +606,8 @@ class Dispatcher:
             mode = {"0": "plain", "emulate": "emulate"}.get(graphs, "capture")
             if mode == "plain":
                 self._graph_note(program, state, "GTMPI_CUDA_GRAPHS=0")
-            elif compile_mode():
-                mode = f"{mode}:{compile_mode()}"
+            elif (compiling := compile_mode()):
+                mode = f"{mode}:{compiling}"
         if state is not None:
             state.replays += 1
         for rank in program.ranks:  # every member of its collectives gets it at once

@@ -527,15 +527,8 @@ class Redo(Graph):
     def backward(self, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.back is not None:
             return self.back(grad, self.args, self.saved, self.grads)
-        leaves = list(self.args)
-        with torch.enable_grad():
-            for i in self.grads:
-                leaves[i] = leaves[i].detach().requires_grad_()
-            out = self.fn(*leaves, **self.kw)
-            got = torch.autograd.grad(out, [leaves[i] for i in self.grads], grad,
-                                      allow_unused=True)
-        return tuple(torch.zeros_like(self.args[i]) if g is None else g.detach()
-                     for g, i in zip(got, self.grads))
+        return _pullback(lambda *a: self.fn(*a, **self.kw), self.args, self.grads, (0,),
+                         (grad,))
 
 
 def _recorded(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple]:

@@ -721,11 +721,7 @@ def _strided(mesh: tuple, x: Placement, key: tuple, shape: tuple, kinds: tuple,
     whole = _basic(tuple(slice(None) if i == at else item for i, item in enumerate(items)),
                    len(shape))
     out = Placement(mesh, "S", whole[x.dim])
-    result = list(shape)
-    result[x.dim] = len(picked)
-    result = [n for n, item in zip(result, [i for i in items if i is not None])
-              if type(item) is slice]
-    if tuple(counts) != out.sizes(tuple(result)):
+    if tuple(counts) != Placement(mesh, "S").sizes((len(picked),)):
         return None  # its members' rows are not the result's pieces
     if grad_of is None:
         return Plan(tuple(kinds), out, local=tuple({"key": k} for k in keys))

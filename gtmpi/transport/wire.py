@@ -63,7 +63,7 @@ def _put(x: Any, out: bytearray) -> None:
         put(x, out)
     elif isinstance(x, np.ndarray):
         _put_array(x, out)
-    elif type(x).__name__ in EXCEPTIONS and type(x) is EXCEPTIONS[type(x).__name__]:
+    elif EXCEPTIONS.get(type(x).__name__) is type(x):
         out += b"E"
         _put_str(type(x).__name__, out)
         _put_str(str(x), out)

@@ -40,12 +40,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..ops.table import (FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, Seed, _cross_entropy,
-                         derive_seed)
+from ..ops.table import FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, Seed, derive_seed
 from . import graphs
 
-# the plain function of a fused row whose kernel is not _recorded's (cross-entropy's own record)
-_FNS = {**FUSED_FNS, "cross_entropy": _cross_entropy}
 _ACROSS = ("group", "plane", "offset")  # keywords of kernels that split work over workers
 
 
@@ -113,16 +110,14 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
     if why is not None:
         raise RuntimeError(why)
     start = time.perf_counter()
-    layouts = []
+    layouts, flat = [], []
     for tid in inputs:
         value = env[tid]
         if isinstance(value, Graph) and not isinstance(value, Redo):
             raise RuntimeError(f"it reads torch's autograd record {tid}, made by a program "
                                "replayed uncompiled")
         layouts.append((tid, _layout(value)))
-    flat: list[torch.Tensor] = []
-    for tid in inputs:
-        _flat(env[tid], flat)
+        _flat(value, flat)
     seeds = [(program[i][2][j].offset, torch.zeros((), dtype=torch.int64, device=device))
              for i, at, _ in graphs.seeded(program) for j in at]
     flat += [buffer for _, buffer in seeds]
@@ -165,7 +160,7 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
             if name in _COUNTED:
                 args = [next(seeds) if type(a) is Seed else a for a in args]
                 res = _COUNTED[name](*args, **kw)
-            elif name in _FNS and kw and kw.get("grads"):
+            elif name in FUSED_FNS and kw and kw.get("grads"):
                 res = _redone(name, args, kw)
             else:
                 res = op.kernel(*args, **kw) if kw else op.kernel(*args)
@@ -186,7 +181,7 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
 
 def _redone(name: str, args: list, kw: dict) -> tuple[Any, Redo]:
     """A fused op with gradients: its result and its Redo record (ops/table.py)."""
-    fn, grads = _FNS[name], kw["grads"]
+    fn, grads = FUSED_FNS[name], kw["grads"]
     rest = {k: v for k, v in kw.items() if k != "grads"}
     forms = SAVED_FORMS.get(name)
     with torch.no_grad():

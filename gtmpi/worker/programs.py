@@ -154,8 +154,7 @@ class Programs:
 
     def _capture_graph(self, key: int, size: int | None, binds: tuple, renames: tuple,
                        backend: graphs.CudaBackend | graphs.EmulatedBackend,
-                       compile_mode: str = "", notes: list[str] | None = None
-                       ) -> graphs.Captured:
+                       compile_mode: str, notes: list[str]) -> graphs.Captured:
         program = self.programs[key] if size is None else \
             graphs.with_sizes(self.programs[key], self.sized[key], size)
         program = [ins for ins in program if ins[0] not in graphs.HOST_WORDS]
@@ -187,13 +186,12 @@ class Programs:
                 self.stats["graph_input_bytes"] += inputs[recorded].nbytes
         saved = self._saved(inputs)
         compiled = None
-        if compile_mode and size is not None and notes is not None:
+        if compile_mode and size is not None:
             # a graph per size of a growing call: a compile each would cost more than it saves
             notes.append("not compiled: its sizes follow its call's")
         elif compile_mode:
             values = {**inputs, **{tid: env[tid] for tid in reads}}
-            compiled = self._compiled(key, program, values, compile_mode,
-                                      notes if notes is not None else [])
+            compiled = self._compiled(key, program, values, compile_mode, notes)
 
         def execute(instructions: list[tuple]) -> None:
             env.update(inputs)
