@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -53,16 +54,19 @@ def forward_backward(model):
 
 
 def train(step, opt, data, steps: int, warmup: int, sync,
-          on_start=None) -> tuple[list[float], float]:
-    """Losses of every step (``step`` runs forward and backward), and seconds per step over the
-    timed ones; ``on_start`` is called as the timed steps begin."""
+          on_start=None) -> tuple[list[float], float, float]:
+    """Losses of every step (``step`` runs forward and backward), seconds per step over the
+    timed ones, and seconds of the warm-up steps (a compiler's time is there); ``on_start`` is
+    called as the timed steps begin."""
     losses = []
+    began = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:  # the warm-up ends on the device before the clock starts
             sync()
             if on_start is not None:
                 on_start()
             start = time.perf_counter()
+            warm = start - began
         x, y = data[i % len(data)]
         opt.zero_grad(set_to_none=True)
         loss = step(x, y)
@@ -71,7 +75,13 @@ def train(step, opt, data, steps: int, warmup: int, sync,
     losses[-1].item()
     sync()
     seconds = (time.perf_counter() - start) / steps
-    return [float(loss.item()) for loss in losses], seconds
+    return [float(loss.item()) for loss in losses], seconds, warm
+
+
+def _explained() -> str:
+    out = io.StringIO()
+    gtmpi.debug.explain(file=out)
+    return out.getvalue()
 
 
 def _held_by(t, rank: int) -> int:
@@ -172,9 +182,9 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        losses, seconds = train(forward_backward(step_model), opt, on_device, steps, warmup,
-                                sync)
-        res[label] = {"losses": losses, "s": seconds,
+        losses, seconds, warm = train(forward_backward(step_model), opt, on_device, steps,
+                                      warmup, sync)
+        res[label] = {"losses": losses, "s": seconds, "warmup_s": warm,
                       "peak": torch.cuda.max_memory_allocated(device) if gpu else None,
                       "reserved": torch.cuda.max_memory_reserved(device) if gpu else None}
         del model, opt, step_model, on_device
@@ -221,12 +231,13 @@ def main() -> None:
     step = forward_backward(model)
     if not args.no_replay:
         step = gtmpi.replayable(step)
-    losses, seconds = train(step, opt, on_workers, steps, warmup, gtmpi.synchronize,
-                            (lambda: gtmpi.trace.start(args.trace)) if args.trace else None)
+    losses, seconds, warm = train(step, opt, on_workers, steps, warmup, gtmpi.synchronize,
+                                  (lambda: gtmpi.trace.start(args.trace)) if args.trace else None)
     if args.trace:
         gtmpi.trace.stop()
     after = gtmpi.debug.worker_stats()[home]
-    res["gtmpi"] = {"losses": losses, "s": seconds, "peak": after.get("peak_bytes"),
+    res["gtmpi"] = {"losses": losses, "s": seconds, "warmup_s": warm,
+                    "peak": after.get("peak_bytes"),
                     "weights": weights,
                     "reserved": after.get("peak_reserved_bytes"),
                     "instructions": (after["ops"] - before["ops"] - 1) / (warmup + steps),
@@ -245,7 +256,7 @@ def main() -> None:
     print(f"device {device} ({name}, {platform.node()}); gtmpi: {len(world['workers'])} worker(s)"
           f"{' (embedded)' if world['embedded'] else ' (mpiexec)'}; torch {torch.__version__}")
     print(f"{'':<10} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'peak GB':>9} {'reserved GB':>12} "
-          f"{'first loss':>11} {'last loss':>10}")
+          f"{'first loss':>11} {'last loss':>10} {'warm-up s':>10}")
     for label, r in res.items():
         r["tokens_per_s"] = (share if label == "torch/gpu" else args.batch) * c.seq / r["s"]
         gpus = len(world["workers"]) if label == "gtmpi" and gpu else 1  # MFU per GPU used
@@ -253,12 +264,15 @@ def main() -> None:
         mfu = f"{r['mfu'] * 100:6.1f}%" if r["mfu"] is not None else f"{'-':>7}"
         mem = f"{r['peak'] / 1e9:9.2f} {r['reserved'] / 1e9:12.2f}" if r["peak"] else f"{'-':>9} {'-':>12}"
         print(f"{label:<10} {r['s'] * 1e3:9.2f} {r['tokens_per_s']:11.0f} {mfu} {mem} "
-              f"{r['losses'][0]:11.4f} {r['losses'][-1]:10.4f}")
+              f"{r['losses'][0]:11.4f} {r['losses'][-1]:10.4f} {r['warmup_s']:10.1f}")
     g = res["gtmpi"]
     print(f"gtmpi: {g['instructions'] + g['graphed']:.0f} worker instructions per step, "
           f"{'replayed from the second step on' if not args.no_replay else 'each issued by rank 0'}"
           f"; {g['graphed']:.0f} of them in CUDA graphs, {g['launches']:.2f} graph launches per "
           f"step ({gtmpi.debug.graph_notes() or 'no graph tried'})")
+    compiles = [line.strip() for line in _explained().splitlines() if "compiled" in line]
+    if compiles:  # GTMPI_COMPILE: each program's compile time, or why it was not compiled
+        print("gtmpi: " + "\ngtmpi: ".join(compiles))
     inserted = {kind: (round(n, 2), round(b / 1e6, 2))
                 for kind, (n, b) in res["gtmpi"]["collectives"].items()}
     print(f"gtmpi: collectives and transfers per step on the first worker, (count, MB): "
@@ -282,13 +296,20 @@ def main() -> None:
         out.update({f"{label}_ms": round(r["s"] * 1e3, 3), f"{label}_tokens_per_s": round(r["tokens_per_s"]),
                     f"{label}_mfu": None if r["mfu"] is None else round(r["mfu"], 4),
                     f"{label}_peak_bytes": r["peak"], f"{label}_reserved_bytes": r["reserved"],
-                    f"{label}_losses": [round(v, 5) for v in r["losses"]]})
+                    f"{label}_losses": [round(v, 5) for v in r["losses"]],
+                    f"{label}_warmup_s": round(r["warmup_s"], 2)})
     if "torch" in res:
         t, g = res["torch"], res["gtmpi"]
         out["speed_ratio"] = round(g["tokens_per_s"] / t["tokens_per_s"], 4)
         out["memory_ratio"] = round(g["peak"] / t["peak"], 4) if t["peak"] else None
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         out["first_losses_agree"] = abs(g["losses"][0] - t["losses"][0]) <= tol * abs(t["losses"][0])
+        if "compile" in res:
+            out["speed_ratio_compiled"] = round(g["tokens_per_s"] / res["compile"]["tokens_per_s"], 4)
+            out["memory_ratio_compiled"] = round(g["peak"] / res["compile"]["peak"], 4) \
+                if res["compile"]["peak"] else None
+            print(f"gtmpi/torch.compile: speed {out['speed_ratio_compiled']:.3f}, peak memory "
+                  f"{out['memory_ratio_compiled'] or '-'}")
         if "torch_fused" in res:
             out["speed_ratio_fused"] = round(g["tokens_per_s"] / res["torch_fused"]["tokens_per_s"], 4)
             print(f"gtmpi/torch with AdamW(fused=True): speed {out['speed_ratio_fused']:.3f}")

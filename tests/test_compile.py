@@ -16,6 +16,7 @@ from conftest import HOME_DEVICE
 from gtmpi.client.runtime import runtime
 from test_capture import _loop
 from test_dp_ops import CASES, INPUTS, GRAD, _backward, _results
+from test_replay import WORKERS, _train, data_parallel, spread, tensor_parallel_run
 
 GRAPHS = "1" if HOME_DEVICE.type == "cuda" else "emulate"
 
@@ -75,6 +76,42 @@ def test_dropout_compiled_draws_the_same_masks_run_after_run(monkeypatch):
     assert abs(kept.float().mean().item() - 0.7) < 0.002
 
 
+def test_attention_dropout_compiled_drops_the_same_probabilities_forward_and_backward(
+        monkeypatch):
+    """With the values the identity, attention's output is its dropped probabilities P; the
+    values' gradient of sum(out * w) is P^T w only if the backward's recompute drew the
+    forward's mask."""
+    monkeypatch.setenv("GTMPI_COMPILE", "fx")
+    gen = torch.Generator().manual_seed(5)
+    T = 16
+    q, k = (gtmpi.tensor(torch.randn(2, 2, T, 8, generator=gen)).requires_grad_()
+            for _ in range(2))
+    v = gtmpi.tensor(torch.eye(T).expand(2, 2, T, T).contiguous()).requires_grad_()
+    w = gtmpi.tensor(torch.randn(2, 2, T, T, generator=gen))
+
+    @gtmpi.replayable
+    def step(q, k, v):
+        out = gtmpi.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5,
+                                                                is_causal=True)
+        (out * w).sum().backward()
+        return out.detach()
+
+    before = _compiles()
+    outs = []
+    for _ in range(5):
+        q.grad = k.grad = v.grad = None
+        outs.append(step(q, k, v).cpu_torch())
+    compiled, refused = (a - b for a, b in zip(_compiles(), before))
+    assert (compiled, refused) == (1, 0), _explained()
+    probs = outs[-1]
+    torch.testing.assert_close(v.grad.cpu_torch(), probs.transpose(-2, -1) @ w.cpu_torch())
+    below = torch.ones(T, T, dtype=torch.bool).tril()
+    assert (probs[..., ~below] == 0).all()  # causal
+    dropped = (probs[..., below] == 0).float().mean().item()
+    assert 0.4 < dropped < 0.6, dropped
+    assert not torch.equal(outs[-1], outs[-2])  # a mask of its own each call
+
+
 def test_a_program_drawing_what_cannot_be_counted_is_replayed_uncompiled_and_says_why(
         monkeypatch):
     monkeypatch.setenv("GTMPI_COMPILE", "fx")
@@ -90,6 +127,51 @@ def test_a_program_drawing_what_cannot_be_counted_is_replayed_uncompiled_and_say
     compiled, refused = (a - b for a, b in zip(_compiles(), before))
     assert (compiled, refused) == (0, 1)
     assert "not compiled: RuntimeError: it draws random numbers by randn" in _explained()
+
+
+@spread
+@pytest.mark.parametrize("layout", [data_parallel, tensor_parallel_run],
+                         ids=["data", "tensor"])
+def test_parallel_programs_compile_with_their_collectives_and_give_eager_numbers(
+        layout, monkeypatch):
+    """A data (tensor) parallel step's programs hold the gradients' sums (Megatron's sums):
+    traced as torch's functional collectives, they move what eager replay moves, and every
+    loss and gradient is eager replay's bit for bit."""
+    gtmpi.debug.strict_placement()
+    try:
+        monkeypatch.setenv("GTMPI_COMPILE", "0")
+        plain = _train(True, *layout())
+        monkeypatch.setenv("GTMPI_COMPILE", "fx")
+        before = _compiles()
+        got = _train(True, *layout())
+    finally:
+        gtmpi.debug.strict_placement(False)
+    compiled, refused = (a - b for a, b in zip(_compiles(), before))
+    assert refused == 0 and compiled >= len(WORKERS), _explained()
+    assert got[0] == plain[0]
+    for key, grad in plain[1].items():
+        assert torch.equal(got[1][key], grad), key
+    moved = got[2][WORKERS[0]]
+    assert moved == plain[2][WORKERS[0]] and moved.get("all_reduce", 0) > 0, (moved, plain[2])
+
+
+@spread
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_programs_compile_with_their_reduce_scatters_and_gathers(zero, monkeypatch):
+    """ZeRO-2's gradients reduce-scattered in buckets, ZeRO-3's weights gathered too: traced as
+    functional collectives, bit for bit eager replay's losses and weights."""
+    from test_zero import _train as zero_train
+    monkeypatch.setenv("GTMPI_COMPILE", "0")
+    plain = zero_train(zero, "adamw", steps=5, replay=True)
+    monkeypatch.setenv("GTMPI_COMPILE", "fx")
+    before = _compiles()
+    got = zero_train(zero, "adamw", steps=5, replay=True)
+    compiled, refused = (a - b for a, b in zip(_compiles(), before))
+    assert refused == 0 and compiled >= len(WORKERS), _explained()
+    assert got["losses"] == plain["losses"]
+    for a, b in zip(got["weights"], plain["weights"]):
+        assert torch.equal(a, b)
+    assert got["ran"] == plain["ran"] and got["ran"].get("reduce_scatter", 0) > 0, got["ran"]
 
 
 def _case(fn, names: str, calls: int) -> tuple[list, list]:
@@ -156,8 +238,16 @@ def test_inductors_numbers_agree_within_rounding(monkeypatch):
     assert "(compiled by Inductor in" in _explained()
 
 
+@pytest.mark.skipif(HOME_DEVICE.type == "cuda", reason="auto compiles on GPU workers")
+def test_auto_compiles_nothing_on_cpu_workers(monkeypatch):
+    monkeypatch.setenv("GTMPI_COMPILE", "auto")
+    before = _compiles()
+    _loop("1", monkeypatch, _adamw, 5)
+    assert _compiles() == before  # none compiled, none refused
+
+
 def test_an_unknown_compile_mode_is_named(monkeypatch):
     monkeypatch.setenv("GTMPI_COMPILE", "fast")
-    with pytest.raises(ValueError, match="GTMPI_COMPILE='fast': one of 0, 1, fx"):
+    with pytest.raises(ValueError, match="GTMPI_COMPILE='fast': one of 0, 1, auto, fx"):
         _loop("1", monkeypatch, _adamw, 4)
     runtime()  # the session goes on

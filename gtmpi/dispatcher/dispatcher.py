@@ -747,9 +747,10 @@ def _reads(ins: tuple, ids: set[int]) -> bool:
 
 def compile_mode() -> str:
     """What a capture asks its workers to compile with (GTMPI_COMPILE; worker/compiled.py):
-    '' (0, the default), 'inductor' (1) or 'fx' (the traced graph run as it is)."""
+    '' (0, the default), 'inductor' (1), 'auto' (Inductor on GPU workers, where a compiled
+    program's kernels win, and none on CPU workers) or 'fx' (the traced graph run as it is)."""
     value = os.environ.get("GTMPI_COMPILE", "0")
-    modes = {"0": "", "1": "inductor", "inductor": "inductor", "fx": "fx"}
+    modes = {"0": "", "1": "inductor", "inductor": "inductor", "auto": "auto", "fx": "fx"}
     if value not in modes:
-        raise ValueError(f"GTMPI_COMPILE={value!r}: one of 0, 1, fx")
+        raise ValueError(f"GTMPI_COMPILE={value!r}: one of 0, 1, auto, fx")
     return modes[value]

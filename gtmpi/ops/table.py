@@ -25,7 +25,6 @@ from enum import Enum
 from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import files, fused_rows
@@ -515,14 +514,16 @@ class Redo(Graph):
         self.fn, self.args, self.kw, self.grads = fn, tuple(args), kw, tuple(grads)
         self.saved, self.back = tuple(saved), back
         self.output, self.finish, self.slots = None, None, None
-        self.leaves = [a for a in self.args + self.saved if isinstance(a, torch.Tensor)]
+        # a keyword's tensor too: a counted dropout's seed (worker/compiled.py)
+        self.leaves = [a for a in self.args + self.saved + tuple(kw.values())
+                       if isinstance(a, torch.Tensor)]
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> "Redo":
         """The same record over other tensors, in the order of ``leaves``."""
         it = iter(tensors)
-        args, saved = (tuple(next(it) if isinstance(a, torch.Tensor) else a for a in part)
-                       for part in (self.args, self.saved))
-        return Redo(self.fn, args, self.kw, self.grads, saved, self.back)
+        args, saved, values = (tuple(next(it) if isinstance(a, torch.Tensor) else a for a in part)
+                               for part in (self.args, self.saved, tuple(self.kw.values())))
+        return Redo(self.fn, args, dict(zip(self.kw, values)), self.grads, saved, self.back)
 
     def backward(self, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.back is not None:
@@ -642,43 +643,52 @@ def _embedding(indices, weight, padding_idx, offset=None, group=None, plane=None
         inside.unsqueeze(-1).to(weight.dtype)
 
 
-class _VocabCrossEntropy(torch.autograd.Function):
+def _vocab_loss(logits, target, offset, ignore_index, reduction, plane, group) -> tuple:
     """Megatron's parallel cross-entropy: logits split along the classes, each member holding
     the classes from ``offset`` on. Three all-reduces of one number per row (the largest of
     the pieces' log-sum-exps, the sum of their exponentials, the target's logit) give every
-    member the whole loss; the gradient is each member's piece of softmax minus one-hot, made
-    again from the logits and the log-sum-exp (what is kept: the logits, as torch keeps the
-    log-probabilities), with no communication."""
+    member the whole loss. Returns (the loss, what its gradient is made from: the logits and
+    the log-sum-exp, as torch keeps the log-probabilities)."""
+    width = logits.shape[1]
+    lse = _row_lse(logits)
+    top = lse.clone()
+    _all_reduce(top, "max", plane, group)
+    total = torch.exp(lse - top)
+    _all_reduce(total, "sum", plane, group)
+    lse = top + total.log()
+    local = (target - offset).clamp(0, width - 1)
+    valid = target != ignore_index
+    hit = (target - offset >= 0) & (target - offset < width) & valid
+    picked = logits.gather(1, local[:, None])[:, 0].float() * hit
+    _all_reduce(picked, "sum", plane, group)
+    losses = (lse - picked) * valid
+    count = valid.sum()
+    loss = losses.sum() / count if reduction == "mean" else \
+        losses.sum() if reduction == "sum" else losses
+    return loss.to(logits.dtype), (logits, lse, local, hit, valid, count)
 
+
+def _vocab_grad(g, saved: tuple, reduction: str) -> torch.Tensor:
+    """The parallel cross-entropy's gradient: each member's piece of softmax minus one-hot,
+    made again from the logits and the log-sum-exp, with no communication."""
+    logits, lse, local, hit, valid, count = saved
+    scale = g.float() / count if reduction == "mean" else g.float()
+    return _softmax_minus_onehot(logits, lse, torch.where(hit, local, -1),
+                                 (valid * scale).expand(valid.shape))
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, offset, ignore_index, reduction, plane, group):
-        width = logits.shape[1]
-        lse = _row_lse(logits)
-        top = lse.clone()
-        _all_reduce(top, dist.ReduceOp.MAX, plane, group)
-        total = torch.exp(lse - top)
-        _all_reduce(total, dist.ReduceOp.SUM, plane, group)
-        lse = top + total.log()
-        local = (target - offset).clamp(0, width - 1)
-        valid = target != ignore_index
-        hit = (target - offset >= 0) & (target - offset < width) & valid
-        picked = logits.gather(1, local[:, None])[:, 0].float() * hit
-        _all_reduce(picked, dist.ReduceOp.SUM, plane, group)
-        losses = (lse - picked) * valid
-        count = valid.sum()
-        ctx.save_for_backward(logits, lse, local, hit, valid, count)
+        loss, saved = _vocab_loss(logits, target, offset, ignore_index, reduction, plane, group)
+        ctx.save_for_backward(*saved)
         ctx.reduction = reduction
-        loss = losses.sum() / count if reduction == "mean" else \
-            losses.sum() if reduction == "sum" else losses
-        return loss.to(logits.dtype)
+        return loss
 
     @staticmethod
     def backward(ctx, g):
-        logits, lse, local, hit, valid, count = ctx.saved_tensors
-        scale = g.float() / count if ctx.reduction == "mean" else g.float()
-        grad = _softmax_minus_onehot(logits, lse, torch.where(hit, local, -1),
-                                     (valid * scale).expand(valid.shape))
-        return grad, None, None, None, None, None, None
+        return _vocab_grad(g, ctx.saved_tensors, ctx.reduction), None, None, None, None, None, \
+            None
 
 
 def _row_lse(logits: torch.Tensor) -> torch.Tensor:
@@ -780,10 +790,11 @@ def _linear_cross_entropy(x, weight, target, bias, ignore_index, reduction, chun
                                      cast, float32, rounded, compact)
 
 
-def _all_reduce(t: torch.Tensor, op: Any, plane: Any, group: int) -> None:
-    """In place over the plane's group; a dry run's meta tensors have no values to sum."""
+def _all_reduce(t: torch.Tensor, op: str, plane: Any, group: int) -> None:
+    """In place over the plane's group (``op``: sum, max); a dry run's meta tensors have no
+    values to sum."""
     if t.device.type != "meta":
-        plane.wait(dist.all_reduce(t, op, group=plane.groups[group], async_op=True))
+        plane.wait(plane.start_all_reduce(t, group, op))
 
 
 _cross_entropy_from_logits = _recorded(_cross_entropy)
@@ -863,7 +874,21 @@ def _attention_saved_backward(g, args: tuple, saved: tuple, grads: tuple) -> tup
 
 # fused rows with a form for compiled replay that keeps what their backward kernel reads:
 # NAME -> (forward: (result, saved) or None, backward(g, operands, saved, grads))
-SAVED_FORMS = {"scaled_dot_product_attention": (_attention_saving, _attention_saved_backward)}
+def _vocab_saving(x, target, ignore_index, reduction, label_smoothing, offset=None, group=None,
+                  plane=None, nll_float32=False):
+    """The vocabulary-parallel cross-entropy under compiled replay: (its loss, what its
+    gradient reads); None for the whole classes (its Redo recomputes torch's)."""
+    if offset is None:
+        return None
+    loss, saved = _vocab_loss(x, target, offset, ignore_index, reduction, plane, group)
+    return loss, saved + (reduction,)
+
+
+SAVED_FORMS = {
+    "scaled_dot_product_attention": (_attention_saving, _attention_saved_backward),
+    "cross_entropy": (_vocab_saving,
+                      lambda g, args, saved, grads: (_vocab_grad(g, saved[:-1], saved[-1]),)),
+}
 _FUSED_INDICES = {
     # the vocabulary-parallel embedding keeps each member's indices inside its rows itself
     "embedding": lambda a, kw: [] if kw.get("offset") is not None else [IndexArg(0, a[1].shape[0])],

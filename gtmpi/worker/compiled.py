@@ -17,15 +17,21 @@ The trace (make_fx over fake tensors: nothing runs, nothing is written):
            graph, which Inductor functionalizes and copies back to the inputs at the end
   outputs  what the program leaves that eager replay would leave: each tensor it makes and
            does not free, and the operands of the records it makes
-  random   dropout's mask and rand draw from a counter-based hash of their seed and each
+  random   dropout's mask, attention's dropout and rand draw from a counter-based hash of their seed and each
            element's index (splitmix64), traced as integer arithmetic that Inductor fuses into
            their users; each op's seed is an input of the program, a buffer set before each
            launch to the seed it gets as written (ops/table.py derive_seed): the same seed
            draws the same numbers run after run, not torch's numbers
-Refused with the reason, and replayed as today: control words but frees, collectives, other
-random ops (randn, randint, multinomial, attention's dropout), kernels that talk to other
-workers, a read of an autograd record of an uncompiled program, and whatever the trace or
-Inductor raises.
+  collectives  the data parallel sums, tensor parallel sums and gathers, ZeRO's
+           reduce-scatters and gathers: the worker's own kernels (worker/dataplane.py) over a
+           TracedPlane, whose collectives are torch's functional ones (aten ops, waited for
+           where they start); on gloo the compiled program runs on the plane's waiting
+           thread, as a gloo wait does, while the worker takes what rank 0 sends
+           (and the kernels that sum their own pieces: a vocabulary-parallel loss, whose
+           Redo keeps its log-sum-exp, SAVED_FORMS, as no collective is run again backward)
+Refused with the reason, and replayed as today: control words but frees, sends, receives and
+all-to-alls, a server's client's collectives, other random ops (randn, randint, multinomial), a read of an autograd record of an uncompiled program, and whatever the
+trace or Inductor raises.
 
 Modes (GTMPI_COMPILE, read on rank 0 and sent with each capture): 0 (the default: off), 1
 (Inductor), fx (the traced graph run as it is: the translation checked against eager replay on
@@ -42,8 +48,11 @@ import torch
 
 from ..ops.table import FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, Seed, derive_seed
 from . import graphs
+from .dataplane import DataPlane, TracedPlane
 
-_ACROSS = ("group", "plane", "offset")  # keywords of kernels that split work over workers
+# the collectives a trace takes: each a kernel of the data plane over a TracedPlane
+_TRACED_COMM = {"all_reduce", "all_reduce_", "all_reduce_bucket", "all_gather",
+                "all_gather_many", "gather_pieces", "reduce_scatter", "reduce_scatter_bucket"}
 
 
 def refusal(program: list[tuple]) -> str | None:
@@ -56,10 +65,8 @@ def refusal(program: list[tuple]) -> str | None:
         if op is None:
             if name != "free":
                 return f"it holds the control word '{name}'"
-        elif op.kind is Kind.COMM:
-            return f"it holds a collective ({name})"
-        elif kw and any(kw.get(k) is not None for k in _ACROSS):
-            return f"its {name} talks to other workers"
+        elif op.kind is Kind.COMM and name not in _TRACED_COMM:
+            return f"it holds a {name}"
     return None
 
 
@@ -68,7 +75,8 @@ class Compiled:
 
     def __init__(self, fn: Callable[..., Any], inputs: list[tuple[int, Any]],
                  outputs: list[tuple[int, Any]], freed: list[int], seconds: float,
-                 mode: str, seeds: list[tuple[int, torch.Tensor]]) -> None:
+                 mode: str, seeds: list[tuple[int, torch.Tensor]],
+                 plane: DataPlane | None = None, comm: dict | None = None) -> None:
         self.fn = fn
         self.inputs = inputs  # (id, layout): what each input is (_flat)
         self.seeds = seeds  # each random op's (offset among the call's, its seed's buffer)
@@ -76,6 +84,8 @@ class Compiled:
         self.freed = freed  # inputs the program frees
         self.seconds = seconds  # tracing and compiling
         self.mode = mode
+        self.plane = plane  # the worker's, where the program holds collectives
+        self.comm = comm or {}  # what one run moves: kind -> [count, bytes]
 
     def seed(self, seeds: tuple[int, int] | None) -> None:
         """Before a launch: each random op's seed as written, from (session seed, count
@@ -90,7 +100,14 @@ class Compiled:
         for tid, _ in self.inputs:
             _flat(env[tid], flat)
         flat += [buffer for _, buffer in self.seeds]
-        results = iter(self.fn(*flat))
+        if self.plane is None:
+            results = iter(self.fn(*flat))
+        else:
+            results = iter(self.plane.call(lambda: self.fn(*flat)))
+            for kind, (count, nbytes) in self.comm.items():
+                entry = self.plane.stats[kind]
+                entry[0] += count
+                entry[1] += nbytes
         for tid, layout in self.outputs:
             env[tid] = _unflat(layout, results)
         for tid in self.freed:
@@ -102,10 +119,10 @@ class Compiled:
 
 
 def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any],
-                    mode: str, device: torch.device) -> Compiled:
+                    mode: str, device: torch.device, plane: DataPlane | None = None) -> Compiled:
     """``program`` (its sizes and seeds given) compiled for the values ``env`` holds now under
-    ``inputs`` (the ids it binds and reads from before). Raises with the reason where it
-    cannot be."""
+    ``inputs`` (the ids it binds and reads from before), its collectives over ``plane``.
+    Raises with the reason where it cannot be."""
     why = refusal(program)
     if why is not None:
         raise RuntimeError(why)
@@ -118,11 +135,13 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
                                "replayed uncompiled")
         layouts.append((tid, _layout(value)))
         _flat(value, flat)
-    seeds = [(program[i][2][j].offset, torch.zeros((), dtype=torch.int64, device=device))
-             for i, at, _ in graphs.seeded(program) for j in at]
+    seeds = [(seed.offset, torch.zeros((), dtype=torch.int64, device=device))
+             for i, at, keys in graphs.seeded(program)
+             for seed in [program[i][2][j] for j in at] + [program[i][4][k] for k in keys]]
     flat += [buffer for _, buffer in seeds]
     made: dict[str, Any] = {}
-    fn = _function(program, layouts, made, device, len(seeds))
+    tracing = TracedPlane(plane) if any(map(_talks, program)) else None
+    fn = _function(program, layouts, made, device, len(seeds), tracing)
     from torch.fx.experimental.proxy_tensor import make_fx
     traced = make_fx(fn, tracing_mode="fake")(*flat)
     if mode == "inductor":
@@ -134,11 +153,13 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
     else:
         run = traced
     return Compiled(run, layouts, made["outputs"], made["freed"],
-                    time.perf_counter() - start, mode, seeds)
+                    time.perf_counter() - start, mode, seeds, tracing and plane,
+                    tracing and dict(tracing.stats))
 
 
 def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[str, Any],
-              device: torch.device, seeded: int) -> Callable[..., list[torch.Tensor]]:
+              device: torch.device, seeded: int,
+              plane: TracedPlane | None) -> Callable[..., list[torch.Tensor]]:
     """The program as a function of its flat inputs (the last ``seeded`` its random ops'
     seeds, in order), returning its flat outputs; what the outputs are (their ids and
     layouts) and which inputs it frees go into ``made``."""
@@ -147,7 +168,8 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
         seeds = iter(flat[len(flat) - seeded:])
         env = {tid: _unflat(layout, it) for tid, layout in layouts}
         given = dict(env)
-        for name, out, args, tmask, kw in program:
+        for ins in program:
+            name, out, args, tmask, kw = ins
             if name == "free":
                 for tid in args:
                     env.pop(tid, None)
@@ -157,11 +179,16 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
                 args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
             if op.kind is Kind.CREATE:
                 kw = {**(kw or {}), "device": device}
-            if name in _COUNTED:
+            elif _talks(ins):
+                kw = {**kw, "plane": plane}
+            counted = _COUNTED.get(name) if _drawn(args, kw) else None
+            if counted is not None:  # each Seed its buffer, in seeded()'s order
                 args = [next(seeds) if type(a) is Seed else a for a in args]
-                res = _COUNTED[name](*args, **kw)
-            elif name in FUSED_FNS and kw and kw.get("grads"):
-                res = _redone(name, args, kw)
+                kw = kw and {k: next(seeds) if type(v) is Seed else v for k, v in kw.items()}
+            if name in FUSED_FNS and kw and kw.get("grads"):
+                res = _redone(counted or FUSED_FNS[name], name, args, kw)
+            elif counted is not None:
+                res = counted(*args, **kw) if kw else counted(*args)
             else:
                 res = op.kernel(*args, **kw) if kw else op.kernel(*args)
             if type(out) is int:
@@ -179,9 +206,23 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
     return run
 
 
-def _redone(name: str, args: list, kw: dict) -> tuple[Any, Redo]:
-    """A fused op with gradients: its result and its Redo record (ops/table.py)."""
-    fn, grads = FUSED_FNS[name], kw["grads"]
+def _drawn(args: tuple, kw: dict | None) -> bool:
+    """Whether an instruction draws random numbers (a Seed among its arguments)."""
+    return any(type(a) is Seed for a in args) or bool(kw) and any(type(v) is Seed
+                                                                  for v in kw.values())
+
+
+def _talks(ins: tuple) -> bool:
+    """Whether an instruction runs collectives: one itself, or a kernel that sums its pieces
+    over its group (a vocabulary-parallel loss, a row-parallel layer's overlapped sums)."""
+    op, kw = OPS.get(ins[0]), ins[4]
+    return op is not None and (op.kind is Kind.COMM or bool(kw) and kw.get("group") is not None)
+
+
+def _redone(fn: Callable[..., Any], name: str, args: list, kw: dict) -> tuple[Any, Redo]:
+    """A fused op ``name`` with gradients, ``fn`` its forward: its result and its Redo record
+    (ops/table.py)."""
+    grads = kw["grads"]
     rest = {k: v for k, v in kw.items() if k != "grads"}
     forms = SAVED_FORMS.get(name)
     with torch.no_grad():
@@ -211,11 +252,31 @@ def _uniform(shape: tuple, seed: torch.Tensor, device: torch.device) -> torch.Te
     return (_shifted(z, 40).to(torch.float32) * 2.0 ** -24).view(shape)
 
 
+def _attention(q, k, v, mask, dropout_p, is_causal, scale, seed=None) -> torch.Tensor:
+    """Attention with dropout, composed (torch's math form) so that its dropout can draw by
+    counting: the probabilities of each query row, dropped where the hash says, times the
+    values. Its Redo recomputes it in the backward (no flash kernel keeps a mask)."""
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        rows, cols = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=q.device)
+                                    .tril().logical_not(), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == \
+            torch.bool else scores + mask
+    probs = torch.softmax(scores, -1)
+    if seed is not None and dropout_p:
+        keep = _uniform(tuple(probs.shape), seed, q.device) >= dropout_p
+        probs = probs * keep / (1 - dropout_p)
+    return probs @ v
+
+
 # the random ops a compiled program draws by counting: the kernels of their table rows with a
 # seed tensor in place of the seed
 _COUNTED = {
     "dropout_mask": lambda shape, p, seed, device: _uniform(shape, seed, device) >= p,
     "rand": lambda shape, dtype, seed, device: _uniform(shape, seed, device).to(dtype),
+    "scaled_dot_product_attention": _attention,
 }
 
 

@@ -34,6 +34,8 @@ SENDS_IN_FLIGHT = 8  # unfinished sends a worker keeps before it waits for the o
 
 
 class DataPlane:
+    COALESCES = True  # several collectives in one NCCL launch (torch's coalescing manager)
+
     def __init__(self, rank: int, device: torch.device, workers_comm: Any,
                  take_waiting: Callable[[], None] = lambda: None,
                  client: tuple[Meeting, int, Callable[[], str | None]] | None = None) -> None:
@@ -138,14 +140,35 @@ class DataPlane:
         has the receive this one waits for never gets it. So gloo is waited for on a thread
         of its own while this one takes what rank 0 sends (HostLink.take_waiting); NCCL's
         wait only orders the GPU's streams."""
+        self.call(work.wait)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """fn() run to its end (a compiled program with collectives inside, worker/compiled.py)
+        while this worker takes what rank 0 sends, as wait does for gloo's collectives."""
         if self.backend == "nccl":
-            work.wait()
-            return
+            return fn()
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(1, thread_name_prefix="gloo-wait")
-        done = self._waiter.submit(work.wait)
-        self._until(done.done, work)
-        done.result()  # the collective's error, if it failed
+        done = self._waiter.submit(fn)
+        self._until(done.done, done)
+        return done.result()  # what fn returned, or raised
+
+    # the collectives themselves, started (not waited for) in a member's group: their works
+    def start_all_reduce(self, t: torch.Tensor, group: int, op: str = "sum") -> Any:
+        """t reduced over the group (``op``: sum, max), in place."""
+        return dist.all_reduce(t, getattr(dist.ReduceOp, op.upper()), group=self.groups[group],
+                               async_op=True)
+
+    def _gather(self, out: torch.Tensor, piece: torch.Tensor, group: int) -> Any:
+        """Every member's piece into ``out``, members outermost."""
+        return _ALL_GATHER(out, piece, group=self.groups[group], async_op=True)
+
+    def _scatter(self, out: torch.Tensor, whole: torch.Tensor, group: int) -> Any:
+        """``whole`` (members' parts outermost) summed over the group: this member's part."""
+        return _REDUCE_SCATTER(out, whole, group=self.groups[group], async_op=True)
+
+    def _laid(self, parts: tuple) -> torch.Tensor:
+        return _flat(parts)
 
     def _until(self, test: Callable[[], bool], pending: Any) -> None:
         """Take what rank 0 sends until ``test()``; a server's client dropped meanwhile (its
@@ -179,7 +202,7 @@ class DataPlane:
         if self._client is not None:
             self._meet(("all_reduce", x.numel(), str(x.dtype)), group)
         y = x if inplace else x.clone()
-        self.wait(dist.all_reduce(y, group=self.groups[group], async_op=True))
+        self.wait(self.start_all_reduce(y, group))
         self._count("all_reduce", y)
         return y
 
@@ -188,7 +211,7 @@ class DataPlane:
         read (a kernel's own reduction, overlapping what the kernel computes next)."""
         if self._client is not None:
             self._meet(("all_reduce", x.numel(), str(x.dtype)), group)
-        self._works.append(dist.all_reduce(x, group=self.groups[group], async_op=True))
+        self._works.append(self.start_all_reduce(x, group))
         self._count("all_reduce", x)
 
     def reduce_bucket(self, xs: tuple[torch.Tensor, ...], group: int) -> tuple[torch.Tensor, ...]:
@@ -198,7 +221,7 @@ class DataPlane:
         if self._client is not None:
             self._meet(("all_reduce", sum(x.numel() for x in xs), str(xs[0].dtype)), group)
         flat = torch.cat([x.reshape(-1) for x in xs])
-        self._works.append(dist.all_reduce(flat, group=self.groups[group], async_op=True))
+        self._works.append(self.start_all_reduce(flat, group))
         self._count("all_reduce", flat)
         return views_of(flat, [x.shape for x in xs])
 
@@ -219,12 +242,11 @@ class DataPlane:
         flat = torch.cat(parts)
         self._count("reduce_scatter", flat)
         if self.backend != "nccl":
-            self.wait(dist.all_reduce(flat, group=self.groups[group], async_op=True))
+            self.wait(self.start_all_reduce(flat, group))
             out = flat.narrow(0, index * top, counts[index]).clone()
         else:
             out = flat.new_empty(top)
-            self._works.append(_REDUCE_SCATTER(out, flat, group=self.groups[group],
-                                               async_op=True))
+            self._works.append(self._scatter(out, flat, group))
         return views_of(out, mine)
 
     def all_gather_many(self, xs: tuple[torch.Tensor, ...], group: int,
@@ -237,14 +259,14 @@ class DataPlane:
                        group)
         pieces = [x.contiguous() for x in xs]
         outs = [p.new_empty((members * p.shape[0], *p.shape[1:])) for p in pieces]
-        if self.backend == "nccl":
+        if self.backend == "nccl" and self.COALESCES:
             with dist._coalescing_manager(group=self.groups[group], async_ops=True) as together:
                 for out, piece in zip(outs, pieces):
                     _ALL_GATHER(out, piece, group=self.groups[group])
             self._works.append(together)
         else:
             for out, piece in zip(outs, pieces):
-                self.wait(_ALL_GATHER(out, piece, group=self.groups[group], async_op=True))
+                self.wait(self._gather(out, piece, group))
         for piece in pieces:
             self._count("all_gather", piece)
         return tuple(outs)
@@ -267,7 +289,7 @@ class DataPlane:
         # into one buffer, members outermost: no copy out of a list of parts, and pieces of
         # one size along dim 0 are the whole already (a view); along another dim, one copy
         flat = piece.new_empty((len(sizes) * piece.shape[0], *piece.shape[1:]))
-        work = _ALL_GATHER(flat, piece, group=self.groups[group], async_op=True)
+        work = self._gather(flat, piece, group)
         self._count("all_gather", piece)
         if ahead and dim == 0 and len(set(sizes)) == 1:
             self._works.append(work)
@@ -291,9 +313,9 @@ class DataPlane:
         rows = [w[0].numel() for w in wholes]  # elements per row
         members = len(sizes[0])
         counts, top, _ = bucket_rows(wholes, sizes, 0)
-        flat = _pad(_flat(pieces), 0, top)
+        flat = _pad(self._laid(pieces), 0, top)
         out = flat.new_empty(members * top)
-        self.wait(_ALL_GATHER(out, flat, group=self.groups[group], async_op=True))
+        self.wait(self._gather(out, flat, group))
         self._count("all_gather", flat)
         starts = [[sum(n[:m]) for m in range(members)] for n in sizes]
         dst, src = [], []
@@ -316,23 +338,19 @@ class DataPlane:
             self._meet(("reduce_scatter", dim, sizes, tuple(x.shape), str(x.dtype)), group)
         if self.backend != "nccl":  # counted as what it stands for, as a dry run counts it
             whole = x.clone()
-            self.wait(dist.all_reduce(whole, group=self.groups[group], async_op=True))
+            self.wait(self.start_all_reduce(whole, group))
             self._count("reduce_scatter", x)
             # a copy: the piece, a view, would keep the whole sum alive (ZeRO-2's and -3's
             # gradients would cost what they save)
             return whole.narrow(dim, sum(sizes[:index]), sizes[index]).clone()
-        if len(set(sizes)) == 1:  # members' pieces outermost in one buffer (along dim 0: x)
-            whole = x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).contiguous()
-            out = whole.new_empty(whole.shape[1:])
-            work = _REDUCE_SCATTER(out, whole, group=self.groups[group], async_op=True)
-            self._count("reduce_scatter", x)
-            self.wait(work)
-            return out
-        pieces = list(torch.split(x.contiguous(), list(sizes), dim))
         longest = max(sizes)
-        padded = [_pad(p, dim, longest) for p in pieces]
-        out = torch.empty_like(padded[0])
-        self.wait(dist.reduce_scatter(out, padded, group=self.groups[group], async_op=True))
+        # members' pieces outermost in one buffer (along dim 0: x itself), uneven ones padded
+        if len(set(sizes)) == 1:
+            whole = x.unflatten(dim, (len(sizes), longest)).movedim(dim, 0).contiguous()
+        else:
+            whole = torch.stack([_pad(p, dim, longest) for p in torch.split(x, list(sizes), dim)])
+        out = whole.new_empty(whole.shape[1:])
+        self.wait(self._scatter(out, whole, group))
         self._count("reduce_scatter", x)
         return out if sizes[index] == longest else out.narrow(dim, 0, sizes[index]).clone()
 
@@ -452,6 +470,46 @@ class DataPlane:
                 dist.destroy_process_group(group)
         self.groups.clear()
         self._upward = None
+
+
+class TracedPlane(DataPlane):
+    """A worker's data plane as a compiled program's trace sees it (worker/compiled.py): the
+    same kernels over the same groups, each collective torch's functional one (an aten op
+    that make_fx records and Inductor compiles) waited for at once, its result copied where
+    the eager kernel's lands. What it counts is what one run of the program moves."""
+    COALESCES = False  # one functional collective per tensor (Inductor may bucket them)
+
+    def __init__(self, plane: DataPlane) -> None:
+        if plane._client is not None:
+            raise RuntimeError("a server's client's collectives meet first, which a compiled "
+                               "program cannot")
+        self.rank, self.device, self.backend = plane.rank, plane.device, plane.backend
+        self.groups, self.comms, self._client = plane.groups, plane.comms, None
+        self.stats = defaultdict(lambda: [0, 0])
+        self._works = []
+
+    def _laid(self, parts: tuple) -> torch.Tensor:  # a trace's tensors have no addresses
+        return torch.cat([p.reshape(-1) for p in parts])
+
+    def wait(self, work: Any) -> None:
+        pass  # each collective was waited for where it started
+
+    def start_all_reduce(self, t: torch.Tensor, group: int, op: str = "sum") -> None:
+        t.copy_(_FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_reduce(
+            t, op, self.groups[group].group_name)))
+
+    def _gather(self, out: torch.Tensor, piece: torch.Tensor, group: int) -> None:
+        g = self.groups[group]
+        out.copy_(_FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_gather_into_tensor(
+            piece, g.size(), g.group_name)).view(out.shape))
+
+    def _scatter(self, out: torch.Tensor, whole: torch.Tensor, group: int) -> None:
+        g = self.groups[group]
+        out.copy_(_FUNCTIONAL.wait_tensor(_FUNCTIONAL.reduce_scatter_tensor(
+            whole, "sum", g.size(), g.group_name)).view(out.shape))
+
+
+_FUNCTIONAL = torch.ops._c10d_functional  # torch.distributed's collectives as aten ops
 
 
 class _Works:

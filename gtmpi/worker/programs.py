@@ -51,6 +51,8 @@ class Programs:
         worker/compiled.py): the graph captured is of the compiled program."""
         key, binds, renames, mode, seeds = args[:5]
         mode, _, compile_mode = mode.partition(":")
+        if compile_mode == "auto":
+            compile_mode = "inductor" if self.device.type == "cuda" else ""
         size = args[5] if len(args) > 5 else None
         knobs = args[6] if len(args) > 6 else None
         if self.profiler is not None:
@@ -140,7 +142,8 @@ class Programs:
         the reason in ``notes``; the time it took in the trace."""
         start = self.now()
         try:
-            done = compiling.compile_program(program, list(values), values, mode, self.device)
+            done = compiling.compile_program(program, list(values), values, mode, self.device,
+                                             self.plane)
         except Exception as e:  # refused, or what the trace or Inductor raised
             done = None
             notes.append(f"not compiled: {_why(e)}")
