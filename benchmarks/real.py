@@ -107,6 +107,13 @@ if hasattr(torch, "debug"):
             "graph_fallbacks", "graph_fallback_reasons", "graph_input_bytes", "graph_copies")
     for rank, s in torch.debug.worker_stats().items():
         print("worker", rank, {{k: s.get(k) for k in keys}}, flush=True)
+if hasattr(torch, "debug") and os.environ.get("GTMPI_COMPILE", "0") != "0":
+    import io
+    said = io.StringIO()
+    torch.debug.explain(file=said)  # each program's compile time, or why it was not compiled
+    for line in said.getvalue().splitlines():
+        if "compiled" in line:
+            print("compile:", line.strip(), flush=True)
 """
 LINE = re.compile(r"^iter (\d+): loss ([0-9.]+), time ([0-9.]+)ms")
 EVAL = re.compile(r"^step (\d+): train loss")
@@ -242,7 +249,7 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int | N
     if rc != 0 or not iters:
         print(out[-4000:], flush=True)
         return {"run": name, "rc": rc}
-    for said in re.findall(r"^(?:repeated runs|worker \d+ ).*$", out, re.M):
+    for said in re.findall(r"^(?:repeated runs|worker \d+ |compile: ).*$", out, re.M):
         print(said, flush=True)
     tokens = TOKENS.search(out)
     tokens_per_iter = int(tokens.group(1).replace(",", "")) if tokens else tokens_per_iter

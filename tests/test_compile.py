@@ -112,6 +112,20 @@ def test_attention_dropout_compiled_drops_the_same_probabilities_forward_and_bac
     assert not torch.equal(outs[-1], outs[-2])  # a mask of its own each call
 
 
+def test_the_loading_call_copies_only_the_inputs_a_program_writes():
+    """A compiled program's first call on a GPU (which loads its kernels) runs on the inputs
+    themselves, but on copies of those it writes: directly, through a view, in a list."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from gtmpi.worker.compiled import _written
+
+    def program(a, b, c, d, e):
+        a.add_(1)
+        c.view(2, 2)[0].mul_(2)
+        torch._foreach_add_([d], [b])
+        return (b * 2 + e,)
+    assert _written(make_fx(program)(*[torch.ones(4) for _ in range(5)])) == {0, 2, 3}
+
+
 def test_a_program_drawing_what_cannot_be_counted_is_replayed_uncompiled_and_says_why(
         monkeypatch):
     monkeypatch.setenv("GTMPI_COMPILE", "fx")
@@ -244,6 +258,45 @@ def test_auto_compiles_nothing_on_cpu_workers(monkeypatch):
     before = _compiles()
     _loop("1", monkeypatch, _adamw, 5)
     assert _compiles() == before  # none compiled, none refused
+
+
+@pytest.mark.skipif(HOME_DEVICE.type != "cuda" and shutil.which("g++") is None,
+                    reason="Inductor compiles C++ for CPU workers: no C++ compiler here")
+def test_inductor_compiles_dropout_and_attentions_dropout_and_draws_alike_run_after_run(
+        monkeypatch):
+    """The counted draws as Inductor compiles them (it once refused them: it bounded the index
+    times splitmix's constant as an indexing expression, past int64)."""
+    monkeypatch.setenv("GTMPI_COMPILE", "1")
+    F = gtmpi.nn.functional
+
+    def run() -> list[torch.Tensor]:
+        gtmpi.manual_seed(7)
+        gen = torch.Generator().manual_seed(5)
+        q, k, v = (gtmpi.tensor(torch.randn(2, 2, 8, 4, generator=gen)).requires_grad_()
+                   for _ in range(3))
+
+        @gtmpi.replayable
+        def step(q, k, v):
+            out = F.dropout(F.scaled_dot_product_attention(q, k, v, dropout_p=0.3,
+                                                           is_causal=True), 0.2)
+            out.sum().backward()
+            return out.detach()
+        outs = []
+        for _ in range(5):
+            q.grad = k.grad = v.grad = None
+            outs.append(step(q, k, v).cpu_torch())
+        return outs + [q.grad.cpu_torch()]
+
+    before = _compiles()
+    first = run()
+    notes = _explained()
+    if HOME_DEVICE.type != "cuda" and any(w in notes for w in NO_TOOLCHAIN):
+        pytest.skip("Inductor could not build C++ kernels on this machine")
+    assert tuple(a - b for a, b in zip(_compiles(), before)) == (1, 0), notes
+    again = run()
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[-2], first[-3])  # each call its own masks
 
 
 def test_an_unknown_compile_mode_is_named(monkeypatch):

@@ -182,7 +182,7 @@ def test_sigterm_saves_a_checkpoint_writes_the_trace_and_ends_with_one_line(tmp_
         if whom == "mpiexec":
             os.kill(proc.pid, signal.SIGTERM)
         else:  # the ranks, as srun does: each python process of the job
-            for pid in _pids_of(cmd[3]):
+            for pid in _pids_of(" ".join(cmd[3:5])):
                 os.kill(pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -190,7 +190,7 @@ def test_sigterm_saves_a_checkpoint_writes_the_trace_and_ends_with_one_line(tmp_
             os.killpg(proc.pid, signal.SIGKILL)
     time.sleep(1)  # rank 0 outlives a forwarding mpiexec by the time the trace takes
     for _ in range(100):
-        if trace.exists() and not _pids_of(cmd[3]):
+        if trace.exists() and not _pids_of(" ".join(cmd[3:5])):
             break
         time.sleep(0.2)
     if whom == "every rank":
@@ -210,9 +210,10 @@ def test_sigterm_saves_a_checkpoint_writes_the_trace_and_ends_with_one_line(tmp_
     assert replays == saved["step"] - 2  # every step it ran: 2 issued as written, then replays
 
 
-def _pids_of(python: str) -> list[int]:
-    """The processes whose command line starts with ``python``: a job's ranks, not mpiexec."""
-    out = subprocess.run(["pgrep", "-f", f"^{python} "], capture_output=True, text=True)
+def _pids_of(command: str) -> list[int]:
+    """The processes whose command line starts with ``command`` (python and its script): a
+    job's ranks, not mpiexec, nor another test's python (a pytest-xdist worker)."""
+    out = subprocess.run(["pgrep", "-f", f"^{command}"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 

@@ -41,6 +41,7 @@ CPU workers, tests/test_compile.py). Inductor keeps what it compiled in its cach
 from __future__ import annotations
 
 import math
+import operator
 import time
 from typing import Any, Callable, Iterator
 
@@ -76,13 +77,15 @@ class Compiled:
     def __init__(self, fn: Callable[..., Any], inputs: list[tuple[int, Any]],
                  outputs: list[tuple[int, Any]], freed: list[int], seconds: float,
                  mode: str, seeds: list[tuple[int, torch.Tensor]],
-                 plane: DataPlane | None = None, comm: dict | None = None) -> None:
+                 plane: DataPlane | None = None, comm: dict | None = None,
+                 detail: str = "") -> None:
         self.fn = fn
         self.inputs = inputs  # (id, layout): what each input is (_flat)
         self.seeds = seeds  # each random op's (offset among the call's, its seed's buffer)
         self.outputs = outputs  # (id, layout) of what it leaves
         self.freed = freed  # inputs the program frees
         self.seconds = seconds  # tracing and compiling
+        self.detail = detail  # where those seconds went
         self.mode = mode
         self.plane = plane  # the worker's, where the program holds collectives
         self.comm = comm or {}  # what one run moves: kind -> [count, bytes]
@@ -115,7 +118,8 @@ class Compiled:
 
     def note(self) -> str:
         how = "Inductor" if self.mode == "inductor" else "its traced graph (GTMPI_COMPILE=fx)"
-        return f"compiled by {how} in {self.seconds:.1f} s"
+        return f"compiled by {how} in {self.seconds:.1f} s" + \
+            (f" ({self.detail})" if self.detail else "")
 
 
 def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any],
@@ -144,17 +148,28 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
     fn = _function(program, layouts, made, device, len(seeds), tracing)
     from torch.fx.experimental.proxy_tensor import make_fx
     traced = make_fx(fn, tracing_mode="fake")(*flat)
+    detail = f"traced in {time.perf_counter() - start:.1f} s"
     if mode == "inductor":
+        from torch._dynamo.utils import counters
         from torch._inductor import compile as inductor
-        run = inductor(traced, flat)
+        before = dict(counters["inductor"])
+        # the trace's own fake inputs: Inductor keeps in its cache only a graph whose fake
+        # tensors have a shape environment (make_fx's have; fresh ones for real tensors not)
+        run = inductor(traced, [n.meta["val"] for n in traced.graph.nodes
+                                if n.op == "placeholder"])
+        cache = [k.rsplit("_", 1)[1] for k in _CACHE if counters["inductor"][k] > before.get(k, 0)]
+        detail += f"; Inductor's cache on disk: {', '.join(cache) or 'not asked'}"
         if device.type == "cuda":  # its first call loads its kernels, which a capture cannot
-            run(*[t.clone() for t in flat])
+            # on the inputs themselves but copies of those it writes (a copy of every input
+            # held a backward's activations twice: the run's peak memory)
+            written = _written(traced)
+            run(*[t.clone() if i in written else t for i, t in enumerate(flat)])
             torch.cuda.synchronize(device)
     else:
         run = traced
     return Compiled(run, layouts, made["outputs"], made["freed"],
                     time.perf_counter() - start, mode, seeds, tracing and plane,
-                    tracing and dict(tracing.stats))
+                    tracing and dict(tracing.stats), detail)
 
 
 def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[str, Any],
@@ -206,6 +221,40 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
     return run
 
 
+# Inductor's counters of its graph cache on disk: found, made, passed by (a graph it cannot keep)
+_CACHE = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+
+
+def _written(traced: torch.fx.GraphModule) -> set[int]:
+    """The positions of the inputs that a traced graph writes in place, directly or through
+    a view (an op's schema says which arguments it writes and which results alias one)."""
+    places = {n: i for i, n in enumerate(n for n in traced.graph.nodes if n.op == "placeholder")}
+
+    def root(value: Any) -> int | None:
+        while isinstance(value, torch.fx.Node) and value not in places:
+            target = value.target
+            if target is operator.getitem or isinstance(target, torch._ops.OpOverload) and \
+                    target._schema.returns and target._schema.returns[0].alias_info is not None:
+                value = value.args[0]  # a view (or a piece of a split) of its first argument
+            else:
+                return None
+        return places.get(value)
+
+    found = set()
+    for node in traced.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(node.target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                at = root(v)
+                if at is not None:
+                    found.add(at)
+    return found
+
+
 def _drawn(args: tuple, kw: dict | None) -> bool:
     """Whether an instruction draws random numbers (a Seed among its arguments)."""
     return any(type(a) is Seed for a in args) or bool(kw) and any(type(v) is Seed
@@ -243,9 +292,11 @@ def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _uniform(shape: tuple, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """float32 numbers in [0, 1), one per element of ``shape``, from splitmix64 of the seed
-    and the element's index: elementwise integer arithmetic, fused by Inductor."""
-    z = torch.arange(math.prod(shape), dtype=torch.int64, device=device) * _GOLDEN + seed
+    """float32 numbers in [0, 1), one per element of ``shape``, from splitmix64 of the
+    element's index xor the seed: elementwise integer arithmetic, fused by Inductor. (The
+    index times the golden ratio first, as splitmix counts, Inductor took for an indexing
+    expression and bounded with Python's integers, past int64: it refused the graph.)"""
+    z = (torch.arange(math.prod(shape), dtype=torch.int64, device=device) ^ seed) * _GOLDEN
     z = (z ^ _shifted(z, 30)) * _MIX1
     z = (z ^ _shifted(z, 27)) * _MIX2
     z = z ^ _shifted(z, 31)

@@ -146,7 +146,7 @@ class Programs:
                                              self.plane)
         except Exception as e:  # refused, or what the trace or Inductor raised
             done = None
-            notes.append(f"not compiled: {_why(e)}")
+            notes.append(f"not compiled: {_why(e, last=True)}")
         else:
             notes.append(done.note())
         self.stats["compiles" if done else "compile_refusals"] += 1
@@ -382,5 +382,10 @@ class Programs:
                     table[b] = table[a] if keep else table.pop(a)
 
 
-def _why(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+def _why(e: Exception, last: bool = False) -> str:
+    """The exception's first line; with ``last``, its last too (where a compiler's subprocess
+    said what failed, after a first line that says only that one did)."""
+    lines = [line.strip() for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
+    if last and len(lines) > 1:
+        return f"{lines[0][:200]} ... {lines[-1][:300]}"
+    return lines[0][:300]
