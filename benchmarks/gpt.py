@@ -12,7 +12,9 @@ seeded weights (torch's, loaded into gtmpi's model) and train on the same random
 AdamW, so their first losses must agree: the benchmark checks it and fails where they do not.
 Per side: ms per step (the mean over --steps after --warmup steps; losses are read after the
 timed steps, as a loop that logs every few steps does), tokens/s, MFU (on an H100/H200, against
-989 TFLOP/s dense bf16) and peak memory (torch's allocator: the most allocated, and reserved).
+989 TFLOP/s dense bf16) and peak memory over the timed steps (torch's allocator: the most
+allocated, and reserved; a compiler's warm-up and gtmpi's steps run as written before a replay
+are not the steady step's).
 torch.compile of the same model is timed as a reference (--compile). gtmpi's worker instruction
 count per step is printed too. Ends with one JSON line of the figures.
 """
@@ -183,7 +185,9 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         losses, seconds, warm = train(forward_backward(step_model), opt, on_device, steps,
-                                      warmup, sync)
+                                      warmup, sync,
+                                      (lambda: torch.cuda.reset_peak_memory_stats(device))
+                                      if gpu else None)
         res[label] = {"losses": losses, "s": seconds, "warmup_s": warm,
                       "peak": torch.cuda.max_memory_allocated(device) if gpu else None,
                       "reserved": torch.cuda.max_memory_reserved(device) if gpu else None}
@@ -227,12 +231,16 @@ def main() -> None:
     on_workers = [(gtmpi.signal.tensor(x, batch_signal), gtmpi.signal.tensor(y, batch_signal))
                   if batch_signal else (gtmpi.tensor(x, device="cuda"), gtmpi.tensor(y, device="cuda"))
                   for x, y in data]
-    before = gtmpi.debug.worker_stats(reset_peak=True)[home]
+    before = gtmpi.debug.worker_stats()[home]
     step = forward_backward(model)
     if not args.no_replay:
         step = gtmpi.replayable(step)
+    def timed() -> None:  # the peak of the steady steps; the trace of them
+        gtmpi.debug.worker_stats(reset_peak=True)
+        if args.trace:
+            gtmpi.trace.start(args.trace)
     losses, seconds, warm = train(step, opt, on_workers, steps, warmup, gtmpi.synchronize,
-                                  (lambda: gtmpi.trace.start(args.trace)) if args.trace else None)
+                                  timed)
     if args.trace:
         gtmpi.trace.stop()
     after = gtmpi.debug.worker_stats()[home]
