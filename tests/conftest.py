@@ -81,3 +81,17 @@ def run_job(tmp_path, body: str, limit_s: float, *, n: int | None = 3, args=(), 
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+# the files that take longest with the embedded worker, longest first: tools/run-tests hands
+# whole files to its pytest-xdist processes in collection order, and one of these last would
+# run alone at the end while the other process idled (CI: about 2 minutes)
+LONGEST_FIRST = ("test_server.py", "test_dryrun.py", "test_silent.py", "test_launch.py",
+                 "test_trace.py", "test_placement.py", "test_repeats.py", "test_compile.py",
+                 "test_torch_port.py", "test_train.py", "test_sharded.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the MPI suite keeps its one order
+        first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: first.get(item.path.name, len(first)))
