@@ -545,6 +545,17 @@ HOSTILE = """
         d.rounds.chan.sock.sendall(HEADER.pack(0, Tag.BATCH + link._o, 1000) + bytes(10))
     elif case == "not frames":  # bytes on the connection that are no frame at all
         d.rounds.chan.sock.sendall(bytes(range(256)) * 16)
+    elif case == "crossed groups":  # each worker sent the sum in a group of its own: each
+        import torch  # would wait in it for the other for good
+        t.load_config({"second": {"shard": {"workers": [1]}}})
+        y = t.signal.tensor(torch.ones(3), "second")
+        y.numpy()
+        d.post("dist_init", ("gloo",), [1, 2])
+        for gid in (5, 6):
+            d.post("new_group", (gid, (1, 2)), [1, 2])
+        like = {"shape": (3,), "dtype": torch.float32}
+        link.send([("all_reduce", 8, (x.id,), 1, {**like, "group": 5})], 99)
+        d.links[2].send([("all_reduce", 8, (y.id,), 1, {**like, "group": 6})], 99)
     elif case in ("lone collective", "lone receive"):  # a partner never sent its part would
         import torch  # wait for it for good, and every client's work on that worker behind it
         d.post("dist_init", ("gloo",), [1, 2])
@@ -576,7 +587,8 @@ HOSTILE_CASES = {
     "lone collective": "worker rank 1 waits at all_reduce(3, 'torch.float32'), which worker "
                        "rank 2 was never sent",
     "lone receive": "worker rank 2 waits at send((3,), 'torch.float32'), which worker rank 1 "
-                    "was never sent"}
+                    "was never sent",
+    "crossed groups": "its workers were sent crossed collectives: worker rank "}
 # a lone collective's partner may still be busy with the client's own earlier work (its data
 # plane's start, met by both) when the grace passes: then the waiting member's backstop drops
 # the client, which says so (seen on a busy 2-core machine)
@@ -614,7 +626,8 @@ def test_hostile_clients_messages_run_nothing_and_drop_them_alone(server, tmp_pa
     holds a word only the server sends, an upload larger than a worker may hold, a round count that is code, an upload whose bytes never
     come,
     a batch too large to take in, a message cut short, bytes on the connection that are no
-    message, a collective or a receive sent to one of its two workers only, all sent at once by
+    message, a collective or a receive sent to one of its two workers only, a collective sent to
+    each in another group, all sent at once by
     as many clients: nothing of it runs, on a worker or on the server, and nothing waits for
     good; each client is told why it was dropped; a client working beside them finishes right,
     and a new one joins after."""

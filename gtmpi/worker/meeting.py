@@ -17,8 +17,11 @@ partner that was not sent it: a worker holding none of a client's work that hear
 wait for it (a word past its own count) for GRACE_S breaks that client (BROKEN: the server
 drops the client and tells it why). The waiting member then leaves at the client's DROP, and
 says so, so that no partner enters the collective short of a member. Different collectives met
-are a break at once; a wait longer than BACKSTOP_S (partners each waiting in the same client
-for something else: a client whose workers were sent crossed work) too.
+are a break at once; so is a partner waiting for this worker at another collective of the same
+client (a word of a collective past this worker's count of it: each member was sent its
+collectives in another order, or in another group, and each waits for the other); a wait
+longer than BACKSTOP_S (partners each waiting in the same client for something else that says
+no word: crossed transfers) too.
 
 A collective is met in two rounds. Having heard every partner's word, a member could not know
 that each partner has heard its own: a partner still waiting could see its client dropped and
@@ -132,6 +135,12 @@ class Meeting:
                     while heard and heard[0][0] <= n:
                         heard.popleft()
                 return ""
+            for rank in missing:
+                at = self._elsewhere(slot, gen, rank, channel)
+                if at is not None:
+                    return (f"its workers were sent crossed collectives: worker rank "
+                            f"{self.rank} waits at {_named(what)} {_where(channel)}, worker "
+                            f"rank {rank} at {_named(at[1])} {_where(at[0])}")
             why = dropped()
             if why is not None:
                 return why
@@ -145,6 +154,17 @@ class Meeting:
             for rank in partners:
                 self._sends.keep(self.comm.isend((gen, channel, n, GONE), rank - 1, slot))
             raise ClientGone(why)
+
+    def _elsewhere(self, slot: int, gen: int, rank: int, channel: tuple) -> tuple | None:
+        """(channel, what) of another collective of the client's at which ``rank`` waits for
+        this worker (its word there past this worker's count), or None. A transfer's words
+        are not waits (a sender says its word and goes on); a second round's follow a first."""
+        for (s, g, ch, r), words in self.heard.items():
+            if s == slot and g == gen and r == rank and ch != channel and ch[0] == "c" and \
+                    len(ch) == 2 and words and words[-1][1] != GONE and \
+                    words[-1][0] > self.counts.get((s, g, ch), 0):
+                return ch, words[-1][1]
+        return None
 
     def waited_for(self) -> dict[int, str]:
         """The clients a partner waits for here, past this worker's own count of their events:
@@ -170,3 +190,9 @@ class Meeting:
 def _named(what: Any) -> str:
     kind, *rest = what
     return f"{kind}{tuple(rest)}" if rest else str(kind)
+
+
+def _where(channel: tuple) -> str:
+    if channel[0] == "t":
+        return f"(worker rank {channel[1]} to {channel[2]})"
+    return "(every worker)" if channel[1] is None else f"(group {channel[1]})"
