@@ -52,6 +52,10 @@ The runs:
                the same with GTMPI_AUTO_REPLAY_PLACED=1 (every worker's placed runs replayed,
                as CUDA graphs with the gradients' all-reduces inside)
 
+GTMPI_PROFILE=DIR records GPU kernels over optimizer steps FIRST to FIRST+COUNT
+(GTMPI_PROFILE_REPLAYS=FIRST:COUNT, default 10:4) for gtmpi.trace.kernels DIR: gtmpi's
+workers' (worker/profiler.py), and torch's runs' own into DIR/torch.json.
+
 Figures per run: ms per iteration, the median over windows between two of train.py's log lines
 from iteration 10 on with no evaluation inside, by the wall clock at which each line arrived
 (a line follows a read of the loss, so the work before it is done; train.py's own "time" is
@@ -93,6 +97,27 @@ memory = {module!r} == "torch" and torch.cuda.is_available() and \\
     os.environ.get("GTMPI_MEMORY_HISTORY")
 if memory:  # gtmpi's workers record their own (worker/profiler.py)
     torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+profile = {module!r} == "torch" and torch.cuda.is_available() and \
+    os.environ.get("GTMPI_PROFILE")
+if profile:  # torch's kernels of the same steps as gtmpi's workers record (worker/profiler.py)
+    first, _, count = os.environ.get("GTMPI_PROFILE_REPLAYS", "10:4").partition(":")
+    window = {{"steps": 0, "on": None}}
+
+    def _step(optimizer, args, kwargs):
+        window["steps"] += 1
+        if window["steps"] == int(first):
+            torch.cuda.synchronize()
+            window["on"] = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA])
+            window["on"].__enter__()
+        elif window["steps"] == int(first) + int(count or 4) and window["on"] is not None:
+            torch.cuda.synchronize()
+            window["on"].__exit__(None, None, None)
+            os.makedirs(profile, exist_ok=True)
+            window["on"].export_chrome_trace(os.path.join(profile, "torch.json"))
+            window["on"] = None
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    register_optimizer_step_post_hook(_step)
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path("train.py", run_name="__main__")
 if memory:

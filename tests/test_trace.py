@@ -606,6 +606,42 @@ def test_kernel_profile_splits_a_step_into_compute_nccl_and_idle(tmp_path, capsy
     assert "longest idle gaps" in capsys.readouterr().out
 
 
+def test_kernel_profile_window_is_whole_optimizer_steps(tmp_path, monkeypatch):
+    """A worker's kernel profile (worker/profiler.py) opens at the FIRST-th optimizer step and
+    closes at the (FIRST+COUNT)-th, however many programs a step runs and however many
+    parameter groups its step updates (two adam_foreach in a row are one step); torch's own
+    runs in benchmarks/real.py count the same steps."""
+    from gtmpi.worker import profiler as prof
+
+    events = []
+
+    class Recording:
+        def __enter__(self):
+            events.append(("open", len(seen)))
+
+        def __exit__(self, *exc):
+            events.append(("close", len(seen)))
+
+        def export_chrome_trace(self, path):
+            open(path, "w").write("{}")
+
+    monkeypatch.setattr(prof.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(prof.torch.profiler, "profile", lambda **kw: Recording())
+    monkeypatch.setattr(prof.torch.profiler._utils, "_init_for_cuda_graphs", lambda: None)
+    p = prof.KernelProfiler(1, str(tmp_path), first=2, count=2)
+    seen = []
+    forward = [("replay", 0, (), 0, None)]
+    program = [("linear", 5, (1, 2), 3, None), ("add", 6, (5, 1), 1, None)]
+    for step in range(1, 6):
+        seen.append(step)
+        p.saw(forward)       # the batch that replays the step's programs
+        p.saw(program)       # a replayed program's own instructions
+        p.saw([("adam_foreach", 7, (), 1, None), ("adam_steps", 8, (), 1, None),
+               ("adam_foreach", 9, (), 1, None)])  # two parameter groups: one step
+    assert events == [("open", 2), ("close", 4)]
+    assert (tmp_path / "worker1.json").exists()
+
+
 def test_torch_profiler_calls_record_a_trace_of_the_scheduled_steps(tmp_path):
     """nanoGPT's bench.py profiles with torch.profiler: the same calls on gtmpi record the
     schedule's active steps as a trace, hand it to tensorboard_trace_handler as Chrome JSON,

@@ -4,6 +4,10 @@ kernels that took the time.
 
     python -m gtmpi.trace.kernels DIR [--steps N] [--top K] [--gaps G]
 
+DIR holds one profile per worker (worker<rank>.json), and may hold torch.json, a plain torch
+program's own steps profiled the same way (benchmarks/real.py's torch runs under
+GTMPI_PROFILE), summed up beside them.
+
 A step's time splits into: compute (some non-NCCL kernel running), NCCL alone (only a
 collective or a send/receive running: moving bytes, or waiting for a peer, which a pipeline
 stage does in its bubble) and idle (no kernel: the host had not launched the next one).
@@ -118,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                         "around them")
     args = p.parse_args(argv)
     files = sorted(glob.glob(os.path.join(args.directory, "worker*.json")),
-                   key=lambda f: int(re.sub(r"\D", "", os.path.basename(f)) or 0))
+                   key=lambda f: int(re.sub(r"\D", "", os.path.basename(f)) or 0)) + \
+        glob.glob(os.path.join(args.directory, "torch.json"))
     if not files:
-        print(f"no worker*.json in {args.directory}", file=sys.stderr)
+        print(f"no worker*.json nor torch.json in {args.directory}", file=sys.stderr)
         return 1
     lines = {}
     profiles = {os.path.basename(path)[:-5]: load(path) for path in files}

@@ -130,6 +130,8 @@ class Executor(Programs, Control, Quota):
 
     def run(self, batch: list[tuple]) -> None:
         start = self.batch_start = time.perf_counter_ns()
+        if self.profiler is not None:
+            self.profiler.saw(batch)
         try:
             if self.quota is None:
                 self._execute(batch)

@@ -4,10 +4,11 @@ one launch, and the NCCL kernels waiting for a peer.
 
     GTMPI_PROFILE=DIR  GTMPI_PROFILE_REPLAYS=FIRST:COUNT  mpiexec ... python train.py
 
-Each worker starts recording at the start of its FIRST-th replayed call (default 10) and
-stops at the start of the (FIRST+COUNT)-th (default COUNT 4), so the window holds COUNT whole
-steps of a training loop that replays one step per iteration, with what runs between the
-calls (the optimizer, the next batch). The GPU is drained at both ends, so no kernel of
+Each worker starts recording at the FIRST-th optimizer step it is sent (default 10) and stops
+at the (FIRST+COUNT)-th (default COUNT 4), so the window holds COUNT whole steps of a training
+loop, however many programs a step replays (a captured step: forward, backward, clipping) and
+whether the optimizer's step is inside one or runs as written; benchmarks/real.py profiles
+torch's own runs over the same steps. The GPU is drained at both ends, so no kernel of
 another step leaks in. It writes DIR/worker<rank>.json (Chrome trace format), which
 ``python -m gtmpi.trace.kernels DIR`` sums up. Workers read the variables themselves: the
 profile is a debugging aid of one run, not part of the instruction stream.
@@ -18,13 +19,22 @@ import os
 
 import torch
 
+from ..ops.table import OPS
+
+# an optimizer step's instructions: one step is a run of them (one per parameter group)
+STEPS = frozenset({"adam_foreach", "sgd_foreach", "adam_steps"})
+
 
 class KernelProfiler:
     def __init__(self, rank: int, directory: str, first: int, count: int) -> None:
         self.rank, self.directory = rank, directory
         self.first, self.count = first, count
-        self.seen = 0
+        self.steps = 0
+        self.in_step = False  # the last op seen was a step's: the next of a step is that step
         self.profile = None
+        # CUPTI sees the kernels inside a CUDA graph only if it was set up before the graph was
+        # captured (pytorch#100441): a graph made before the window would show as one launch
+        torch.profiler._utils._init_for_cuda_graphs()
 
     @classmethod
     def from_env(cls, rank: int, device: torch.device) -> "KernelProfiler | None":
@@ -34,16 +44,24 @@ class KernelProfiler:
         first, _, count = os.environ.get("GTMPI_PROFILE_REPLAYS", "10:4").partition(":")
         return cls(rank, directory, int(first), int(count or 4))
 
-    def replay(self) -> None:
-        """At the start of each replayed call."""
-        self.seen += 1
-        if self.seen == self.first:
-            torch.cuda.synchronize()
-            self.profile = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA])
-            self.profile.__enter__()
-        elif self.seen == self.first + self.count and self.profile is not None:
-            self.close()
+    def saw(self, instructions: list[tuple]) -> None:
+        """Before a batch of the dispatcher's or a recorded program runs (or is launched as a
+        graph): its optimizer steps move the window."""
+        for ins in instructions:
+            name = ins[0]
+            if name in STEPS:
+                if not self.in_step:
+                    self.in_step = True
+                    self.steps += 1
+                    if self.steps == self.first:
+                        torch.cuda.synchronize()
+                        self.profile = torch.profiler.profile(
+                            activities=[torch.profiler.ProfilerActivity.CUDA])
+                        self.profile.__enter__()
+                    elif self.steps == self.first + self.count:
+                        self.close()
+            elif name in OPS:
+                self.in_step = False
 
     def close(self) -> None:
         """Stop and write the file (also at shutdown, if the run had fewer calls)."""

@@ -56,7 +56,7 @@ class Programs:
         size = args[5] if len(args) > 5 else None
         knobs = args[6] if len(args) > 6 else None
         if self.profiler is not None:
-            self.profiler.replay()
+            self.profiler.saw(self.programs[key])
         start = self.now()
         if mode == "graph":
             graph = self.graphs[key if size is None else (key, size)]
