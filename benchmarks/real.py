@@ -247,6 +247,22 @@ def _windows(lines: list) -> tuple[list[float], float]:
     return per_iter, sum(s - n * ms / 1e3 for n, s in with_eval)
 
 
+PHASES = {"model": re.compile(r"^number of parameters"), "eval 0": EVAL,
+          "iter 0": re.compile(r"^iter 0:"), "iter 10": re.compile(r"^iter 10:")}
+
+
+def _phases(lines: list) -> dict[str, float]:
+    """Seconds from the start at which the run reached each of PHASES (the model built, the
+    first evaluation's line, the first iteration's, the tenth's): where a whole run's time
+    beyond its steady iterations goes (start-up, the first evaluation, compilation)."""
+    reached = {}
+    for at, line in lines:
+        for phase, pattern in PHASES.items():
+            if phase not in reached and pattern.match(line):
+                reached[phase] = round(at, 2)
+    return reached
+
+
 def _host_ms(path: str) -> float | None:
     """Rank 0's host time per iteration from the run's trace (gtmpi-trace steps): the median
     over the iterations from the 10th on, evaluations' included."""
@@ -288,6 +304,7 @@ def run(name: str, cmd: list[str], cwd: str, env: dict, tokens_per_iter: int | N
               "iters": iters[-1][0],
               "peak_gb": round(max(peaks) / 1e9, 3) if peaks else None,
               "ms_each": [round(ms, 1) for ms in per_iter]}
+    result["phases_s"] = _phases(lines)
     if traced:
         result["host_ms"] = _host_ms(traced)
     print(json.dumps(result), flush=True)
@@ -373,6 +390,12 @@ def _config_main(args, gpus: int) -> None:
               f"{shown[0]} {shown[1]} "
               f"{r['wall_s']:7.1f} {r['eval_s']:7.1f} {r['peak_gb'] or '-':>8} "
               f"{r['loss0']:8.4f} {r['loss_last']:9.4f}")
+    print(f"\nseconds from the start at which each run reached: {', '.join(PHASES)}, its end")
+    for r in results:
+        if not r["rc"]:
+            print(f"{r['run']:24} {r['round']:5d} " + " ".join(
+                f"{r['phases_s'].get(p, float('nan')):8.2f}" for p in PHASES) +
+                f" {r['wall_s']:8.1f}")
     print(json.dumps({"benchmark": "real", "program": "nanoGPT train.py", "config": args.config,
                       "iters": args.iters, "set": args.set, "runs": results}))
 
