@@ -78,7 +78,8 @@ def test_tensors_live_on_the_home_worker():
     ranks = sorted(s1)
     assert ranks == [1, 2]
     assert s1[1]["tensors"] >= s0[1]["tensors"] + 5
-    assert s1[2]["tensors"] == 0 and s1[2]["ops"] == s0[2]["ops"] + 1  # only the stats request
+    # none of them on the other worker (an earlier test's tensors may live there still)
+    assert s1[2]["tensors"] == s0[2]["tensors"] and s1[2]["ops"] == s0[2]["ops"] + 1
     assert len({w["pid"] for w in gtmpi.info()["workers"].values()}) == 2
     del kept
 
