@@ -126,9 +126,11 @@ class Tensor:
         return self._id
 
     def __del__(self) -> None:
+        if self._id is None:  # held by the client, or never made: nothing on a worker
+            return
         try:
             rt = current()
-            if rt is not None and not rt.closed and self._id is not None:
+            if rt is not None and not rt.closed:
                 rt.dispatcher.frees.append(self._id)
         except Exception:  # interpreter shutdown: modules half torn down, workers gone anyway
             pass
@@ -878,17 +880,25 @@ def apply(name: str, *args: Any, key: tuple | None = None, shape_as: tuple | Non
 def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
     """The op run here, as torch's CPU runs it, when every tensor operand is held by the
     client and small (in place on a held tensor: any size), no gradient is recorded, and
-    nothing places what it makes; else None (a worker runs it)."""
+    nothing places what it makes; else None (a worker runs it). Every op of a program's batch
+    making (an index's arithmetic, a row cut from a dataset) comes here: its cost is rank 0's
+    host time per iteration where the GPU's step is short, so it stays lean."""
     total, held, values, foreign = 0, None, [], False
+    grad = None
     for a in args:
         if isinstance(a, Tensor):
             value = a._host
-            if value is None or a._scope or (a.requires_grad and gradmode.is_grad_enabled()):
+            if value is None or a._scope:
                 return None  # a signal's tensor is computed where the signal places it
+            if a.requires_grad:
+                if grad is None:
+                    grad = gradmode.is_grad_enabled()
+                if grad:
+                    return None
             total += value.numel()
             held = a
             a = value
-        elif isinstance(a, (np.ndarray, torch.Tensor)):
+        elif type(a) not in _SCALARS and isinstance(a, (np.ndarray, torch.Tensor)):
             a = torch.as_tensor(a)
             total += a.numel()
             foreign = True
@@ -900,33 +910,38 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
     # rows taken from a held dataset (x[idx], x[a:b]) are taken here whatever its size, as
     # torch's loader takes a batch from host memory: placed, the dataset would be split by a
     # data-parallel config and every batch would gather it whole
-    selection = name in _SELECTIONS and isinstance(args[0], Tensor)  # every tensor held
-    if (not inplace and not selection and total > host.HOST_NUMEL) or not host.allowed(rt) or \
-            (inplace and not isinstance(args[0], Tensor)) or \
+    if inplace:
+        if not isinstance(args[0], Tensor):
+            return None
+    elif total > host.HOST_NUMEL and not (name in _SELECTIONS and isinstance(args[0], Tensor)):
+        return None
+    if not host.allowed(rt) or \
             (rt.autocast is not None and rt.autocast.operands(name, args) is not None):
         return None  # an autocast region's op runs as the workers cast it
     if key is not None:
         kw = {**kw, "key": key}
+    kernel = OPS[name].kernel
     if foreign:  # a program's own torch tensor may require grad: held values never do
         with torch.no_grad():
-            out = OPS[name].kernel(*values, **kw)
+            out = kernel(*values, **kw)
     else:
-        out = OPS[name].kernel(*values, **kw)
+        out = kernel(*values, **kw) if kw else kernel(*values)
     if inplace:
         args[0]._recipe = None  # changed: its recipe no longer makes it
         return args[0]
-    results = tuple(map(Tensor.held, out)) if isinstance(out, (tuple, list)) else \
-        (Tensor.held(out),)
+    multi = isinstance(out, (tuple, list))
+    results = tuple(map(Tensor.held, out)) if multi else (Tensor.held(out),)
     if name in _FRESH:  # a new value, or an operand itself (to() of its own dtype)
         for r in results:
+            made = r._host
             for v, a in zip(values, args):
-                if r._host is v and isinstance(a, Tensor):
+                if made is v and isinstance(a, Tensor):
                     _sharing(r)
                     _sharing(a)
     else:
         _share_storages(results, values, args)
     _inherit(name, args, key, kw, results)
-    return results if isinstance(out, (tuple, list)) else results[0]
+    return results if multi else results[0]
 
 
 def _share_storages(results: tuple, values: list, args: tuple) -> None:
@@ -1079,6 +1094,7 @@ def _rebind(target: Tensor, name: str, result: Tensor) -> Tensor:
     target._version += 1
     return target
 _RECORDED = frozenset(FUSED_FNS)
+_SCALARS = frozenset({int, float, bool})  # an operand that is no array, at a glance
 # ops whose result is a new value or, at most, an operand itself: no view of one
 _FRESH = frozenset(name for name, op in OPS.items()
                    if op.kind in (Kind.ELEMENTWISE, Kind.REDUCE, Kind.MATMUL)) | \
