@@ -149,6 +149,22 @@ READS = """
 """
 
 
+# a client reading until a file exists, each read timed: how long a bystander waits
+BYSTANDER = """
+    import os, sys, time
+    import gtmpi as t
+    x = t.zeros(16, device="cuda")
+    n, slowest = 0, 0.0
+    while not os.path.exists(sys.argv[1]):
+        x = x + 1
+        asked = time.perf_counter()
+        assert float(x[3]) == n + 1
+        slowest = max(slowest, time.perf_counter() - asked)
+        n += 1
+    print("reads", n, "slowest", slowest)
+"""
+
+
 def _gpt_losses(out: str) -> list[float]:
     return json.loads(out.strip().splitlines()[-1])["losses"]
 
@@ -708,10 +724,16 @@ def test_a_fuzzing_client_neither_ends_nor_stalls_the_server(server, tmp_path):
     finishes right, a new client joins after, and the server (the hostile cases' too) logs no
     traceback. GTMPI_TEST_FUZZ_CLIENTS=20 sends 5,000 (a longer run than the suite's)."""
     bystander = server.client(tmp_path, "reads", READS, "2")
+    # another reads all through the fuzz, each answer timed: none waits a second
+    done = tmp_path / "fuzz.done"
+    waiting = server.client(tmp_path, "waiting", BYSTANDER, str(done))
     for seed in range(int(os.environ.get("GTMPI_TEST_FUZZ_CLIENTS", "4"))):
         out = finish(server.client(tmp_path, f"fuzz{seed}", FUZZ, str(seed), "250"))
         assert "fuzz: told:" in out and "dropped the client" in out, out
+    done.write_text("")
     assert "reads 9600.0" in finish(bystander)
+    reads, slowest = map(float, finish(waiting).split()[1::2])
+    assert reads >= 50 and slowest < 1.0, (reads, slowest)
     assert "reads 4800.0" in finish(server.client(tmp_path, "late", READS, "1"))
     assert "Traceback" not in server.text(), server.text()[-3000:]
 
