@@ -112,6 +112,62 @@ def test_attention_dropout_compiled_drops_the_same_probabilities_forward_and_bac
     assert not torch.equal(outs[-1], outs[-2])  # a mask of its own each call
 
 
+@pytest.mark.parametrize("reduction, ignore, autocast", [
+    ("mean", -100, False), ("sum", 0, False), ("none", -100, False), ("mean", -100, True)],
+    ids=["mean", "sum-ignoring-0", "none", "cuda-autocast"])
+def test_the_compiled_losss_gradient_is_eager_replays_bit_for_bit(reduction, ignore, autocast,
+                                                                   monkeypatch):
+    """The cross-entropy's compiled backward writes its one-hot as a comparison (so Inductor
+    fuses it into log_softmax's backward): the gradient is eager replay's bit for bit, with
+    ignored targets (ignore_index 0 too), every reduction, and CUDA autocast's form (nll_loss
+    in float32 over bfloat16 log-probabilities)."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if autocast else torch.float32
+    logits = gtmpi.tensor(torch.randn(12, 10, generator=gen).to(dtype)).requires_grad_()
+    target = torch.randint(0, 10, (12,), generator=gen)
+    target[[2, 7]] = ignore
+    target = gtmpi.tensor(target)
+    F = gtmpi.nn.functional
+
+    def run(mode: str) -> list:
+        monkeypatch.setenv("GTMPI_COMPILE", mode)
+
+        @gtmpi.replayable
+        def step(x):
+            with gtmpi.autocast("cuda", dtype=gtmpi.bfloat16, enabled=autocast):
+                loss = F.cross_entropy(x, target, ignore_index=ignore, reduction=reduction)
+            (loss.sum() if reduction == "none" else loss).backward()
+            return loss.detach()
+        outs = []
+        for _ in range(5):
+            logits.grad = None
+            outs.append((step(logits).cpu_torch(), logits.grad.cpu_torch()))
+        return outs
+
+    plain = run("0")
+    before = _compiles()
+    compiled = run("fx")
+    done, refused = (a - b for a, b in zip(_compiles(), before))
+    assert done == 1 and refused == 0, _explained()
+    for (want_loss, want_grad), (loss, grad) in zip(plain, compiled):
+        assert torch.equal(loss, want_loss) and torch.equal(grad, want_grad)
+    assert compiled[-1][1].abs().sum() > 0 and (compiled[-1][1][[2, 7]] == 0).all()
+
+
+def test_the_compiled_losss_backward_is_elementwise_around_its_kernels():
+    """No scatter into zeros (which Inductor cannot fuse: the one-hot written whole, then read
+    by log_softmax's backward) and no gather in the traced backward of the loss."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from gtmpi.ops.table import SAVED_FORMS
+    backward = SAVED_FORMS["cross_entropy"][1]
+    traced = make_fx(lambda g, x, t: backward(g, (x, t, -100, "mean", 0.0), (True,), (0,)))(
+        torch.tensor(1.0), torch.randn(6, 5, dtype=torch.bfloat16),
+        torch.tensor([0, 1, 2, 3, 4, -100]))
+    ops = {str(n.target) for n in traced.graph.nodes if n.op == "call_function"}
+    assert not {op for op in ops if "scatter" in op or "gather" in op}, ops
+    assert "aten._log_softmax_backward_data.default" in ops, ops
+
+
 def test_the_loading_call_copies_only_the_inputs_a_program_writes():
     """A compiled program's first call on a GPU (which loads its kernels) runs on the inputs
     themselves, but on copies of those it writes: directly, through a view, in a list."""
