@@ -355,6 +355,24 @@ def test_inductor_compiles_dropout_and_attentions_dropout_and_draws_alike_run_af
     assert not torch.equal(first[-2], first[-3])  # each call its own masks
 
 
+@pytest.mark.parametrize("mode, device, warms", [
+    ("1", "cpu", True), ("auto", "cpu", False), ("auto", "cuda", True), ("0", "cuda", False),
+    ("fx", "cpu", False), ("1", "meta", False)])
+def test_a_worker_that_will_compile_warms_the_compiler_up_meanwhile(mode, device, warms,
+                                                                     monkeypatch):
+    """Where GTMPI_COMPILE asks a worker to compile, its start begins a thread that pays
+    tracing's and Inductor's first-use costs on a tiny program (the worker joins it before its
+    first capture); nowhere else."""
+    from gtmpi.worker import compiled as compiling
+    monkeypatch.setenv("GTMPI_COMPILE", mode)
+    started = []
+    monkeypatch.setattr(compiling.threading.Thread, "start", lambda t: started.append(t))
+    thread = compiling.warm_up(torch.device(device))
+    assert (thread is not None) == warms and len(started) == warms
+    if warms:
+        assert thread.name == "gtmpi-compile-warm-up" and thread.daemon
+
+
 def test_an_unknown_compile_mode_is_named(monkeypatch):
     monkeypatch.setenv("GTMPI_COMPILE", "fast")
     with pytest.raises(ValueError, match="GTMPI_COMPILE='fast': one of 0, 1, auto, fx"):

@@ -31,7 +31,7 @@ from ..transport.mpi import ClientGone
 from ..ops.table import OPS, Kind, row_pieces
 from ..recording import events
 from ..recording.recorder import Recorder
-from . import bounds, graphs
+from . import bounds, compiled as compiling, graphs
 from .control import WAITING, Control, cuda_event
 from .profiler import KernelProfiler, MemoryHistory
 from .programs import Programs
@@ -116,6 +116,7 @@ class Executor(Programs, Control, Quota):
         self.graphs = graphs.Kept(os.environ.get("GTMPI_GRAPH_SAVED_ASIDE", "1") != "0")
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture
+        self._warming = compiling.warm_up(device)  # GTMPI_COMPILE's first-use costs, meanwhile
         self.profiler = KernelProfiler.from_env(rank, device)  # GTMPI_PROFILE (worker/profiler.py)
         self.memory_history = MemoryHistory.from_env(rank, device)  # GTMPI_MEMORY_HISTORY
         # GPU: what a replayed call made -> (an event recorded after the call, the tensor). A

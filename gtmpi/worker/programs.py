@@ -125,6 +125,9 @@ class Programs:
         """Capture a program as a graph (nothing runs yet) and tell rank 0 whether it worked
         (None) or why not, and how its compiling went (a note, or None); the capture waits
         for the dispatcher's commit."""
+        if self._warming is not None:  # compiling's warm-up (worker/compiled.py) ends first
+            self._warming.join()
+            self._warming = None
         captured, why = None, backend if isinstance(backend, str) else None
         notes: list[str] = []
         if why is None:
