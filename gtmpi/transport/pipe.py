@@ -39,14 +39,19 @@ INLINE_BYTES = 1 << 20  # reads up to this size travel inside the message that e
 
 
 def start_child(device: Any) -> tuple["ChildLink", int]:
-    """A worker process on ``device``, joined to this one; its link and process id."""
+    """A worker process on ``device``, joined to this one; its link and process id. Not waited
+    for: the program goes on while the child imports torch and takes its GPU (seconds: nanoGPT's
+    model was built 4.5 s later than torch's own when this waited for its hello), what it is
+    sent waits in the socket, and the first reply waited for waits for it too (a child that
+    died starting says so there, as one that died later does)."""
     ours, theirs = socket.socketpair()
+    # a session of its own: a terminal's Ctrl-C (sent to the program's process group) is the
+    # program's to decide on, from the child's first instant (the child ignores SIGINT only
+    # once it has imported torch: a Ctrl-C meanwhile would have killed it)
     proc = subprocess.Popen([sys.executable, "-m", "gtmpi.worker.child", str(theirs.fileno()),
-                             str(device)], pass_fds=(theirs.fileno(),))
+                             str(device)], pass_fds=(theirs.fileno(),), start_new_session=True)
     theirs.close()
-    link = ChildLink(Connection(ours.detach()), proc)
-    hello = link.wait_reply(Tag.HELLO)
-    return link, hello["pid"]
+    return ChildLink(Connection(ours.detach()), proc), proc.pid
 
 
 class _Channel:

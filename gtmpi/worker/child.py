@@ -2,7 +2,6 @@
 process as ``python -m gtmpi.worker.child FD DEVICE``: FD is its end of the socket pair."""
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -10,7 +9,6 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..transport.pipe import ParentLink
-from ..transport.tags import Tag
 from .executor import Executor
 
 
@@ -23,9 +21,7 @@ def main(fd: int, device_name: str) -> None:
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    executor = Executor(1, device, link)
-    link.reply(Tag.HELLO, {"pid": os.getpid()})
-    link.done(None)
+    executor = Executor(1, device, link)  # no hello: the parent went on without waiting
     try:
         link.serve(executor)
     except (EOFError, ConnectionError):
