@@ -40,8 +40,9 @@ from ..errors import Fault, ReplayError
 from ..recording.events import Flag, Kind, Lane
 from ..transport.poll import wait_for
 from ..transport.tags import GRAPH_LATER, Tag
+from ..ops.table import STEP_OPS
 from .foresight import DONE, FREE, READY
-from .programs import STEP_OPS, Graphing, Program, Recording
+from .programs import Graphing, Program, Recording
 from .repeats import Repeats
 
 _clock = time.perf_counter_ns

@@ -13,10 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# an optimizer's update: issued once a training step, so what marks a step in a trace; a
-# replayed program that holds one (a captured step) is marked by its name
-STEP_OPS = ("adam_foreach", "sgd_foreach")
-
 
 class Recording:
     """The instructions each worker is sent while one call runs."""
@@ -95,4 +91,4 @@ class Program(Graphing):
         super().__init__()
         # a program whose sizes follow its call's (install's ``sized``): a graph per size
         self.sizes: dict[int, Graphing] | None = None
-        self.marks = "replay"  # the name its replays' issues carry in a trace (STEP_OPS)
+        self.marks = "replay"  # the name its replays' issues carry in a trace (ops/table.py: STEP_OPS)

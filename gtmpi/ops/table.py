@@ -1238,3 +1238,7 @@ _ops += [
 
 OPS: dict[str, Op] = {op.name: op for op in _ops}
 assert len(OPS) == len(_ops), "duplicate op name in the table"
+# an optimizer's update: issued once a training step, so what marks a step in a trace (a
+# replayed program that holds one, a captured step, is marked by its name) and what a kernel
+# profile's window counts (worker/profiler.py)
+STEP_OPS = ("adam_foreach", "sgd_foreach")

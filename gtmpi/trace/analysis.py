@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..recording.events import Flag, Kind, Lane
-from ..dispatcher.programs import STEP_OPS
+from ..ops.table import STEP_OPS
 from ..recording.fileformat import Trace
 
 # What counts as working, per lane; everything else on a lane's timeline is idle or waiting.

@@ -19,10 +19,11 @@ import os
 
 import torch
 
-from ..ops.table import OPS
+from ..ops.table import OPS, STEP_OPS
 
-# an optimizer step's instructions: one step is a run of them (one per parameter group)
-STEPS = frozenset({"adam_foreach", "sgd_foreach", "adam_steps"})
+# an optimizer step's instructions: one step is a run of them (an update per parameter group,
+# Adam's step counts between)
+STEPS = frozenset(STEP_OPS) | {"adam_steps"}
 
 
 class KernelProfiler:
