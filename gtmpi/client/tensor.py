@@ -126,12 +126,16 @@ class Tensor:
         return self._id
 
     def __del__(self) -> None:
-        if self._id is None:  # held by the client, or never made: nothing on a worker
+        try:
+            tensor_id = self._id
+        except AttributeError:  # interrupted (Ctrl-C) inside __init__: never made
+            return
+        if tensor_id is None:  # held by the client, or never made: nothing on a worker
             return
         try:
             rt = current()
             if rt is not None and not rt.closed:
-                rt.dispatcher.frees.append(self._id)
+                rt.dispatcher.frees.append(tensor_id)
         except Exception:  # interpreter shutdown: modules half torn down, workers gone anyway
             pass
 
