@@ -18,7 +18,7 @@ def _pair(limit=None) -> tuple[Channel, Channel]:
     return Channel(a), Channel(b, limit=limit)
 
 
-def _until(cond, limit_s: float = 10.0) -> None:
+def _until(cond, limit_s: float = 60.0) -> None:
     deadline = time.monotonic() + limit_s
     while not cond():
         assert time.monotonic() < deadline

@@ -238,14 +238,16 @@ def test_a_killed_job_leaves_no_shared_memory_segment(tmp_path, how):
         env={"GTMPI_EMBEDDED_PROCESS": "1"} if how == "embedded worker process" else None)
     assert proc.returncode != 0 and "3.0" in proc.stdout, proc.stdout + proc.stderr
     # the workers end once they see rank 0 gone: on a loaded host, some seconds later
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (left := set(glob.glob("/dev/shm/mpich_shm_*")) - before) and \
             time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, left
 
 
-def _until(predicate, limit_s: float = 10.0) -> None:
+def _until(predicate, limit_s: float = 60.0) -> None:
+    """Wait until ``predicate`` holds: the bound is for a bug, never for a slow host (two
+    processes importing torch on a loaded 2-core machine once took past 10 s)."""
     deadline = time.monotonic() + limit_s
     while not predicate():
         assert time.monotonic() < deadline
@@ -275,7 +277,7 @@ def test_the_first_death_is_named_however_late_the_watchers_wake(tmp_path):
     job = (f"test-{tmp_path.name}", os.getpid())
     ranks = {r: subprocess.Popen(
         [sys.executable, "-c", "import time; from gtmpi.transport import ending; "
-         f"notice = ending.DeathNotice({r}, {job!r}); time.sleep(60)"],
+         f"notice = ending.DeathNotice({r}, {job!r}); time.sleep(300)"],
         stderr=subprocess.PIPE, text=True) for r in (1, 2)}
     try:
         _until(lambda: len(ending._registered(job)) == 2 and len(_watchers(job)) == 2)

@@ -131,18 +131,29 @@ def test_resume_says_what_it_resumes_from_and_refuses_a_bad_checkpoint(tmp_path)
 
 def _kill_running(script: str, limit_s: float = 30) -> None:
     """SIGKILL every process of this host running ``script``, and wait until none runs (a
-    rank that hydra put in a process group of its own outlives a kill of mpiexec's)."""
+    rank that hydra put in a process group of its own outlives a kill of mpiexec's). A process
+    once seen is waited for by its pid and start time: while a killed one exits its cmdline
+    reads empty, yet it may still hold (and write) its files."""
     from gtmpi.transport.ending import alive
-    deadline = time.monotonic() + limit_s
+
+    def started(pid: int) -> str | None:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[19]
+        except (OSError, IndexError):
+            return None
+
+    deadline, seen = time.monotonic() + limit_s, {}
     while True:
-        pids = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if script.encode() in f.read() and alive(int(pid)):
-                        pids.append(int(pid))
+                    if script.encode() in f.read():
+                        seen[pid] = started(pid)
             except OSError:
                 continue
+        # the same start time: not another process that took a dead one's pid
+        pids = [pid for pid, at in seen.items() if alive(pid) and started(pid) == at]
         if not pids:
             return
         assert time.monotonic() < deadline, f"still running: {pids}"
