@@ -43,7 +43,6 @@ GTMPI_REPLAY=0 runs every call as written.
 from __future__ import annotations
 
 import functools
-import gc
 import itertools
 import os
 import types
@@ -252,7 +251,6 @@ class Repeated:
         result, outs, structure, why = run_recorded(d, first, lambda: run(knob))
         if why is not None:
             return result, why
-        gc.collect()  # what the call dropped in cycles is freed within it
         program, kept = d.install([t.id for t in outs], [t.id for t in inputs], self.name,
                                   knobbed=bool(sources))
         if kept or program.reads - followed:
@@ -347,7 +345,6 @@ def _record(rt: Runtime, fn: Callable, args: tuple, kwargs: dict, inputs: list[T
                 grads.append((leaf, _index(leaf.grad, outs), before.id if before is not None
                               else None))
         leaves = leaf = before = None  # leaves made inside (a pipeline stage's inputs) go now
-        gc.collect()  # what the call dropped in cycles is freed within it
     except BaseException:
         rt.leaves = None
         d.abandon_recording()

@@ -27,6 +27,7 @@ micro-batch's activations before the backward it could run meanwhile.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from contextlib import contextmanager
@@ -469,8 +470,16 @@ class Dispatcher:
         if self.frees:
             self._route_frees()
         self.settle_transfers()  # the program's receives are its own
+        made, freed, read = self.recording.made_and_read()
+        if made - freed - set(outputs):
+            # what the call dropped in cycles is freed within it; a full collection costs
+            # 0.2 s and more in a process holding torch and a model, so only when needed
+            gc.collect()
+            if self.frees:
+                self._route_frees()
+                self.settle_transfers()
+                made, freed, read = self.recording.made_and_read()
         rec, self.recording = self.recording, None
-        made, freed, read = rec.made_and_read()
         kept = sorted(made - freed - set(outputs))
         placer = self.placer
         reads = frozenset(read - set(inputs))

@@ -29,7 +29,6 @@ GTMPI_CAPTURE=1 turns it on (off by default this round: unchecked on GPUs at sca
 """
 from __future__ import annotations
 
-import gc
 import weakref
 from collections import Counter
 from typing import Any, Callable, NamedTuple
@@ -355,7 +354,6 @@ def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tens
     made = outs + saved
     position.update((id(t), len(outs) + i) for i, t in enumerate(saved))
     held = [position[id(t)] for t in read]
-    gc.collect()  # what the call dropped in cycles is freed within it
     sized = shapes = None
     if growing is not None:
         grow, n = growing
