@@ -1325,7 +1325,7 @@ def test_every_kind_of_batch_is_split_by_a_data_parallel_config(tmp_path, held):
 
 
 CONSTANTS = """
-    import json
+    import json, sys
     import torch
     import gtmpi
     import gtmpi.nn as nn
@@ -1350,7 +1350,9 @@ CONSTANTS = """
     for name, f in CASES.items():
         xt = torch.randn(B, T, C)
         before = dict(placer.inserted)
-        out = f(model(gtmpi.tensor(xt)), {k: gtmpi.tensor(v) for k, v in values.items()})
+        device = sys.argv[1] if len(sys.argv) > 1 else None  # "cuda": made on the workers
+        out = f(model(gtmpi.tensor(xt, device=device)),
+                {k: gtmpi.tensor(v, device=device) for k, v in values.items()})
         split = gtmpi.debug.placement(out)["type"]
         loss = out.pow(2).mean()
         loss.backward()
@@ -1371,14 +1373,18 @@ CONSTANTS = """
 
 @pytest.mark.skipif(len(WORKERS) > 1, reason="starts its own job (the serial suite)")
 @pytest.mark.timeout(120)
-def test_constants_beside_a_split_batch_stay_whole_and_gather_nothing(tmp_path):
+@pytest.mark.parametrize("host_tensors, device", [("1", None), ("0", None), ("1", "cuda")])
+def test_constants_beside_a_split_batch_stay_whole_and_gather_nothing(tmp_path, host_tensors,
+                                                                      device):
     """Under configs/ddp.yaml on 2 workers, constants the program makes from host values (a
     per-channel scale, a (T, C) bias, an index list for index_select or x[:, :, idx]) are used
     whole where the batch is split, and a strided slice of the batch (x[::2]) is cut by each
     member from its own rows: the batch stays split, nothing is gathered, and the numbers are
-    torch's."""
-    proc, _ = run_job(tmp_path, CONSTANTS, 100, n=3,
-                      env={"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml")})
+    torch's. The same whether the client holds them first or not (host tensors off, or made
+    with device="cuda"): each waits for its first use, which tells a constant from a batch."""
+    proc, _ = run_job(tmp_path, CONSTANTS, 100, n=3, args=[device] if device else [],
+                      env={"GTMPI_CONFIG": str(ROOT / "configs" / "ddp.yaml"),
+                           "GTMPI_HOST_TENSORS": host_tensors})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
     for name, got in json.loads(line[len("REPORT "):]).items():

@@ -1122,11 +1122,19 @@ def hold(value: torch.Tensor, device: torch.device | None, recipe: tuple | None 
     if rt.dispatcher.placer.signals:  # a scope open (a signal's, beside()): placed by it
         return apply(*recipe) if recipe is not None else upload(value)
     t = Tensor.held(value, recipe)
-    if not host.allowed(rt, device):
-        # placed now as a held value is at its first use: by a config's 'uploads' (a batch
-        # made with device="cuda", or with host tensors off, is split as any other)
-        t.id
+    if not host.allowed(rt, device) and not _split_by_uploads(rt, t):
+        t.id  # placed now, as a held value is at its first use
     return t
+
+
+def _split_by_uploads(rt: Any, t: Tensor) -> bool:
+    """Whether a config's 'uploads' signal would split held ``t`` if it were placed now. Such
+    a value waits for its first use however it was made (``device="cuda"``, host tensors
+    off), which tells a batch (split) from a constant beside one (whole: _beside_a_batch):
+    placed now, a per-channel scale would be split and its use would gather the batch."""
+    book = rt.signals
+    return t._recipe is None and len(t._sig[0]) > 0 and "uploads" in book.signals \
+        and not book.open
 
 
 def constant(name: str, make: Callable[[], torch.Tensor], args: tuple,
