@@ -198,6 +198,27 @@ def test_dropout_gradient_applies_the_forwards_mask():
     assert abs(ys[kept] - xs[kept] / 0.75).max() < 1e-5
 
 
+def test_dropout_in_place_drops_in_the_tensor_itself_and_its_gradient_too():
+    """nn.Dropout(inplace=True) and F.dropout(inplace=True), as torch's: the input becomes the
+    result (the same masks as out of place, from the same seed), and the gradient flows
+    through the mask to what made it."""
+    w = gtmpi.randn(4000, requires_grad=True)
+    gtmpi.manual_seed(7)
+    want = GF.dropout(w * 2, 0.25)
+    gtmpi.manual_seed(7)
+    h = w * 2
+    y = gtmpi.nn.Dropout(0.25, inplace=True)(h)
+    assert y is h and torch.equal(h.detach().cpu_torch(), want.detach().cpu_torch())
+    y.sum().backward()
+    kept = want.detach().cpu_torch() != 0
+    assert 0.7 < kept.float().mean() < 0.8
+    assert torch.allclose(w.grad.cpu_torch()[kept], torch.full((int(kept.sum()),), 2 / 0.75))
+    assert (w.grad.cpu_torch()[~kept] == 0).all()
+    x = gtmpi.ones(10)
+    assert GF.dropout(x, 0.5, training=False, inplace=True) is x
+    assert GF.dropout(x, 1.0, inplace=True) is x and x.sum().item() == 0
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_clip_grad_norm_matches_torch(norm_type):
     t_model, g_model = mlp_pair(3)

@@ -138,21 +138,23 @@ def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Te
     return apply("normalize", x, dim, p, eps)
 
 
-def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return x
     if p == 1.0:
-        return x * 0.0
-    # as torch's fused dropout on a GPU: the mask drawn (one kernel, laid out like x), then
-    # applied and scaled (one more); the gradient applies the same mask, the one tensor saved
-    if x._host is not None:  # held by the client: drawn from torch's CPU generator, as torch's
-        mask = rand_like(x) >= p
+        out = x * 0.0
     else:
-        with beside(x):
-            mask = apply("dropout_mask", tuple(x.shape), float(p), worker_seed())
-    return apply("masked_scale", x, mask, 1.0 / (1.0 - p))
+        # as torch's fused dropout on a GPU: the mask drawn (one kernel, laid out like x), then
+        # applied and scaled (one more); the gradient applies the same mask, the one tensor saved
+        if x._host is not None:  # held by the client: from torch's CPU generator, as torch's
+            mask = rand_like(x) >= p
+        else:
+            with beside(x):
+                mask = apply("dropout_mask", tuple(x.shape), float(p), worker_seed())
+        out = apply("masked_scale", x, mask, 1.0 / (1.0 - p))
+    return x.copy_(out) if inplace else out
 
 
 def normalized(shape: int | Sequence[int]) -> tuple[int, ...]:
