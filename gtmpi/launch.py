@@ -26,7 +26,7 @@ import torch
 from .client import runtime as session
 from .client.embedded import stop_line, stop_on_sigterm, verbose
 from .client.runtime import Runtime
-from .transport import ending
+from .transport import ending, poll
 from .transport.joining import LAUNCHER_ENV
 from .transport.tags import Tag
 from .worker.device import local_worker_index, one_launch_queue, select_device, visible_gpus
@@ -142,6 +142,7 @@ def join(base: "MPI.Intracomm", spawn_comm: "MPI.Intercomm | None" = None) -> No
     shm = base.Split_type(MPI.COMM_TYPE_SHARED)
     node_ranks = shm.allgather(rank)
     shm.Free()
+    poll.spin_where_cores_spare(len(node_ranks))
     threads = _threads_per_rank(len(node_ranks))
     workers_comm = base.Split(0 if rank == 0 else 1)  # the data plane's rendezvous
     if rank == 0:

@@ -514,3 +514,13 @@ def test_end_files_live_in_a_private_folder_and_a_new_job_clears_an_old_ones(tmp
     assert not ending.claimed(job) and ending.first(job) is None and not ending._registered(job)
     assert ending.claim(job, "")
     ending.clear(job)
+
+
+def test_a_rank_spins_in_its_waits_only_where_each_rank_of_its_host_has_a_core(monkeypatch):
+    from gtmpi.transport import poll
+    monkeypatch.setattr(poll, "SPIN_S", poll.SPIN_S)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    poll.spin_where_cores_spare(3)  # mpiexec -n 3 on a 2-core machine
+    assert poll.SPIN_S == 0.0
+    poll.spin_where_cores_spare(2)
+    assert poll.SPIN_S == 0.002

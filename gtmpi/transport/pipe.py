@@ -32,7 +32,8 @@ import numpy as np
 
 from ..errors import Fault
 from ..recording.events import now
-from .poll import SPIN_S, WATCH_EVERY_S
+from . import poll
+from .poll import WATCH_EVERY_S
 from .tags import ACK_EVERY, Tag
 
 INLINE_BYTES = 1 << 20  # reads up to this size travel inside the message that ends the batch
@@ -70,7 +71,7 @@ class _Channel:
         """Return once a message has come: spin a little (the answer to what was just sent
         usually follows at once), then block in the kernel, which wakes at once when it
         comes (a sleep would add its own length), running the watchdog now and then."""
-        end = time.perf_counter() + SPIN_S
+        end = time.perf_counter() + poll.SPIN_S
         while not self.ready():
             if time.perf_counter() > end:
                 while not self.ready(WATCH_EVERY_S):
