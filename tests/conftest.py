@@ -86,9 +86,9 @@ def gen() -> torch.Generator:
 # the files that take longest with the embedded worker, longest first: tools/run-tests hands
 # whole files to its pytest-xdist processes in collection order, and one of these last would
 # run alone at the end while the other process idled (CI: about 2 minutes)
-LONGEST_FIRST = ("test_server.py", "test_dryrun.py", "test_silent.py", "test_launch.py",
-                 "test_trace.py", "test_placement.py", "test_repeats.py", "test_compile.py",
-                 "test_torch_port.py", "test_train.py", "test_sharded.py")
+LONGEST_FIRST = ("test_server.py", "test_dryrun.py", "test_launch.py", "test_repeats.py",
+                 "test_silent.py", "test_trace.py", "test_placement.py", "test_train.py",
+                 "test_compile.py", "test_faults.py", "test_shapes.py", "test_sharded.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
