@@ -43,6 +43,10 @@ class Kind(Enum):
     GENERAL = "general"          # mixes elements along dims in ways no placement rule covers
     COMM = "comm"                # between workers (worker.dataplane); inserted by placement
 
+    # members are singletons: hashed by identity in C, not by Enum's Python __hash__ of the
+    # name (a worker looks its kind up once per instruction it runs)
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True)
 class Op:
