@@ -100,15 +100,12 @@ class Tensor:
         made where it is used, nothing sent between workers); else on the home worker.
         ``constant``: first used beside a split batch as no batch is (_beside_a_batch): whole
         where it is used, whatever 'uploads' says."""
-        value, recipe = self._host, self._recipe
-        self._host = self._recipe = None
         rt = runtime()
         book, placer = rt.signals, rt.dispatcher.placer
-        # (a number is no batch: a scalar the program uploads goes where it is used, whole)
-        implicit = "parameters" if self._state else \
-            "uploads" if recipe is None and len(self._sig[0]) and not constant else None
-        scopes = self._scope or ((implicit,) if implicit in book.signals and not book.open
-                                 else ())
+        implicit = self._implicit(book, constant)
+        scopes = self._scope or ((implicit,) if implicit is not None else ())
+        value, recipe = self._host, self._recipe
+        self._host = self._recipe = None
         with ExitStack() as inside:
             for name in scopes:
                 inside.enter_context(book.scope(name))
@@ -124,6 +121,16 @@ class Tensor:
             made = apply(*recipe) if recipe is not None else upload(value, self._shared)
         self._id, made._id = made._id, None
         return self._id
+
+    def _implicit(self, book: Any, constant: bool = False) -> str | None:
+        """The config's signal that places this held value outside any signal's scope:
+        ``parameters`` for a module's parameters and buffers, ``uploads`` for the rest of what
+        the program uploads but numbers and constants; None where the config has no such
+        signal, or a signal's scope is open."""
+        # (a number is no batch: a scalar the program uploads goes where it is used, whole)
+        implicit = "parameters" if self._state else \
+            "uploads" if self._recipe is None and len(self._sig[0]) and not constant else None
+        return implicit if implicit in book.signals and not book.open else None
 
     def __del__(self) -> None:
         try:
@@ -1122,19 +1129,13 @@ def hold(value: torch.Tensor, device: torch.device | None, recipe: tuple | None 
     if rt.dispatcher.placer.signals:  # a scope open (a signal's, beside()): placed by it
         return apply(*recipe) if recipe is not None else upload(value)
     t = Tensor.held(value, recipe)
-    if not host.allowed(rt, device) and not _split_by_uploads(rt, t):
+    # one a config's 'uploads' would split waits for its first use however it was made
+    # (device="cuda", host tensors off): that use tells a batch (split) from a constant beside
+    # one (whole: _beside_a_batch); placed now, a per-channel scale would be split and its use
+    # would gather the batch
+    if not host.allowed(rt, device) and t._implicit(rt.signals) != "uploads":
         t.id  # placed now, as a held value is at its first use
     return t
-
-
-def _split_by_uploads(rt: Any, t: Tensor) -> bool:
-    """Whether a config's 'uploads' signal would split held ``t`` if it were placed now. Such
-    a value waits for its first use however it was made (``device="cuda"``, host tensors
-    off), which tells a batch (split) from a constant beside one (whole: _beside_a_batch):
-    placed now, a per-channel scale would be split and its use would gather the batch."""
-    book = rt.signals
-    return t._recipe is None and len(t._sig[0]) > 0 and "uploads" in book.signals \
-        and not book.open
 
 
 def constant(name: str, make: Callable[[], torch.Tensor], args: tuple,

@@ -471,7 +471,8 @@ class Dispatcher:
             self._route_frees()
         self.settle_transfers()  # the program's receives are its own
         made, freed, read = self.recording.made_and_read()
-        if made - freed - set(outputs):
+        kept = made - freed - set(outputs)
+        if kept:
             # what the call dropped in cycles is freed within it; a full collection costs
             # 0.2 s and more in a process holding torch and a model, so only when needed
             gc.collect()
@@ -479,8 +480,9 @@ class Dispatcher:
                 self._route_frees()
                 self.settle_transfers()
                 made, freed, read = self.recording.made_and_read()
+                kept = made - freed - set(outputs)
         rec, self.recording = self.recording, None
-        kept = sorted(made - freed - set(outputs))
+        kept = sorted(kept)
         placer = self.placer
         reads = frozenset(read - set(inputs))
         before = tuple((tid, self._before.get(tid)) for tid in sorted(reads))

@@ -12,7 +12,8 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
-SPIN_S = 0.002       # keep spinning this long after the wait starts (spin_where_cores_spare)
+SPARE_CORES_SPIN_S = 0.002  # how long a wait spins where the host has a core per rank
+SPIN_S = SPARE_CORES_SPIN_S  # this rank's, set as it joins (spin_where_cores_spare)
 MAX_SLEEP_S = 0.001  # an idle rank wakes up at least this often
 WATCH_EVERY_S = 1.0
 
@@ -46,4 +47,4 @@ def spin_where_cores_spare(ranks_here: int) -> None:
     global SPIN_S
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         os.cpu_count() or 1
-    SPIN_S = 0.002 if ranks_here <= cores else 0.0
+    SPIN_S = SPARE_CORES_SPIN_S if ranks_here <= cores else 0.0
