@@ -27,9 +27,10 @@ functional as F``). Two ways to run it:
   its figure is ms per token, the median over the samples after the first (each timed by the
   wall clock at which its printed end arrived). Runs: torch, torch-compiled, embedded,
   mpiexec and their -captured variants, embedded-graphed (captured, and each size of the
-  growing sequence a CUDA graph: GTMPI_SIZED_GRAPHS=1) (default: torch, embedded,
-  embedded-captured, embedded-graphed). A graph per size starts at a size's third call, so
-  the samples after the second show it; ms_each lists every sample's.
+  growing sequence a CUDA graph: GTMPI_SIZED_GRAPHS=1), embedded-compiled (captured, and the
+  growing program compiled by Inductor for every size: GTMPI_COMPILE=1) (default: torch,
+  embedded, embedded-captured, embedded-compiled). A graph per size starts at a size's third
+  call, so the samples after the second show it; ms_each lists every sample's.
 
 The runs:
 
@@ -406,7 +407,7 @@ def _sample_main(args, gpus: int) -> None:
     imports switched only: ms per token, each run beside torch's in the same call."""
     runs = args.runs.split(",") if args.runs != RUNS else ["torch", "embedded",
                                                             "embedded-captured",
-                                                            "embedded-graphed"]
+                                                            "embedded-compiled"]
     on_cpu = [] if gpus else ["--device=cpu", "--dtype=float32"]
     given = ["--out_dir=out-shakespeare-char", f"--num_samples={args.samples}",
              f"--max_new_tokens={args.tokens}", *on_cpu]
@@ -417,6 +418,8 @@ def _sample_main(args, gpus: int) -> None:
                 "embedded-captured": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1"}),
                 "embedded-graphed": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
                                                                    "GTMPI_SIZED_GRAPHS": "1"}),
+                "embedded-compiled": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
+                                                                    "GTMPI_COMPILE": "1"}),
                 "mpiexec": ([*mpiexec, "-n", "2", py, "sample.py"], "gtmpi", {}),
                 "mpiexec-captured": ([*mpiexec, "-n", "2", py, "sample.py"], "gtmpi",
                                      {"GTMPI_CAPTURE": "1"})}

@@ -14,7 +14,7 @@ import torch
 import gtmpi
 from conftest import HOME_DEVICE
 from gtmpi.client.runtime import runtime
-from test_capture import _loop
+from test_capture import _Decoder, _generate, _loop
 from test_dp_ops import CASES, INPUTS, GRAD, _backward, _results
 from test_replay import WORKERS, _train, data_parallel, spread, tensor_parallel_run
 
@@ -353,6 +353,65 @@ def test_inductor_compiles_dropout_and_attentions_dropout_and_draws_alike_run_af
     for a, b in zip(first, again):
         assert torch.equal(a, b)
     assert not torch.equal(first[-2], first[-3])  # each call its own masks
+
+
+@pytest.mark.parametrize("mode", ["fx", "1"])
+def test_a_growing_call_compiles_once_for_every_size_and_draws_as_written(mode, monkeypatch):
+    """A decoding loop's growing program (one program, its sizes following the sequence's
+    length) is traced once with the length as a symbol and compiled for every length: each
+    later call runs it compiled, with no CUDA graph, and every token drawn is the one drawn
+    as written."""
+    if mode == "1" and HOME_DEVICE.type != "cuda" and shutil.which("g++") is None:
+        pytest.skip("Inductor compiles C++ for CPU workers: no C++ compiler here")
+    gtmpi.manual_seed(0)
+    model = _Decoder()
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+    written = [_generate(model, 11) for _ in range(2)]  # no crop: every call a new length
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    monkeypatch.setenv("GTMPI_COMPILE", mode)
+    before = _compiles()
+    stats = gtmpi.debug.worker_stats()
+    ops_before = sum(s["ops"] for s in stats.values())
+    got = [_generate(model, 11) for _ in range(2)]
+    for a, b in zip(got, written):
+        assert torch.equal(a, b)
+    notes = _explained()
+    # (the sampling between the calls is refused: it draws by multinomial)
+    assert _compiles()[0] - before[0] == 1, notes
+    how = "Inductor" if mode == "1" else "its traced graph (GTMPI_COMPILE=fx)"
+    assert "replayed compiled, no CUDA graph: its sizes follow its call's" in notes, notes
+    assert f"(compiled by {how} for every size in" in notes, notes
+    # the second loop's calls at t = 2 .. 11 ran compiled: their ops counted as run
+    assert sum(s["ops"] for s in gtmpi.debug.worker_stats().values()) > ops_before
+
+
+def test_a_growing_program_that_cannot_be_compiled_runs_op_by_op_and_says_why(monkeypatch):
+    """GTMPI_COMPILE=auto on CPU workers: the growing program is refused with its reason (as
+    written, the samples are the same)."""
+    if HOME_DEVICE.type == "cuda":
+        pytest.skip("auto compiles on GPU workers")
+    gtmpi.manual_seed(0)
+    model = _Decoder()
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+    written = _generate(model, 11)
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    monkeypatch.setenv("GTMPI_COMPILE", "auto")
+    assert torch.equal(_generate(model, 11), written)
+    assert "not compiled: worker rank 1: GTMPI_COMPILE=auto compiles nothing on a CPU " \
+        "worker" in _explained()
+
+
+def test_which_inputs_grow_is_read_off_two_sizes():
+    """growth(): each input whose sizes or strides changed between two calls gets a * n + b
+    for each; an input whose size is no whole linear function of n refuses the program."""
+    from gtmpi.worker.compiled import growth
+    was = (4, {1: ((1, 4), (4, 1)), 2: ((8, 8), (8, 1))})
+    assert growth(was, 6, {1: ((1, 6), (6, 1)), 2: ((8, 8), (8, 1))}) == \
+        {1: (((0, 1), (1, 0)), ((1, 0), (0, 1)))}
+    assert growth(was, 6, {1: ((1, 7), (7, 1)), 2: ((8, 8), (8, 1))}) == \
+        "a size or stride of input 1 is no linear function of n"
+    assert growth(was, 4, {1: ((1, 4), (4, 1)), 2: ((8, 8), (8, 1))}) == \
+        "its inputs were not seen at two sizes"
 
 
 @pytest.mark.parametrize("mode, device, warms", [

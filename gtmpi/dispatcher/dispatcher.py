@@ -609,6 +609,12 @@ class Dispatcher:
         mode = "plain"
         if state is None:  # a size past SIZES_MAX: op by op
             pass
+        elif size is not None and program.sizes is None:  # one program for every size
+            if program.dynamic is True:
+                mode = "compiled"
+            elif program.dynamic is None and state.replays >= GRAPH_AFTER and \
+                    (compiling := compile_mode()):
+                mode = f"compile:{compiling}"
         elif state.graph is True:
             mode = "graph"
         elif state.graph is None and state.replays >= GRAPH_AFTER:
@@ -635,6 +641,21 @@ class Dispatcher:
         self.end_round()
         if mode.startswith(("capture", "emulate")):
             self._commit(program, state)
+        elif mode.startswith("compile:"):
+            self._compiled_for_every_size(program)
+
+    def _compiled_for_every_size(self, program: Program) -> None:
+        """Whether every worker of a growing program compiled it for every size: then its
+        replays run it so, else op by op (the notes say why)."""
+        replies = {rank: self.links[rank].wait_reply(Tag.GRAPH, self.watchdog)
+                   for rank in program.ranks}
+        refused = "; ".join(f"worker rank {rank}: {why}" for rank, (why, _) in
+                            sorted(replies.items()) if why is not None)
+        program.dynamic = refused or True
+        how = "; ".join(sorted({note for _, note in replies.values() if note is not None}))
+        self.graph_notes[program.name] = \
+            f"replayed op by op, no CUDA graph: {program.graph}; not compiled: {refused}" \
+            if refused else f"replayed compiled, no CUDA graph: {program.graph} ({how})"
 
     def _commit(self, program: Program, state: Graphing) -> None:
         """Every worker of a program being captured says whether it could; all launch their

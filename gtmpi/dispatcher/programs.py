@@ -91,4 +91,7 @@ class Program(Graphing):
         super().__init__()
         # a program whose sizes follow its call's (install's ``sized``): a graph per size
         self.sizes: dict[int, Graphing] | None = None
+        # or, under GTMPI_COMPILE, compiled for every size: None until tried, then True or why
+        # not (worker/compiled.py)
+        self.dynamic: bool | str | None = None
         self.marks = "replay"  # the name its replays' issues carry in a trace (ops/table.py: STEP_OPS)

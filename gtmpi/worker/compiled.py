@@ -29,6 +29,12 @@ The trace (make_fx over fake tensors: nothing runs, nothing is written):
            thread, as a gloo wait does, while the worker takes what rank 0 sends
            (and the kernels that sum their own pieces: a vocabulary-parallel loss, whose
            Redo keeps its log-sum-exp, SAVED_FORMS, as no collective is run again backward)
+growing  a program whose sizes follow its call's (a sequence a token longer each call,
+           nn/capture.py) is traced once with that size as a symbol: the inputs that grew
+           between two replays get sizes and strides a * n + b, read from one more input, a
+           tensor of n bytes (its carrier); Inductor compiles it for every n, and each size is
+           run if the trace's guards on n hold for it (else op by op): no CUDA graph, as a
+           graph holds one size
 Refused with the reason, and replayed as today: control words but frees, sends, receives and
 all-to-alls, a server's client's collectives, other random ops (randn, randint, multinomial), a read of an autograd record of an uncompiled program, and whatever the
 trace or Inductor raises.
@@ -45,7 +51,7 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -80,7 +86,8 @@ class Compiled:
                  outputs: list[tuple[int, Any]], freed: list[int], seconds: float,
                  mode: str, seeds: list[tuple[int, torch.Tensor]],
                  plane: DataPlane | None = None, comm: dict | None = None,
-                 detail: str = "") -> None:
+                 detail: str = "", fits: Callable[[int], bool] | None = None,
+                 device: torch.device | None = None) -> None:
         self.fn = fn
         self.inputs = inputs  # (id, layout): what each input is (_flat)
         self.seeds = seeds  # each random op's (offset among the call's, its seed's buffer)
@@ -91,6 +98,9 @@ class Compiled:
         self.mode = mode
         self.plane = plane  # the worker's, where the program holds collectives
         self.comm = comm or {}  # what one run moves: kind -> [count, bytes]
+        self.fits = fits  # a growing program's: whether its guards hold at a size
+        self.ops = 0  # the ops one run stands for
+        self.device = device
 
     def seed(self, seeds: tuple[int, int] | None) -> None:
         """Before a launch: each random op's seed as written, from (session seed, count
@@ -100,11 +110,14 @@ class Compiled:
             for offset, buffer in self.seeds:
                 buffer.fill_(derive_seed(session, base + offset))
 
-    def run(self, env: dict[int, Any]) -> None:
+    def run(self, env: dict[int, Any], size: int | None = None) -> None:
+        """Run on the inputs ``env`` holds; a growing program at ``size``, which fits()."""
         flat: list[torch.Tensor] = []
         for tid, _ in self.inputs:
             _flat(env[tid], flat)
         flat += [buffer for _, buffer in self.seeds]
+        if self.fits is not None:
+            flat.append(torch.empty(size, dtype=torch.uint8, device=self.device))
         if self.plane is None:
             results = iter(self.fn(*flat))
         else:
@@ -120,7 +133,8 @@ class Compiled:
 
     def note(self) -> str:
         how = "Inductor" if self.mode == "inductor" else "its traced graph (GTMPI_COMPILE=fx)"
-        return f"compiled by {how} in {self.seconds:.1f} s" + \
+        return f"compiled by {how}{' for every size' if self.fits else ''} in " \
+            f"{self.seconds:.1f} s" + \
             (f" ({self.detail})" if self.detail else "")
 
 
@@ -154,10 +168,11 @@ def _warm(device: torch.device) -> None:
 
 
 def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any],
-                    mode: str, device: torch.device, plane: DataPlane | None = None) -> Compiled:
-    """``program`` (its sizes and seeds given) compiled for the values ``env`` holds now under
-    ``inputs`` (the ids it binds and reads from before), its collectives over ``plane``.
-    Raises with the reason where it cannot be."""
+                    mode: str, device: torch.device, plane: DataPlane | None = None,
+                    growing: Growing | None = None) -> Compiled:
+    """``program`` (its seeds given; its sizes too, unless ``growing``: then for every size)
+    compiled for the values ``env`` holds now under ``inputs`` (the ids it binds and reads
+    from before), its collectives over ``plane``. Raises with the reason where it cannot be."""
     why = refusal(program)
     if why is not None:
         raise RuntimeError(why)
@@ -176,9 +191,17 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
     flat += [buffer for _, buffer in seeds]
     made: dict[str, Any] = {}
     tracing = TracedPlane(plane) if any(map(_talks, program)) else None
-    fn = _function(program, layouts, made, device, len(seeds), tracing)
+    fn = _function(program, layouts, made, device, len(seeds), tracing,
+                   growing and growing.sized)
     from torch.fx.experimental.proxy_tensor import make_fx
-    traced = make_fx(fn, tracing_mode="fake")(*flat)
+    fits = None
+    if growing is None:
+        traced = make_fx(fn, tracing_mode="fake")(*flat)
+    else:
+        fakes, shape_env, n = _symbolic(layouts, flat, env, growing, device)
+        traced = make_fx(fn, tracing_mode="fake")(*fakes)
+        fits = _guards(shape_env, n)
+        flat.append(torch.empty(growing.size, dtype=torch.uint8, device=device))
     detail = f"traced in {time.perf_counter() - start:.1f} s"
     if mode == "inductor":
         from torch._dynamo.utils import counters
@@ -198,23 +221,122 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
             torch.cuda.synchronize(device)
     else:
         run = traced
-    return Compiled(run, layouts, made["outputs"], made["freed"],
+    done = Compiled(run, layouts, made["outputs"], made["freed"],
                     time.perf_counter() - start, mode, seeds, tracing and plane,
-                    tracing and dict(tracing.stats), detail)
+                    tracing and dict(tracing.stats), detail, fits, device)
+    done.ops = sum(ins[0] != "free" for ins in program)
+    return done
+
+
+class Growing(NamedTuple):
+    """What a growing program's trace needs: the size ``size`` the values given are of, the
+    instructions holding Dims (worker/graphs.py: sized), and each input that grows: its id ->
+    the (a, b) of each of its sizes, then of each of its strides, as a * n + b."""
+    size: int
+    sized: list[int]
+    inputs: dict[int, tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]
+
+
+def growth(before: tuple[int, dict[int, tuple]], size: int,
+           shapes: dict[int, tuple]) -> dict[int, tuple] | str:
+    """Which inputs grow, from their (sizes, strides) at two sizes of a growing program: the
+    earlier call's (its size, id -> (sizes, strides)) and this one's; or why it cannot tell
+    (a size that is no whole linear function of n)."""
+    was, old = before
+    if was == size or old.keys() != shapes.keys():
+        return "its inputs were not seen at two sizes"
+    found = {}
+    for tid, now in shapes.items():
+        if now == old[tid]:
+            continue
+        lines = []
+        for then_dims, now_dims in zip(old[tid], now):
+            if len(then_dims) != len(now_dims):
+                return f"input {tid} changed its number of dimensions"
+            line = []
+            for x, y in zip(then_dims, now_dims):
+                a, r = divmod(y - x, size - was)
+                if r:
+                    return f"a size or stride of input {tid} is no linear function of n"
+                line.append((a, x - a * was))
+            lines.append(tuple(line))
+        found[tid] = tuple(lines)
+    return found
+
+
+def _symbolic(layouts: list[tuple[int, Any]], flat: list[torch.Tensor], env: dict[int, Any],
+              growing: Growing, device: torch.device) -> tuple[list, Any, Any]:
+    """Fake inputs for a growing program's trace: those that grow sized by one symbol n, the
+    others as they are, and last the carrier, n long; their shape environment and n."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+    shape_env = ShapeEnv()
+    fake = FakeTensorMode(shape_env=shape_env)
+
+    def as_is(t: torch.Tensor) -> torch.Tensor:
+        return fake.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.STATIC] * t.ndim))
+
+    carrier = fake.from_tensor(
+        torch.empty(growing.size, dtype=torch.uint8, device=device),
+        symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC]))
+    n = carrier.shape[0]
+    grown = {}
+    for tid, (sizes, strides) in growing.inputs.items():
+        value = env[tid]
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError(f"its input {tid} grows and is no tensor")
+        with fake:
+            grown[id(value)] = torch.empty_strided([a * n + b for a, b in sizes],
+                                                   [a * n + b for a, b in strides],
+                                                   dtype=value.dtype, device=value.device)
+    for tid, layout in layouts:
+        if layout is not _TENSOR and layout is not _NONE and tid in growing.inputs:
+            raise RuntimeError(f"its input {tid} grows and is an autograd record")
+    return [grown.get(id(t)) if id(t) in grown else as_is(t) for t in flat] + [carrier], \
+        shape_env, n
+
+
+def _guards(shape_env: Any, n: Any) -> Callable[[int], bool]:
+    """Whether what a growing program's trace assumed of n (its range, its guards) holds for
+    a size: each size asked once."""
+    symbol = n.node.expr
+    if not getattr(symbol, "is_Symbol", False):
+        raise RuntimeError(f"its trace fixed the growing size at {symbol}")
+    bounds = shape_env.var_to_range.get(symbol)
+    guards = [g.expr for g in shape_env.guards]
+    for expr in guards:
+        if expr.free_symbols - {symbol}:
+            raise RuntimeError(f"its trace assumed {expr} of sizes other than the growing one")
+    answered: dict[int, bool] = {}
+
+    def fits(size: int) -> bool:
+        ok = answered.get(size)
+        if ok is None:
+            ok = answered[size] = (bounds is None or bounds.lower <= size <= bounds.upper) and \
+                all(bool(expr.xreplace({symbol: size})) for expr in guards)
+        return ok
+    return fits
 
 
 def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[str, Any],
-              device: torch.device, seeded: int,
-              plane: TracedPlane | None) -> Callable[..., list[torch.Tensor]]:
+              device: torch.device, seeded: int, plane: TracedPlane | None,
+              sized: list[int] | None = None) -> Callable[..., list[torch.Tensor]]:
     """The program as a function of its flat inputs (the last ``seeded`` its random ops'
-    seeds, in order), returning its flat outputs; what the outputs are (their ids and
-    layouts) and which inputs it frees go into ``made``."""
+    seeds, in order; a growing program's after them its carrier, whose length its Dims
+    follow, ``sized`` where they are), returning its flat outputs; what the outputs are
+    (their ids and layouts) and which inputs it frees go into ``made``."""
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
+        instructions = program
+        if sized is not None:
+            *flat, carrier = flat
+            instructions = graphs.with_sizes(program, sized, carrier.shape[0])
         it = iter(flat[:len(flat) - seeded])
         seeds = iter(flat[len(flat) - seeded:])
         env = {tid: _unflat(layout, it) for tid, layout in layouts}
         given = dict(env)
-        for ins in program:
+        for ins in instructions:
             name, out, args, tmask, kw = ins
             if name == "free":
                 for tid in args:

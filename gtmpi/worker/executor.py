@@ -113,6 +113,10 @@ class Executor(Programs, Control, Quota):
         self.seeded: dict[int, list] = {}
         self.sized: dict[int, list[int]] = {}  # where a program's sizes follow its call's
         self.knobbed: dict[int, list] = {}  # where a program holds Knobs (ops/table.py)
+        # a growing program's inputs' (sizes, strides) at its last replay run op by op, with
+        # that size (worker/compiled.py: growth), and the program compiled for every size
+        self.grown: dict[int, tuple[int, dict[int, tuple]]] = {}
+        self.dynamic: dict[int, compiling.Compiled] = {}
         self.graphs = graphs.Kept(os.environ.get("GTMPI_GRAPH_SAVED_ASIDE", "1") != "0")
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture

@@ -4,6 +4,8 @@ renamed per replay. A mixin of worker.executor.Executor, whose state (env, progr
 the data plane) it reads and writes."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import Fault
@@ -30,6 +32,8 @@ class Programs:
             self.seeded.pop(key, None)
             self.sized.pop(key, None)
             self.knobbed.pop(key, None)
+            self.grown.pop(key, None)
+            self.dynamic.pop(key, None)
         else:
             self.programs[key] = instructions
             self.seeded[key] = graphs.seeded(instructions)
@@ -45,10 +49,13 @@ class Programs:
         ``mode``: 'plain', op by op; 'capture', capture it as a CUDA graph and say whether that
         worked (the dispatcher's 'commit' then runs it); 'emulate', the same with the stand-in
         backend (tests); 'graph', launch the graph. A sixth item, the call's growing size,
-        gives its sizes (ops/table.py: Dim); each size is a graph of its own. A seventh, the
-        values of its Knobs (an optimizer's rate), by their index; such a program runs op by
-        op. A capture's mode may name a compile mode after a colon ('capture:inductor',
-        worker/compiled.py): the graph captured is of the compiled program."""
+        gives its sizes (ops/table.py: Dim); each size is a graph of its own, or, with mode
+        'compile', the program is compiled for every size (and says whether that worked, as a
+        capture does), then run so ('compiled') where the compiled program fits the size. A
+        seventh, the values of its Knobs (an optimizer's rate), by their index; such a program
+        runs op by op. A capture's or compile's mode names a compile mode after a colon
+        ('capture:inductor', worker/compiled.py): the graph captured is of the compiled
+        program."""
         key, binds, renames, mode, seeds = args[:5]
         mode, _, compile_mode = mode.partition(":")
         if compile_mode == "auto":
@@ -71,7 +78,18 @@ class Programs:
                 self._cuda_backend = graphs.cuda_backend(self.device, shared=alone)
             self._try_capture(key, size, binds, renames, seeds, self._cuda_backend,
                               compile_mode)
+        elif mode in ("compile", "compiled"):
+            done = self._compile_growing(key, size, binds, compile_mode) \
+                if mode == "compile" else self.dynamic.get(key)
+            if done is not None and done.fits(size) and not any(cur in self.poison
+                                                                 for cur, _ in binds):
+                self._run_program(None, binds, renames, (done, size, seeds),
+                                  lambda: self._instructions(key, seeds, size))
+            else:
+                self._run_program(self._instructions(key, seeds, size), binds, renames)
         else:
+            if size is not None:
+                self.grown[key] = (size, _shapes(self.env, binds))
             self._run_program(self._instructions(key, seeds, size, knobs), binds, renames)
         if self.device.type == "cuda" and mode != "capture":
             self._note_ready(new for _, new in renames)
@@ -91,13 +109,54 @@ class Programs:
         session, base = seeds
         return graphs.with_seeds(program, where, lambda s: derive_seed(session, base + s.offset))
 
-    def _run_program(self, program: list[tuple], binds: tuple, renames: tuple) -> None:
+    def _run_program(self, program: list[tuple] | None, binds: tuple, renames: tuple,
+                     compiled: tuple | None = None,
+                     instructions: Callable[[], list[tuple]] | None = None) -> None:
+        """Run ``program`` with its inputs bound, or ``compiled`` (the program compiled, the
+        size, the seeds), whose ``instructions`` run in its stead if it raises (an op's own
+        failure is then the op's, as written)."""
         # a recorded input may still be alive (a batch used again): it is itself again after
         saved = self._saved(recorded for _, recorded in binds)
         self._move(binds, keep=True)
-        self._execute(program)
+        if compiled is None:
+            self._execute(program)
+        else:
+            done, size, seeds = compiled
+            if self.waits:
+                self._settle_all()
+            done.seed(seeds)
+            try:
+                done.run(self.env, size)
+                self.stats["ops"] += done.ops
+            except Exception:
+                self._execute(instructions())
         self._restore(saved)
         self._move(renames, keep=False)
+
+    def _compile_growing(self, key: int, size: int, binds: tuple,
+                         mode: str) -> compiling.Compiled | None:
+        """A growing program compiled for every size (worker/compiled.py), kept; rank 0 told
+        whether that worked (None) or why not, and how the compiling went."""
+        why, notes = None, []
+        grew = compiling.growth(self.grown.get(key, (size, {})), size, _shapes(self.env, binds))
+        if not mode:
+            why = "GTMPI_COMPILE=auto compiles nothing on a CPU worker"
+        elif self.knobbed[key]:
+            why = "numbers in it change per call"
+        elif isinstance(grew, str):
+            why = grew
+        else:
+            program = self.programs[key]
+            values = {recorded: self.env[cur] for cur, recorded in binds}
+            values.update((tid, self.env[tid]) for tid in graphs.outside_reads(program, set(values)))
+            done = self._compiled(key, program, values, mode, notes,
+                                  compiling.Growing(size, self.sized[key], grew))
+            if done is None:
+                why = notes.pop().removeprefix("not compiled: ")
+            else:
+                self.dynamic[key] = done
+        self.link.reply(Tag.GRAPH, (why, notes[0] if notes else None))
+        return self.dynamic.get(key)
 
     def _by_id(self) -> tuple[dict, ...]:
         """Every table that says what an id is here: its value, its fault, the collective still
@@ -140,13 +199,15 @@ class Programs:
         self.link.reply(Tag.GRAPH, (why, notes[0] if notes else None))
 
     def _compiled(self, key: int, program: list[tuple], values: dict, mode: str,
-                  notes: list[str]) -> compiling.Compiled | None:
-        """``program`` compiled (worker/compiled.py) for the inputs ``values``, or None with
-        the reason in ``notes``; the time it took in the trace."""
+                  notes: list[str], growing: compiling.Growing | None = None
+                  ) -> compiling.Compiled | None:
+        """``program`` compiled (worker/compiled.py) for the inputs ``values`` (a growing
+        program's for every size), or None with the reason in ``notes``; the time it took in
+        the trace."""
         start = self.now()
         try:
             done = compiling.compile_program(program, list(values), values, mode, self.device,
-                                             self.plane)
+                                             self.plane, growing)
         except Exception as e:  # refused, or what the trace or Inductor raised
             done = None
             notes.append(f"not compiled: {_why(e, last=True)}")
@@ -383,6 +444,12 @@ class Programs:
             for table in tables:
                 if a in table:
                     table[b] = table[a] if keep else table.pop(a)
+
+
+def _shapes(env: dict, binds: tuple) -> dict[int, tuple]:
+    """The (sizes, strides) of a replay's bound tensors, by their recorded ids."""
+    return {recorded: (tuple(t.shape), t.stride()) for cur, recorded in binds
+            if isinstance(t := env.get(cur), torch.Tensor)}
 
 
 def _why(e: Exception, last: bool = False) -> str:
