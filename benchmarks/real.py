@@ -119,8 +119,9 @@ if profile:  # torch's kernels of the same steps as gtmpi's workers record (work
             window["on"] = None
     from torch.optim.optimizer import register_optimizer_step_post_hook
     register_optimizer_step_post_hook(_step)
-sys.argv = ["train.py"] + sys.argv[1:]
-runpy.run_path("train.py", run_name="__main__")
+script = os.environ.get("REAL_SCRIPT", "train.py")
+sys.argv = [script] + sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
 if memory:
     os.makedirs(memory, exist_ok=True)
     torch.cuda.memory._dump_snapshot(os.path.join(memory, "torch.pickle"))
@@ -130,7 +131,8 @@ if hasattr(torch, "debug") and torch.debug.repeats():
     print(torch.debug.repeats(), flush=True)
 if hasattr(torch, "debug"):
     keys = ("ops", "control", "batches", "exec_ns", "wait_ns", "graph_launches", "graphed_ops",
-            "graph_fallbacks", "graph_fallback_reasons", "graph_input_bytes", "graph_copies")
+            "graph_fallbacks", "graph_fallback_reasons", "graph_input_bytes", "graph_copies",
+            "compiles", "compile_refusals", "sized_compiled", "sized_unfit")
     for rank, s in torch.debug.worker_stats().items():
         print("worker", rank, {{k: s.get(k) for k in keys}}, flush=True)
 if hasattr(torch, "debug") and os.environ.get("GTMPI_COMPILE", "0") != "0":
@@ -412,16 +414,17 @@ def _sample_main(args, gpus: int) -> None:
     given = ["--out_dir=out-shakespeare-char", f"--num_samples={args.samples}",
              f"--max_new_tokens={args.tokens}", *on_cpu]
     env, mpiexec, py = _launch()
-    commands = {"torch": ([py, "sample.py"], "torch", {}),
-                "torch-compiled": ([py, "sample.py", "--compile=True"], "torch", {}),
-                "embedded": ([py, "sample.py"], "gtmpi", {}),
-                "embedded-captured": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1"}),
-                "embedded-graphed": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
+    env["REAL_SCRIPT"] = "sample.py"  # through run.py: gtmpi's runs then say what compiled
+    commands = {"torch": ([py, "run.py"], "torch", {}),
+                "torch-compiled": ([py, "run.py", "--compile=True"], "torch", {}),
+                "embedded": ([py, "run.py"], "gtmpi", {}),
+                "embedded-captured": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1"}),
+                "embedded-graphed": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
                                                                    "GTMPI_SIZED_GRAPHS": "1"}),
-                "embedded-compiled": ([py, "sample.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
+                "embedded-compiled": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
                                                                     "GTMPI_COMPILE": "1"}),
-                "mpiexec": ([*mpiexec, "-n", "2", py, "sample.py"], "gtmpi", {}),
-                "mpiexec-captured": ([*mpiexec, "-n", "2", py, "sample.py"], "gtmpi",
+                "mpiexec": ([*mpiexec, "-n", "2", py, "run.py"], "gtmpi", {}),
+                "mpiexec-captured": ([*mpiexec, "-n", "2", py, "run.py"], "gtmpi",
                                      {"GTMPI_CAPTURE": "1"})}
     results = []
     with tempfile.TemporaryDirectory() as where:
@@ -437,6 +440,9 @@ def _sample_main(args, gpus: int) -> None:
                 print(f"== {name}: {' '.join(cmd + given)}", flush=True)
                 rc, lines, wall = _timed_lines(cmd + given, dirs[kind], {**env, **extra},
                                                args.timeout)
+                for _, said in lines:
+                    if re.match(r"(worker \d+ |compile: )", said):
+                        print(said, flush=True)
                 ends = [at for at, line in lines if line.startswith("---------------")]
                 # a sample's time: from the end of the one before (the first warms up)
                 each = [(b - a) / args.tokens * 1e3 for a, b in zip(ends, ends[1:])]

@@ -496,6 +496,6 @@ def test_each_size_of_a_growing_call_becomes_a_cuda_graph_of_its_own(monkeypatch
     # its own key, replayed as it is)
     assert _notes(model)["replayed (a growing size)"] == 9 + 2 * 11
     notes = [note for name, note in runtime().dispatcher.graph_notes.items()
-             if name.startswith(f"{model._capture.name} (recorded at")]
+             if name.startswith(f"{model._capture.name} for every size (recorded at")]
     assert notes == [f"a CUDA graph per size (12 of 12 sizes) on worker(s) {runtime().dispatcher.home}"]
     assert launches[2] - launches[1] >= 11  # sizes 2 .. 12, besides the sampler's own graphs

@@ -370,8 +370,8 @@ def test_a_growing_call_compiles_once_for_every_size_and_draws_as_written(mode, 
     monkeypatch.setenv("GTMPI_CAPTURE", "1")
     monkeypatch.setenv("GTMPI_COMPILE", mode)
     before = _compiles()
-    stats = gtmpi.debug.worker_stats()
-    ops_before = sum(s["ops"] for s in stats.values())
+    stats = gtmpi.debug.worker_stats().values()
+    ran, unfit = (sum(s[k] for s in stats) for k in ("sized_compiled", "sized_unfit"))
     got = [_generate(model, 11) for _ in range(2)]
     for a, b in zip(got, written):
         assert torch.equal(a, b)
@@ -381,8 +381,13 @@ def test_a_growing_call_compiles_once_for_every_size_and_draws_as_written(mode, 
     how = "Inductor" if mode == "1" else "its traced graph (GTMPI_COMPILE=fx)"
     assert "replayed compiled, no CUDA graph: its sizes follow its call's" in notes, notes
     assert f"(compiled by {how} for every size in" in notes, notes
-    # the second loop's calls at t = 2 .. 11 ran compiled: their ops counted as run
-    assert sum(s["ops"] for s in gtmpi.debug.worker_stats().values()) > ops_before
+    # compiled at t = 6 (t = 2, 3, 4 are samples, t = 5 a replay op by op): t = 6 .. 11 of the
+    # first loop and t = 2 .. 11 of the second ran compiled; t = 1 of the second ran op by op,
+    # as the trace assumed n >= 2 (a size of 1 broadcasts)
+    stats = gtmpi.debug.worker_stats().values()
+    assert sum(s["sized_compiled"] for s in stats) - ran == 6 + 10
+    assert sum(s["sized_unfit"] for s in stats) - unfit == 1
+    assert "assuming 2 <= n of the growing size" in notes, notes
 
 
 def test_a_growing_program_that_cannot_be_compiled_runs_op_by_op_and_says_why(monkeypatch):

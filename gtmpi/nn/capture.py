@@ -373,7 +373,8 @@ def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tens
             return result, None, None
         sized, shapes = got
     program, kept = d.install([t.id for t in made], [t.id for t in inputs],
-                              f"{name} (recorded at {rt.current_site()})", sized)
+                              f"{name}{' for every size' if sized else ''} (recorded at "
+                              f"{rt.current_site()})", sized)
     if kept:
         d.drop(program)
         sites = ", ".join(sorted({rt.site(tid) or f"tensor {tid}" for tid in kept[:4]}))

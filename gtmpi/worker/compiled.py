@@ -199,10 +199,17 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
         traced = make_fx(fn, tracing_mode="fake")(*flat)
     else:
         fakes, shape_env, n = _symbolic(layouts, flat, env, growing, device)
-        traced = make_fx(fn, tracing_mode="fake")(*fakes)
-        fits = _guards(shape_env, n)
+        # torch's C++ linear asks a CUDA input's numel(), which a symbolic size has not:
+        # Inductor's own forms of linear and matmul, in sizes that may be symbols
+        from torch._inductor.decomposition import select_decomp_table
+        table = select_decomp_table()
+        aten = torch.ops.aten
+        traced = make_fx(fn, tracing_mode="fake", decomposition_table={
+            op: table[op] for op in (aten.linear.default, aten.matmul.default)})(*fakes)
+        fits, assumed = _guards(shape_env, n)
         flat.append(torch.empty(growing.size, dtype=torch.uint8, device=device))
-    detail = f"traced in {time.perf_counter() - start:.1f} s"
+    detail = f"traced in {time.perf_counter() - start:.1f} s" + \
+        (f", assuming {assumed} of the growing size" if growing is not None else "")
     if mode == "inductor":
         from torch._dynamo.utils import counters
         from torch._inductor import compile as inductor
@@ -298,9 +305,9 @@ def _symbolic(layouts: list[tuple[int, Any]], flat: list[torch.Tensor], env: dic
         shape_env, n
 
 
-def _guards(shape_env: Any, n: Any) -> Callable[[int], bool]:
+def _guards(shape_env: Any, n: Any) -> tuple[Callable[[int], bool], str]:
     """Whether what a growing program's trace assumed of n (its range, its guards) holds for
-    a size: each size asked once."""
+    a size (each size asked once), and what that is, in words."""
     symbol = n.node.expr
     if not getattr(symbol, "is_Symbol", False):
         raise RuntimeError(f"its trace fixed the growing size at {symbol}")
@@ -317,7 +324,10 @@ def _guards(shape_env: Any, n: Any) -> Callable[[int], bool]:
             ok = answered[size] = (bounds is None or bounds.lower <= size <= bounds.upper) and \
                 all(bool(expr.xreplace({symbol: size})) for expr in guards)
         return ok
-    return fits
+    from torch.utils._sympy.numbers import int_oo
+    said = ([f"{bounds.lower} <= n" + (f" <= {bounds.upper}" if bounds.upper != int_oo else "")]
+            if bounds is not None else []) + [str(expr.xreplace({symbol: _N})) for expr in guards]
+    return fits, ", ".join(said) or "nothing"
 
 
 def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[str, Any],
@@ -373,6 +383,8 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
         return tensors
     return run
 
+
+_N = __import__("sympy").Symbol("n")  # the growing size, as notes name it
 
 # Inductor's counters of its graph cache on disk: found, made, passed by (a graph it cannot keep)
 _CACHE = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")

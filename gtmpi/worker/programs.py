@@ -81,11 +81,13 @@ class Programs:
         elif mode in ("compile", "compiled"):
             done = self._compile_growing(key, size, binds, compile_mode) \
                 if mode == "compile" else self.dynamic.get(key)
-            if done is not None and done.fits(size) and not any(cur in self.poison
-                                                                 for cur, _ in binds):
+            fits = done is not None and done.fits(size)
+            if fits and not any(cur in self.poison for cur, _ in binds):
+                self.stats["sized_compiled"] += 1
                 self._run_program(None, binds, renames, (done, size, seeds),
                                   lambda: self._instructions(key, seeds, size))
             else:
+                self.stats["sized_unfit"] += done is not None and not fits
                 self._run_program(self._instructions(key, seeds, size), binds, renames)
         else:
             if size is not None:
