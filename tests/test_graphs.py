@@ -179,6 +179,34 @@ def test_graphs_on_cpu_workers_say_why_there_are_none(monkeypatch):
     assert note.endswith("the worker runs on the cpu"), note
 
 
+def test_a_run_whose_capture_failed_is_not_captured_again_at_other_sizes(monkeypatch):
+    """A decoding loop's sampling repeats a token longer each time: a repeated run per
+    length. Once one of them failed to capture (here: CPU workers, which have no graphs), the
+    runs of the same ops at other lengths are not captured only to fail again, each a round
+    trip to the worker; they replay op by op, say why, and draw what they draw as written."""
+    if HOME_DEVICE.type == "cuda":
+        pytest.skip("GPU workers capture")
+    from test_capture import _Decoder, _generate
+    gtmpi.manual_seed(0)
+    model = _Decoder()
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+    written = _generate(model, 11)
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    monkeypatch.setenv("GTMPI_CUDA_GRAPHS", "1")
+    d = runtime().dispatcher
+    asked = []
+    commit = type(d)._commit
+    monkeypatch.setattr(type(d), "_commit",
+                        lambda self, program, state: (asked.append(program.key),
+                                                      commit(self, program, state))[1])
+    for _ in range(3):
+        assert torch.equal(_generate(model, 11), written)
+    assert len(asked) == 1, asked
+    notes = [v for k, v in gtmpi.debug.graph_notes().items() if k.startswith("repeated run")]
+    assert sum(v.endswith("the worker runs on the cpu (a run of the same ops before)")
+               for v in notes) >= 5, notes
+
+
 @pytest.mark.parametrize("graphs", ["0", GRAPHS])
 def test_random_ops_in_a_replayed_step_draw_what_they_draw_as_written(monkeypatch, graphs):
     """Dropout (nn.Dropout and attention's), randn and normal_ inside a replayed, captured and

@@ -57,6 +57,7 @@ FREES_AHEAD = 64  # dropped ids that travel before the next instruction even if 
 ACK_POLL_S = 5e-5  # how often a busy worker's acks are polled while ops are issued
 GRAPH_AFTER = 1  # plain replays of a program before its workers capture it (a warm one)
 CAPTURES_MAX = 4  # captures of a program its workers put off (transport.tags.GRAPH_LATER)
+REFUSALS_KEPT = 256  # repeated runs' failed captures remembered by their ops (_refused_ops)
 # sizes of one growing program captured as graphs (each holds its outputs for good); a size
 # past them runs op by op
 SIZES_MAX = 1024
@@ -113,6 +114,10 @@ class Dispatcher:
         self._inserted_before: dict = {}  # and its count of inserted collectives
         self._programs = 0
         self.graph_notes: dict[str, str] = {}  # program name -> its graph's fate, for explain()
+        # why a repeated run's capture failed, by its ops' names: a run of the same ops at
+        # other sizes (a decoding loop's sampling, a token longer each time) is not captured
+        # again only to fail again, each failure a round trip to its workers
+        self._refused_ops: dict[tuple, str] = {}
         self.rounds: Rounds | None = None  # under a server: its connection, which ends rounds
         self.batch_max = BATCH_MAX
         from .placer import Placer
@@ -511,6 +516,8 @@ class Dispatcher:
             self.graph_notes[name] = f"replayed op by op, no CUDA graph: {program.graph}"
         program.marks = next((op for instructions in rec.per_rank.values()
                               for op, *_ in instructions if op in STEP_OPS), "replay")
+        program.ops = tuple(op for instructions in rec.per_rank.values()
+                            for op, *_ in instructions if op != "free")
         for rank, instructions in rec.per_rank.items():
             self.post("program", (program.key, instructions if sized is None
                                   else sized(instructions)), [rank])
@@ -622,8 +629,12 @@ class Dispatcher:
             # otherwise each worker captures if it can
             graphs = os.environ.get("GTMPI_CUDA_GRAPHS", "1")
             mode = {"0": "plain", "emulate": "emulate"}.get(graphs, "capture")
+            refused = program.auto and self._refused_ops.get(program.ops)
             if mode == "plain":
                 self._graph_note(program, state, "GTMPI_CUDA_GRAPHS=0")
+            elif refused:
+                mode = "plain"
+                self._graph_note(program, state, f"{refused} (a run of the same ops before)")
             elif (compiling := compile_mode()):
                 mode = f"{mode}:{compiling}"
         if state is not None:
@@ -686,6 +697,10 @@ class Dispatcher:
         if refused is not None and refused.endswith(GRAPH_LATER) and state.captures < CAPTURES_MAX:
             return  # tried again at its next replay
         state.graph = True if refused is None else refused
+        if refused is not None and program.auto and program.ops not in self._refused_ops:
+            if len(self._refused_ops) >= REFUSALS_KEPT:
+                self._refused_ops.clear()
+            self._refused_ops[program.ops] = refused
         ranks = ", ".join(map(str, program.ranks))
         if program.sizes is None:
             self.graph_notes[program.name] = (f"a CUDA graph on worker(s) {ranks}" if

@@ -95,3 +95,4 @@ class Program(Graphing):
         # not (worker/compiled.py)
         self.dynamic: bool | str | None = None
         self.marks = "replay"  # the name its replays' issues carry in a trace (ops/table.py: STEP_OPS)
+        self.ops: tuple[str, ...] = ()  # its instructions' ops, every worker's, frees left out
