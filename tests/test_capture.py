@@ -448,6 +448,17 @@ def _generate(model, steps: int, block: int = 12):
     return idx.cpu_torch()
 
 
+def _decoder_as_written(monkeypatch, steps: int = 11):
+    """A _Decoder and what _generate draws with it as written (no crop at 11 steps: each call
+    a new length); capture on from then on."""
+    gtmpi.manual_seed(0)
+    model = _Decoder()
+    monkeypatch.setenv("GTMPI_CAPTURE", "0")
+    written = _generate(model, steps)
+    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    return model, written
+
+
 @pytest.mark.parametrize("square", [False, True], ids=["linear", "square"])
 def test_a_growing_sequence_replays_one_program_with_its_sizes(monkeypatch, square):
     """A decoding loop without a KV cache calls the model a token longer each time: after

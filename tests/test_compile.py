@@ -14,7 +14,7 @@ import torch
 import gtmpi
 from conftest import HOME_DEVICE
 from gtmpi.client.runtime import runtime
-from test_capture import _Decoder, _generate, _loop
+from test_capture import _decoder_as_written, _generate, _loop
 from test_dp_ops import CASES, INPUTS, GRAD, _backward, _results
 from test_replay import WORKERS, _train, data_parallel, spread, tensor_parallel_run
 
@@ -363,18 +363,13 @@ def test_a_growing_call_compiles_once_for_every_size_and_draws_as_written(mode, 
     as written."""
     if mode == "1" and HOME_DEVICE.type != "cuda" and shutil.which("g++") is None:
         pytest.skip("Inductor compiles C++ for CPU workers: no C++ compiler here")
-    gtmpi.manual_seed(0)
-    model = _Decoder()
-    monkeypatch.setenv("GTMPI_CAPTURE", "0")
-    written = [_generate(model, 11) for _ in range(2)]  # no crop: every call a new length
-    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    model, written = _decoder_as_written(monkeypatch)
     monkeypatch.setenv("GTMPI_COMPILE", mode)
     before = _compiles()
     stats = gtmpi.debug.worker_stats().values()
     ran, unfit = (sum(s[k] for s in stats) for k in ("sized_compiled", "sized_unfit"))
-    got = [_generate(model, 11) for _ in range(2)]
-    for a, b in zip(got, written):
-        assert torch.equal(a, b)
+    for _ in range(2):
+        assert torch.equal(_generate(model, 11), written)
     notes = _explained()
     # (the sampling between the calls is refused: it draws by multinomial)
     assert _compiles()[0] - before[0] == 1, notes
@@ -395,11 +390,7 @@ def test_a_growing_program_that_cannot_be_compiled_runs_op_by_op_and_says_why(mo
     written, the samples are the same)."""
     if HOME_DEVICE.type == "cuda":
         pytest.skip("auto compiles on GPU workers")
-    gtmpi.manual_seed(0)
-    model = _Decoder()
-    monkeypatch.setenv("GTMPI_CAPTURE", "0")
-    written = _generate(model, 11)
-    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    model, written = _decoder_as_written(monkeypatch)
     monkeypatch.setenv("GTMPI_COMPILE", "auto")
     assert torch.equal(_generate(model, 11), written)
     assert "not compiled: worker rank 1: GTMPI_COMPILE=auto compiles nothing on a CPU " \

@@ -186,12 +186,8 @@ def test_a_run_whose_capture_failed_is_not_captured_again_at_other_sizes(monkeyp
     trip to the worker; they replay op by op, say why, and draw what they draw as written."""
     if HOME_DEVICE.type == "cuda":
         pytest.skip("GPU workers capture")
-    from test_capture import _Decoder, _generate
-    gtmpi.manual_seed(0)
-    model = _Decoder()
-    monkeypatch.setenv("GTMPI_CAPTURE", "0")
-    written = _generate(model, 11)
-    monkeypatch.setenv("GTMPI_CAPTURE", "1")
+    from test_capture import _decoder_as_written, _generate
+    model, written = _decoder_as_written(monkeypatch)
     monkeypatch.setenv("GTMPI_CUDA_GRAPHS", "1")
     d = runtime().dispatcher
     asked = []
