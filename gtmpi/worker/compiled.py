@@ -199,13 +199,7 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
         traced = make_fx(fn, tracing_mode="fake")(*flat)
     else:
         fakes, shape_env, n = _symbolic(layouts, flat, env, growing, device)
-        # torch's C++ linear asks a CUDA input's numel(), which a symbolic size has not:
-        # Inductor's own forms of linear and matmul, in sizes that may be symbols
-        from torch._inductor.decomposition import select_decomp_table
-        table = select_decomp_table()
-        aten = torch.ops.aten
-        traced = make_fx(fn, tracing_mode="fake", decomposition_table={
-            op: table[op] for op in (aten.linear.default, aten.matmul.default)})(*fakes)
+        traced = make_fx(fn, tracing_mode="fake")(*fakes)
         fits, assumed = _guards(shape_env, n)
         flat.append(torch.empty(growing.size, dtype=torch.uint8, device=device))
     detail = f"traced in {time.perf_counter() - start:.1f} s" + \
@@ -367,6 +361,8 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
                 res = _redone(counted or FUSED_FNS[name], name, args, kw)
             elif counted is not None:
                 res = counted(*args, **kw) if kw else counted(*args)
+            elif sized is not None and name == "linear" and not (kw and set(kw) - {"cast"}):
+                res = _symbolic_linear(*args, **kw) if kw else _symbolic_linear(*args)
             else:
                 res = op.kernel(*args, **kw) if kw else op.kernel(*args)
             if type(out) is int:
@@ -385,6 +381,18 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
 
 
 _N = __import__("sympy").Symbol("n")  # the growing size, as notes name it
+
+def _symbolic_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                     cast: torch.dtype | None = None) -> torch.Tensor:
+    """ops/table.py's linear (autocast's ``cast`` too) where sizes may be symbols: torch's C++
+    linear asks a CUDA input's numel(), which a symbolic size has not (every growing program
+    was refused on GPUs)."""
+    if cast is not None:
+        x, w = x.to(cast), w.to(cast)
+        b = None if b is None else b.to(cast)
+    out = torch.matmul(x, w.t())
+    return out if b is None else out + b
+
 
 # Inductor's counters of its graph cache on disk: found, made, passed by (a graph it cannot keep)
 _CACHE = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
