@@ -81,13 +81,25 @@ class IndexGuard:
     def _in_range(self, idx: torch.Tensor, spec: IndexArg, out: int) -> torch.Tensor:
         if spec.size == 0:  # nothing is in range: known on the host, an ordinary op error
             raise IndexError(f"index into a dimension of size 0 (operand {spec.pos})")
-        ok = (idx >= (-spec.size if spec.negative else 0)) & (idx < spec.size)
-        if spec.also is not None:
-            ok |= idx == spec.also
-        wrong = ~ok.all()
-        self.first.copy_(torch.where(wrong & (self.first < 0), out, self.first))
+        low = -spec.size if spec.negative else 0
+        if spec.also is None:
+            # both ends in one kernel, and a bad index clamped to the nearest end: 9 kernel
+            # launches a check against 13 (each embedding of a step run op by op pays them)
+            least, most = torch.aminmax(idx)
+            wrong = (least < low) | (most >= spec.size)
+            safe = None
+        else:
+            ok = (idx >= low) & (idx < spec.size) | (idx == spec.also)
+            wrong = ~ok.all()
+            safe = torch.where(ok, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
+        self.first.masked_fill_(wrong & (self.first < 0), out)
         self.bad |= wrong
-        safe = torch.where(ok, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
+        if safe is None:
+            try:
+                idx.data.clamp_(low, spec.size - 1)  # in place, as below
+                return idx
+            except RuntimeError:  # an expanded view cannot be written: this use alone is safe
+                return idx.clamp(low, spec.size - 1)
         try:
             # through .data: its version stays, as torch's records that saved this index (the
             # positions of a micro-batch whose backward is still to come, reused by the next
