@@ -351,6 +351,12 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
                 args = [env[a] if tmask >> i & 1 else a for i, a in enumerate(args)]
             if op.kind is Kind.CREATE:
                 kw = {**(kw or {}), "device": device}
+            elif name in ("getitem", "setitem") and any(type(k) is list and k
+                                                        for k in kw["key"]):
+                # a list index (x[:, [-1]]) as a constant on the device: torch would make it
+                # on the host, a CPU constant beside the program's GPU tensors
+                kw = {**kw, "key": tuple(torch.tensor(k, device=device) if type(k) is list
+                                         and k else k for k in kw["key"])}
             elif _talks(ins):
                 kw = {**kw, "plane": plane}
             counted = _COUNTED.get(name) if _drawn(args, kw) else None
