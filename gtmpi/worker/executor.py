@@ -70,9 +70,10 @@ class Executor(Programs, Control, Quota):
                       "graph_fallback_reasons": {}, "compiles": 0, "compile_refusals": 0,
                       "sized_compiled": 0, "sized_unfit": 0, "exec_ns": 0, "wait_ns": 0}
         # sized_compiled, sized_unfit: a growing program's replays run compiled, and run op
-        # by op where the compiled program's guards did not hold; exec_ns: host time in batches; wait_ns: the part of it in reads and syncs, which wait
-        # for the device; graph_input_bytes: the buffers graphs copy their inputs into;
-        # graph_copies: outputs of graphs still held, copied out of a launch's way (or aside)
+        # by op where the compiled program's guards did not hold; exec_ns: host time in
+        # batches; wait_ns: the part of it in reads and syncs, which wait for the device;
+        # graph_input_bytes: the buffers graphs copy their inputs into; graph_copies: outputs
+        # of graphs still held, copied out of a launch's way (or aside)
         # pinned buffers a large upload passes through on its way to the GPU, and each one's
         # event of its last copy out (worker/control.py, made at the first such upload)
         self.staging: list[tuple[torch.Tensor, torch.cuda.Event]] = []

@@ -84,7 +84,7 @@ class Programs:
             fits = done is not None and done.fits(size)
             if fits and not any(cur in self.poison for cur, _ in binds):
                 self.stats["sized_compiled"] += 1
-                self._run_program(None, binds, renames, (done, size, seeds),
+                self._run_program(None, binds, renames, (key, done, size, seeds),
                                   lambda: self._instructions(key, seeds, size))
             else:
                 self.stats["sized_unfit"] += done is not None and not fits
@@ -114,16 +114,16 @@ class Programs:
     def _run_program(self, program: list[tuple] | None, binds: tuple, renames: tuple,
                      compiled: tuple | None = None,
                      instructions: Callable[[], list[tuple]] | None = None) -> None:
-        """Run ``program`` with its inputs bound, or ``compiled`` (the program compiled, the
-        size, the seeds), whose ``instructions`` run in its stead if it raises (an op's own
-        failure is then the op's, as written)."""
+        """Run ``program`` with its inputs bound, or ``compiled`` (the program's key, the
+        program compiled, the size, the seeds), whose ``instructions`` run in its stead if it
+        raises (an op's own failure is then the op's, as written), as they do from then on."""
         # a recorded input may still be alive (a batch used again): it is itself again after
         saved = self._saved(recorded for _, recorded in binds)
         self._move(binds, keep=True)
         if compiled is None:
             self._execute(program)
         else:
-            done, size, seeds = compiled
+            key, done, size, seeds = compiled
             if self.waits:
                 self._settle_all()
             done.seed(seeds)
@@ -131,6 +131,7 @@ class Programs:
                 done.run(self.env, size)
                 self.stats["ops"] += done.ops
             except Exception:
+                self.dynamic.pop(key, None)
                 self._execute(instructions())
         self._restore(saved)
         self._move(renames, keep=False)
@@ -150,7 +151,8 @@ class Programs:
         else:
             program = self.programs[key]
             values = {recorded: self.env[cur] for cur, recorded in binds}
-            values.update((tid, self.env[tid]) for tid in graphs.outside_reads(program, set(values)))
+            values.update((tid, self.env[tid])
+                          for tid in graphs.outside_reads(program, set(values)))
             done = self._compiled(key, program, values, mode, notes,
                                   compiling.Growing(size, self.sized[key], grew))
             if done is None:
