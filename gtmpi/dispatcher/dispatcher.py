@@ -658,12 +658,8 @@ class Dispatcher:
     def _compiled_for_every_size(self, program: Program) -> None:
         """Whether every worker of a growing program compiled it for every size: then its
         replays run it so, else op by op (the notes say why)."""
-        replies = {rank: self.links[rank].wait_reply(Tag.GRAPH, self.watchdog)
-                   for rank in program.ranks}
-        refused = "; ".join(f"worker rank {rank}: {why}" for rank, (why, _) in
-                            sorted(replies.items()) if why is not None)
+        refused, how = self._graph_replies(program)
         program.dynamic = refused or True
-        how = "; ".join(sorted({note for _, note in replies.values() if note is not None}))
         self.graph_notes[program.name] = \
             f"replayed op by op, no CUDA graph: {program.graph}; not compiled: {refused}" \
             if refused else f"replayed compiled, no CUDA graph: {program.graph} ({how})"
@@ -672,24 +668,30 @@ class Dispatcher:
         """Every worker of a program being captured says whether it could; all launch their
         graphs, or none does (a collective captured by some members only would never run)."""
         start = _clock()
-        replies = {rank: self.links[rank].wait_reply(Tag.GRAPH, self.watchdog)
-                   for rank in program.ranks}
-        refused = {rank: why for rank, (why, _) in replies.items() if why is not None}
-        compiled = sorted({note for _, note in replies.values() if note is not None})
+        note, compiled = self._graph_replies(program)
         # straight behind the replay word: a free routed between them could take an input
         # the capture binds
         for rank in program.ranks:
-            self._batch[rank].append(("commit", None, (program.key, not refused), 0, None))
+            self._batch[rank].append(("commit", None, (program.key, not note), 0, None))
             self.flush(rank)
         self.end_round()
-        note = "; ".join(f"worker rank {rank}: {why}" for rank, why in sorted(refused.items()))
-        self._graph_note(program, state, note or None, "; ".join(compiled))
+        self._graph_note(program, state, note or None, compiled)
         if self.trace is not None:
             self.trace.event(Kind.REPLAY, Lane.DISPATCHER, start, _clock(), "capture",
                              program.key, count=len(program.ranks),
                              detail=f"{program.name}: " + (f"no CUDA graph ({note})" if note
                                                            else "captured") +
-                             "".join(f"; {c}" for c in compiled))
+                             (f"; {compiled}" if compiled else ""))
+
+    def _graph_replies(self, program: Program) -> tuple[str, str]:
+        """What each worker of a program being captured or compiled answered: why those that
+        could not did not ('' if all could), and how its compiling went ('' if none did)."""
+        replies = {rank: self.links[rank].wait_reply(Tag.GRAPH, self.watchdog)
+                   for rank in program.ranks}
+        refused = "; ".join(f"worker rank {rank}: {why}"
+                            for rank, (why, _) in sorted(replies.items()) if why is not None)
+        return refused, "; ".join(sorted({note for _, note in replies.values()
+                                          if note is not None}))
 
     def _graph_note(self, program: Program, state: Graphing, refused: str | None,
                     compiled: str = "") -> None:

@@ -731,9 +731,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, target, bias, ignore_index, reduction, chunk, cast=None,
                 float32=False, rounded=False, compact=False):
         dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        if cast is not None:
-            x, weight = x.to(cast), weight.to(cast)
-            bias = None if bias is None else bias.to(cast)
+        x, weight, bias = autocast_operands(x, weight, bias, cast)
         wants = ctx.needs_input_grad
         valid = target != ignore_index
         coef = valid.float()
@@ -957,6 +955,14 @@ def row_pieces(rows: int, chunks: int) -> list[slice]:
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
+def autocast_operands(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                      cast: torch.dtype | None) -> tuple:
+    """A linear's operands in autocast's dtype ``cast`` (unchanged where None)."""
+    if cast is None:
+        return x, w, b
+    return x.to(cast), w.to(cast), None if b is None else b.to(cast)
+
+
 def _linear(x, w, b=None, group=None, partial=None, chunks=1, plane=None, cast=None):
     """torch's linear. With ``group``, a row-parallel layer's partial sum that the dispatcher
     wants whole, summed by the kernel as it goes (the seed's overlap): its rows are multiplied
@@ -964,9 +970,7 @@ def _linear(x, w, b=None, group=None, partial=None, chunks=1, plane=None, cast=N
     beside the next piece's matmul; the worker waits for them where the result is first read.
     ``partial``: the result's (shape, dtype), for a member that must take part without it.
     ``cast``: autocast's dtype, which the operands are cast to first (gtmpi/amp.py)."""
-    if cast is not None:
-        x, w = x.to(cast), w.to(cast)
-        b = None if b is None else b.to(cast)
+    x, w, b = autocast_operands(x, w, b, cast)
     if group is None:
         return F.linear(x, w, b)
     y = x.new_empty(*x.shape[:-1], w.shape[0])
@@ -994,8 +998,7 @@ def _linear_grad(g, x, w, b, grads, sole=False, group=None, partial=None, plane=
     in the cast dtype)."""
     dtypes = (x.dtype, w.dtype, b.dtype if b is not None else g.dtype) if dtypes is None \
         else tuple(d or g.dtype for d in dtypes)
-    if cast is not None:
-        x, w = x.to(cast), w.to(cast)
+    x, w, _ = autocast_operands(x, w, None, cast)
     out = []
     if 0 in grads:
         dx = (g @ w).to(dtypes[0])

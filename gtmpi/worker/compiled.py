@@ -55,7 +55,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from ..ops.table import FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, Seed, derive_seed
+from ..ops.table import (FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, Seed,
+                         autocast_operands, derive_seed)
 from . import graphs
 from .dataplane import DataPlane, TracedPlane
 
@@ -318,9 +319,13 @@ def _guards(shape_env: Any, n: Any) -> tuple[Callable[[int], bool], str]:
             ok = answered[size] = (bounds is None or bounds.lower <= size <= bounds.upper) and \
                 all(bool(expr.xreplace({symbol: size})) for expr in guards)
         return ok
+    # sympy only here: imported with this module, it cost every worker's start ~0.5 s
+    import sympy
     from torch.utils._sympy.numbers import int_oo
+    named = sympy.Symbol("n")  # the growing size, as notes name it
     said = ([f"{bounds.lower} <= n" + (f" <= {bounds.upper}" if bounds.upper != int_oo else "")]
-            if bounds is not None else []) + [str(expr.xreplace({symbol: _N})) for expr in guards]
+            if bounds is not None else []) + [str(expr.xreplace({symbol: named}))
+                                              for expr in guards]
     return fits, ", ".join(said) or "nothing"
 
 
@@ -386,16 +391,12 @@ def _function(program: list[tuple], layouts: list[tuple[int, Any]], made: dict[s
     return run
 
 
-_N = __import__("sympy").Symbol("n")  # the growing size, as notes name it
-
 def _symbolic_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                      cast: torch.dtype | None = None) -> torch.Tensor:
     """ops/table.py's linear (autocast's ``cast`` too) where sizes may be symbols: torch's C++
     linear asks a CUDA input's numel(), which a symbolic size has not (every growing program
     was refused on GPUs)."""
-    if cast is not None:
-        x, w = x.to(cast), w.to(cast)
-        b = None if b is None else b.to(cast)
+    x, w, b = autocast_operands(x, w, b, cast)
     # a plain mm between views, which fake tensors' meta kernels size symbolically (no C++
     # composite's checks in between)
     out = torch.mm(x.reshape(-1, x.shape[-1]), w.t()).view(*x.shape[:-1], w.shape[0])
