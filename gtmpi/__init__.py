@@ -12,7 +12,11 @@ import sys as _sys
 import warnings as _warnings
 from typing import Any
 
-import torch as _torch
+from .transport import early as _early
+
+_early.start()  # before torch is imported: the worker's process imports it meanwhile
+
+import torch as _torch  # noqa: E402
 
 from . import amp, backends, cuda, debug, nn, optim, pipeline, profiler, trace, utils
 from .amp import autocast

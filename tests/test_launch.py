@@ -170,6 +170,60 @@ def test_workers_n_spawns_processes_from_plain_python(tmp_path):
     assert proc.stdout.strip() == "False 2 False 14.0"
 
 
+EMBEDDED_CHILDREN = """
+        def children():  # this process's embedded worker processes, alive or not yet reaped
+            found = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                    cmd = open(f"/proc/{pid}/cmdline").read()
+                except OSError:
+                    continue
+                if int(stat[1]) == os.getpid() and "gtmpi.worker.child" in cmd:
+                    found.append(int(pid))
+            return found
+"""
+
+
+@pytest.mark.parametrize("change", [False, True])
+def test_the_embedded_worker_process_starts_while_gtmpi_is_imported(tmp_path, change):
+    """transport.early: the worker's process starts first thing in `import gtmpi` and is the
+    session's worker; an environment changed after the import (which the worker must see)
+    gets a fresh one, and the early one is gone."""
+    proc, _ = run(tmp_path, """
+        import os, json
+        import gtmpi
+    """ + EMBEDDED_CHILDREN + f"""
+        at_import = children()
+        if {change}:
+            os.environ["GTMPI_SOME_SETTING"] = "1"
+        x = gtmpi.ones(3, device="cuda")
+        print("OUT", json.dumps({{"sum": x.sum().item(), "at_import": at_import,
+                                  "now": children(), "pid": gtmpi.info()["workers"][1]["pid"]}}))
+    """, n=None, env={"GTMPI_EMBEDDED_PROCESS": "1", "GTMPI_VERBOSE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.split("OUT ", 1)[1])
+    assert out["sum"] == 3.0 and len(out["at_import"]) == 1 and out["now"] == [out["pid"]]
+    if change:
+        assert out["pid"] != out["at_import"][0]
+        assert "started now (not the one started at import: the environment changed since)" \
+            in proc.stderr
+    else:
+        assert out["pid"] == out["at_import"][0] and "started at import" in proc.stderr
+
+
+def test_workers_n_ends_the_worker_process_started_at_import(tmp_path):
+    proc, _ = run(tmp_path, """
+        import os, gtmpi
+    """ + EMBEDDED_CHILDREN + """
+        before = len(children())
+        gtmpi.workers(2)
+        print(before, len(children()), (gtmpi.arange(4.0) * 2).sum().item())
+    """, n=None, env={"GTMPI_EMBEDDED_PROCESS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1 0 12.0"
+
+
 def test_workers_after_first_op_is_an_error(tmp_path):
     proc, _ = run(tmp_path, """
         import gtmpi

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import Terminated
 from ..transport.local import LocalLink
+from ..transport.early import discard as discard_early
 from ..transport.pipe import start_child
 from ..worker.device import select_device, visible_gpus
 from ..worker.executor import Executor
@@ -40,10 +41,11 @@ def start_embedded() -> Runtime:
     device = select_device(os.environ, 0, visible_gpus())
     choice = os.environ.get("GTMPI_EMBEDDED_PROCESS", "auto")
     if choice == "1" or (choice == "auto" and device.type == "cuda"):
-        link, pid = start_child(device)
+        link, pid, how = start_child(device)
         atexit.register(_close)
-        where = f"a worker process (pid {pid})"
+        where = f"a worker process (pid {pid}, {how})"
     else:
+        discard_early()
         link, pid = LocalLink(), os.getpid()
         link.executor = Executor(1, device, link)
         where = "this process"

@@ -32,7 +32,7 @@ from .signalbook import SignalBook
 from ..errors import NOT_USER, Fault, WorkerError, worker_error
 from ..ops import settings
 from ..ops.table import Seed, derive_seed
-from ..transport import ending
+from ..transport import early, ending
 from ..transport.ending import alive
 from ..transport.rendezvous import LOOPBACK
 from ..transport.tags import Tag
@@ -419,6 +419,7 @@ def set_runtime(rt: Runtime) -> None:
     if _current is not None:
         raise RuntimeError("gtmpi: the session has already started; gtmpi.workers(n) must come "
                            "before the first tensor op")
+    early.discard()  # a worker process started at import for the embedded default
     _current = rt
     rt.begin()
 

@@ -21,7 +21,6 @@ import select
 import socket
 import struct
 import subprocess
-import sys
 import time
 from collections import deque
 from multiprocessing.connection import Connection
@@ -32,27 +31,26 @@ import numpy as np
 
 from ..errors import Fault
 from ..recording.events import now
-from . import poll
+from . import early, poll
 from .poll import WATCH_EVERY_S
 from .tags import ACK_EVERY, Tag
 
 INLINE_BYTES = 1 << 20  # reads up to this size travel inside the message that ends the batch
 
 
-def start_child(device: Any) -> tuple["ChildLink", int]:
-    """A worker process on ``device``, joined to this one; its link and process id. Not waited
-    for: the program goes on while the child imports torch and takes its GPU (seconds: nanoGPT's
+def start_child(device: Any) -> tuple["ChildLink", int, str]:
+    """A worker process on ``device``, joined to this one: its link, process id, and how it
+    was started (while gtmpi was imported, transport.early, or now and why). Not waited for:
+    the program goes on while the child imports torch and takes its GPU (seconds: nanoGPT's
     model was built 4.5 s later than torch's own when this waited for its hello), what it is
     sent waits in the socket, and the first reply waited for waits for it too (a child that
     died starting says so there, as one that died later does)."""
-    ours, theirs = socket.socketpair()
-    # a session of its own: a terminal's Ctrl-C (sent to the program's process group) is the
-    # program's to decide on, from the child's first instant (the child ignores SIGINT only
-    # once it has imported torch: a Ctrl-C meanwhile would have killed it)
-    proc = subprocess.Popen([sys.executable, "-m", "gtmpi.worker.child", str(theirs.fileno()),
-                             str(device)], pass_fds=(theirs.fileno(),), start_new_session=True)
-    theirs.close()
-    return ChildLink(Connection(ours.detach()), proc), proc.pid
+    proc, ours, why_not = early.take(str(device))
+    how = "started at import"
+    if proc is None or ours is None:
+        proc, ours = early.spawn(str(device))
+        how = f"started now{f' (not the one started at import: {why_not})' if why_not else ''}"
+    return ChildLink(Connection(ours.detach()), proc), proc.pid, how
 
 
 class _Channel:
