@@ -894,6 +894,13 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
     nothing places what it makes; else None (a worker runs it). Every op of a program's batch
     making (an index's arithmetic, a row cut from a dataset) comes here: its cost is rank 0's
     host time per iteration where the GPU's step is short, so it stays lean."""
+    if len(args) == 2 and not kw and key is None and name in _FRESH:
+        a, b = args
+        t = a if type(b) in _SCALARS else b if type(a) in _SCALARS else None
+        if type(t) is Tensor:
+            made = _held_with_scalar(name, t, args)
+            if made is not None:
+                return made
     total, held, values, foreign = 0, None, [], False
     grad = None
     for a in args:
@@ -953,6 +960,29 @@ def _on_host(name: str, args: tuple, key: tuple | None, kw: dict) -> Any:
         _share_storages(results, values, args)
     _inherit(name, args, key, kw, results)
     return results if multi else results[0]
+
+
+def _held_with_scalar(name: str, t: Tensor, args: tuple) -> Tensor | None:
+    """_on_host's own path for its commonest op, a held tensor and a Python number (an
+    index's arithmetic, ``data[i:i + block_size]``: nanoGPT's batch making does 192 a batch),
+    giving what its general path gives; None where that path must decide."""
+    value = t._host
+    if value is None or t._scope or t.requires_grad or value.numel() > host.HOST_NUMEL:
+        return None
+    rt = runtime()
+    if rt.autocast is not None or not host.allowed(rt):
+        return None
+    kernel = OPS[name].kernel
+    out = kernel(value, args[1]) if args[0] is t else kernel(args[0], value)
+    r = Tensor.held(out)
+    if out is value:  # an operand itself
+        _sharing(r)
+        _sharing(t)
+    if t._state:  # as _inherit gives it
+        r._state = True
+    elif t._recipe is not None:
+        r._recipe = (name, *args)
+    return r
 
 
 def _share_storages(results: tuple, values: list, args: tuple) -> None:
