@@ -203,6 +203,31 @@ def test_the_guard_walks_the_model_only_when_it_changed(monkeypatch):
     assert model._capture.guard.walks == 2 and _notes(model)["replayed"] == 4
 
 
+def test_a_captured_model_deleted_frees_its_workers_tensors_at_once(monkeypatch):
+    """A module keeps its capture and the capture its guard: were the guard to hold the module
+    back, deleting a model would free its workers' memory only when the garbage collector ran
+    (a model replaced by another in one process would hold two on the GPU)."""
+    import gc
+
+    def held() -> int:
+        gtmpi.synchronize()
+        return sum(s["tensors"] for s in gtmpi.debug.worker_stats().values())
+
+    before = held()
+    c, model = _gpt()
+    x = gtmpi.tensor(torch.randint(0, c.vocab, (4, c.seq)))
+    for _ in range(3):  # warm-up, recorded, replayed
+        model(x, x).backward()
+    assert _notes(model)["replayed"] == 1
+    assert held() > before + len(list(model.parameters()))
+    gc.disable()
+    try:
+        del model
+        assert held() <= before + 2  # x and at most the last loss's
+    finally:
+        gc.enable()
+
+
 def test_evaluation_under_no_grad_has_its_own_key(monkeypatch):
     c, model = _gpt()
     gen = torch.Generator().manual_seed(2)

@@ -650,7 +650,10 @@ class Guard:
     NUMBERS_MAX = 64  # distinct answers remembered (a forgotten one gets a new number)
 
     def __init__(self, root: Any, lists: bool = False) -> None:
-        self.root = root
+        # weakly: a module keeps its Guard (nn/capture.py), and a strong reference back would
+        # make a cycle that only the garbage collector frees, so that a model deleted would
+        # keep its workers' memory until it ran
+        self.root = weakref.ref(root)
         self.lists = lists  # whether a list's numbers count (_Walk)
         self.version = -1
         self.checks: list = []
@@ -672,7 +675,7 @@ class Guard:
         self.walks += 1
         self.version = STATE.value
         walk = _Walk(False, *_BOUNDS, [], self.lists)
-        walk.reach(self.root, None, 0)
+        walk.reach(self.root(), None, 0)
         self.checks, self.found = walk.checks, tuple(walk.found)
         if len(self._numbers) >= self.NUMBERS_MAX:
             self._numbers.clear()
