@@ -36,8 +36,9 @@ The runs:
 
   torch        python train.py (the original), one GPU
   torch-eager  the same with --compile=False (--config only: the default runs are eager)
-  embedded     python train.py (gtmpi, the embedded worker), one GPU
-  mpiexec      mpiexec -n 2 python train.py (gtmpi), one GPU
+  embedded     python train.py (gtmpi, the embedded worker), one GPU, the model's calls as
+               written (GTMPI_CAPTURE=0; gtmpi's default captures them with one worker)
+  mpiexec      mpiexec -n 2 python train.py (gtmpi), one GPU, as written too
   embedded-eager, mpiexec-eager
                the same with GTMPI_AUTO_REPLAY=0 (repeated runs not replayed: no CUDA graphs)
   embedded-captured, mpiexec-captured
@@ -336,7 +337,9 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
     if "torch-compiled" in runs:
         out.append(one("torch compiled", [py, "run.py", *args_, "--compile=True"], dirs["torch"],
                        env))
-    variants = {"": {}, "-eager": {"GTMPI_AUTO_REPLAY": "0"}, "-captured": {"GTMPI_CAPTURE": "1"},
+    variants = {"": {"GTMPI_CAPTURE": "0"},
+                "-eager": {"GTMPI_CAPTURE": "0", "GTMPI_AUTO_REPLAY": "0"},
+                "-captured": {"GTMPI_CAPTURE": "1"},
                 "-compiled": {"GTMPI_CAPTURE": "1", "GTMPI_COMPILE": "1"}}
     for variant, extra in variants.items():
         genv = {**env, **extra}
@@ -417,7 +420,7 @@ def _sample_main(args, gpus: int) -> None:
     env["REAL_SCRIPT"] = "sample.py"  # through run.py: gtmpi's runs then say what compiled
     commands = {"torch": ([py, "run.py"], "torch", {}),
                 "torch-compiled": ([py, "run.py", "--compile=True"], "torch", {}),
-                "embedded": ([py, "run.py"], "gtmpi", {}),
+                "embedded": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "0"}),
                 "embedded-captured": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1"}),
                 "embedded-graphed": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
                                                                    "GTMPI_SIZED_GRAPHS": "1"}),

@@ -128,7 +128,7 @@ def repeats() -> str | None:
 
 
 def captures() -> dict[str, Any]:
-    """Per module whose outermost calls are captured (GTMPI_CAPTURE=1, nn/capture.py), by
+    """Per module whose outermost calls are captured (GTMPI_CAPTURE, nn/capture.py), by
     its class and where it was first called: how many calls were replayed, and how many ran
     as written and why (a Counter)."""
     from .client.runtime import runtime

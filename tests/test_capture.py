@@ -203,6 +203,20 @@ def test_the_guard_walks_the_model_only_when_it_changed(monkeypatch):
     assert model._capture.guard.walks == 2 and _notes(model)["replayed"] == 4
 
 
+def test_capture_is_the_default_where_one_worker_runs_the_program(monkeypatch):
+    """GTMPI_CAPTURE unset (auto): a job of one worker captures (the case run on a GPU), one
+    of several runs as written unless GTMPI_CAPTURE=1 asks."""
+    monkeypatch.delenv("GTMPI_CAPTURE")
+    c, model = _gpt()
+    x = gtmpi.tensor(torch.randint(0, c.vocab, (4, c.seq)))
+    for _ in range(3):  # warm-up, recorded, replayed
+        model(x, x).backward()
+    if len(runtime().workers) == 1:
+        assert _notes(model)["replayed"] == 1
+    else:
+        assert "_capture" not in model.__dict__
+
+
 def test_a_captured_model_deleted_frees_its_workers_tensors_at_once(monkeypatch):
     """A module keeps its capture and the capture its guard: were the guard to hold the module
     back, deleting a model would free its workers' memory only when the garbage collector ran

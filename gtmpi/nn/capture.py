@@ -25,7 +25,8 @@ cannot be followed is refused with its reason, and the call runs as written
 result that is not tensors, a tensor the forward kept outside its results, activation
 checkpointing inside, a tensor read that no guard follows.
 
-GTMPI_CAPTURE=1 turns it on (off by default this round: unchecked on GPUs at scale).
+On by default where one worker runs the program (client/replay.py: capture_enabled);
+GTMPI_CAPTURE=1 turns it on for several workers too (not yet run on several GPUs), 0 off.
 """
 from __future__ import annotations
 
@@ -61,10 +62,19 @@ def call(module: Any, args: tuple, kwargs: dict, as_written: Callable) -> Any:
     rt.module_calls += 1
     d.in_replayable += 1  # what it makes is made by the workers, as a replay makes it
     try:
-        return captured.call(rt, args, kwargs, as_written)
+        out = captured.call(rt, args, kwargs, as_written)
+        if type(out) is _AsWritten:  # run here: a traceback from the forward stays short
+            captured.notes[f"as written: {out.why}"] += 1
+            out = as_written(*args, **kwargs)
+        return out
     finally:
         rt.module_calls -= 1
         d.in_replayable -= 1
+
+
+class _AsWritten(NamedTuple):
+    """Captured.call's answer where the call runs as written, and why."""
+    why: str
 
 
 class Captured:
@@ -87,10 +97,9 @@ class Captured:
         try:
             signature = _signature(rt, (args, kwargs), inputs)
         except ReplayError:
-            return self._as_written("an argument has an autograd graph or cannot be compared",
-                                    as_written, args, kwargs)
+            return _AsWritten("an argument has an autograd graph or cannot be compared")
         if any(t.requires_grad for t in inputs):
-            return self._as_written("an argument requires grad", as_written, args, kwargs)
+            return _AsWritten("an argument requires grad")
         key = (signature, self.guard.key())
         kept = self.kept.get(key)
         if kept:
@@ -119,17 +128,15 @@ class Captured:
                 self.calls.setdefault(key, WARMUP)
         why = self.refused.get(key)
         if why is not None:
-            return self._as_written(why, as_written, args, kwargs)
+            return _AsWritten(why)
         if key not in self.calls and len(self.calls) >= SIGNATURES_MAX:
-            return self._as_written(f"more than {SIGNATURES_MAX} keys (shapes, constants or "
-                                    "what it reads differ call to call)", as_written, args,
-                                    kwargs)
+            return _AsWritten(f"more than {SIGNATURES_MAX} keys (shapes, constants or what it "
+                              "reads differ call to call)")
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         if calls <= WARMUP:
-            return self._as_written("warm-up", as_written, args, kwargs)
+            return _AsWritten("warm-up")
         if calls > WARMUP + RECORDINGS_MAX:
-            return self._as_written(f"{RECORDINGS_MAX} recordings of one key never replayed",
-                                    as_written, args, kwargs)
+            return _AsWritten(f"{RECORDINGS_MAX} recordings of one key never replayed")
         self.notes["as written: recorded"] += 1
         followed = _tensor_ids(signature) | self.guard.tensor_ids()
         result, rec, why = _record(rt, self.name, args, kwargs, inputs, as_written, followed)
@@ -158,11 +165,6 @@ class Captured:
             return None, None
         n = grow.size(shapes)
         return (grow, n) if n is not None else (None, None)
-
-    def _as_written(self, why: str, as_written: Callable, args: tuple, kwargs: dict) -> Any:
-        self.notes[f"as written: {why}"] += 1
-        return as_written(*args, **kwargs)
-
 
 class _Root:
     """An output of a recording call as the engine's backward starts from it: where it
