@@ -45,6 +45,9 @@ The runs:
                the same with GTMPI_CAPTURE=1 (the model's calls captured: nn/capture.py)
   embedded-compiled, mpiexec-compiled
                captured, and the captured programs compiled by Inductor (GTMPI_COMPILE=1)
+  embedded-default, mpiexec-default
+               gtmpi's defaults, as a user runs it (GTMPI_CAPTURE unset: captured with one
+               worker)
   torch-compiled  the original with --compile=True (the default runs are eager)
   ddp          torchrun --nproc-per-node N train.py (the original's own DDP), N GPUs, batch
                --batch per GPU (gradient_accumulation_steps N: one micro-step each)
@@ -340,7 +343,8 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
     variants = {"": {"GTMPI_CAPTURE": "0"},
                 "-eager": {"GTMPI_CAPTURE": "0", "GTMPI_AUTO_REPLAY": "0"},
                 "-captured": {"GTMPI_CAPTURE": "1"},
-                "-compiled": {"GTMPI_CAPTURE": "1", "GTMPI_COMPILE": "1"}}
+                "-compiled": {"GTMPI_CAPTURE": "1", "GTMPI_COMPILE": "1"},
+                "-default": {}}
     for variant, extra in variants.items():
         genv = {**env, **extra}
         if "embedded" + variant in runs:
@@ -354,7 +358,9 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
 
 def _launch() -> tuple[dict, list[str], str]:
     """The runs' environment, mpiexec's command and the Python that runs them."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    # each run sets what it captures and compiles itself (its name says it)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("GTMPI_CAPTURE", "GTMPI_COMPILE")},
+           "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -426,7 +432,8 @@ def _sample_main(args, gpus: int) -> None:
                                                                    "GTMPI_SIZED_GRAPHS": "1"}),
                 "embedded-compiled": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
                                                                     "GTMPI_COMPILE": "1"}),
-                "mpiexec": ([*mpiexec, "-n", "2", py, "run.py"], "gtmpi", {}),
+                "embedded-default": ([py, "run.py"], "gtmpi", {}),
+                "mpiexec": ([*mpiexec, "-n", "2", py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "0"}),
                 "mpiexec-captured": ([*mpiexec, "-n", "2", py, "run.py"], "gtmpi",
                                      {"GTMPI_CAPTURE": "1"})}
     results = []
