@@ -187,10 +187,10 @@ class GradScaler:
             return
         run = functools.partial(_unscale, grads, self._inverse())
         with no_grad():
-            if not capture_enabled():
+            rt = runtime()
+            if not capture_enabled(rt):
                 self._found_inf[id(optimizer)] = run(as_is)
                 return
-            rt = runtime()
             repeated = repeated_at(rt, "GradScaler.unscale_")
             # its tensors: the gradients, bound; its number: the inverse of the scale now
             self._found_inf[id(optimizer)] = repeated(

@@ -165,14 +165,14 @@ class _Recorded:
         return _build(self.structure, made)
 
 
-def capture_enabled() -> bool:
+def capture_enabled(rt: Runtime) -> bool:
     """Whether module calls (nn/capture.py) and gtmpi's own steps (Repeated) are captured:
     GTMPI_CAPTURE=1 always, 0 never, auto (the default) where the session has one worker,
     the case run on GPUs so far (nanoGPT's train.py and sample.py on one H100); a job of
     several workers captures with GTMPI_CAPTURE=1 (CPU-checked: the whole suite)."""
     value = os.environ.get("GTMPI_CAPTURE", "auto")
     if value == "auto":
-        return len(runtime().workers) == 1
+        return len(rt.workers) == 1
     return value == "1"
 
 

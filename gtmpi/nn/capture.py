@@ -49,9 +49,9 @@ WARMUP = 1  # calls of a key run as written before one is recorded (lazy state s
 
 def call(module: Any, args: tuple, kwargs: dict, as_written: Callable) -> Any:
     """``module(*args, **kwargs)``: replayed where a recording fits, else ``as_written``."""
-    if not capture_enabled():  # first: the default's cost per module call is one lookup
-        return as_written(*args, **kwargs)
     rt = runtime()
+    if not capture_enabled(rt):
+        return as_written(*args, **kwargs)
     d = rt.dispatcher
     if rt.module_calls or d.in_replayable or d.recording is not None:
         return as_written(*args, **kwargs)

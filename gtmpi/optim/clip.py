@@ -23,7 +23,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
         return zeros(())
     rt = runtime()
     run = functools.partial(_clip, rt, grads, max_norm, norm_type, eps)
-    if not capture_enabled():
+    if not capture_enabled(rt):
         return run(as_is)
     # a step's gradients are new tensors each time: bound, never followed
     key = (tuple(g._sig for g in grads), float(max_norm), float(norm_type), eps)

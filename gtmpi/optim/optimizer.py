@@ -54,7 +54,7 @@ class Optimizer:
     @no_grad()
     def step(self) -> None:
         rt = runtime()
-        if not capture_enabled():  # first: the default's cost is one lookup
+        if not capture_enabled(rt):
             self._step(rt, as_is)
             return
         repeated = repeated_at(rt, f"{type(self).__name__}.step", self._repeated)

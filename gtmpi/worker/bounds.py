@@ -94,20 +94,17 @@ class IndexGuard:
             safe = torch.where(ok, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
         self.first.masked_fill_(wrong & (self.first < 0), out)
         self.bad |= wrong
-        if safe is None:
-            try:
-                idx.data.clamp_(low, spec.size - 1)  # in place, as below
-                return idx
-            except RuntimeError:  # an expanded view cannot be written: this use alone is safe
-                return idx.clamp(low, spec.size - 1)
         try:
             # through .data: its version stays, as torch's records that saved this index (the
             # positions of a micro-batch whose backward is still to come, reused by the next
             # micro-batch's forward) would refuse it; in range, its values are unchanged
-            idx.data.copy_(safe)
+            if safe is None:
+                idx.data.clamp_(low, spec.size - 1)
+            else:
+                idx.data.copy_(safe)
             return idx
         except RuntimeError:  # an expanded view cannot be written: this use alone is safe
-            return safe
+            return idx.clamp(low, spec.size - 1) if safe is None else safe
 
     def raised(self, after: Any = None, stream: Any = None) -> bool:
         """Whether an index was out of range in any op issued so far (the host waits for the
