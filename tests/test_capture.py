@@ -279,11 +279,14 @@ class _Scaled(nn.Module):
         self.config = _Config()
 
     def forward(self, x):
-        y = self.lin(x) * self.scale * self.FACTOR * SCALE * self.config.gain + self.offsets[-1]
+        y = self.lin(x) * self.scale * self.FACTOR * SCALE * self.config.gain + \
+            self.offsets[-1] + self.config.shift
         return F.dropout(y, 0.5, self.training)
 
 
 class _Config:
+    shift = 0.0  # a default the instance does not set (a dataclass field's)
+
     def __init__(self) -> None:
         self.gain = 1.0
 
@@ -309,6 +312,9 @@ def _each_change():
     def object_field(m):
         m.config.gain = 13.0
 
+    def object_class_default(m):
+        _Config.shift = 23.0
+
     def eval_mode(m):
         m.eval()
 
@@ -330,7 +336,8 @@ def _each_change():
     def submodule_swapped(m):
         m.lin = nn.Linear(4, 4)
 
-    return [attribute, class_attribute, global_rebound, list_appended, object_field, eval_mode,
+    return [attribute, class_attribute, global_rebound, list_appended, object_field,
+            object_class_default, eval_mode,
             weight_replaced, layer_frozen, data_replaced, hook_added, pre_hook_added,
             submodule_swapped]
 
@@ -341,7 +348,7 @@ def test_every_guard_kind_gives_the_result_as_written(monkeypatch, change):
     results = {}
     for capture in ("0", "1"):
         monkeypatch.setenv("GTMPI_CAPTURE", capture)
-        SCALE, _Scaled.FACTOR = 1.0, 1.0
+        SCALE, _Scaled.FACTOR, _Config.shift = 1.0, 1.0, 0.0
         gtmpi.manual_seed(5)
         torch.manual_seed(5)
         m = _Scaled()
@@ -361,7 +368,7 @@ def test_every_guard_kind_gives_the_result_as_written(monkeypatch, change):
         results[capture] = outs
         if capture == "1":
             assert _notes(m).get("replayed", 0) >= 1  # captured before the change
-    SCALE, _Scaled.FACTOR = 1.0, 1.0
+    SCALE, _Scaled.FACTOR, _Config.shift = 1.0, 1.0, 0.0
     for a, b in zip(results["0"], results["1"]):
         if a is None or b is None:
             assert a is None and b is None

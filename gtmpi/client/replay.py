@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import os
 import types
 import warnings
@@ -681,34 +682,103 @@ class Guard:
         self.version = STATE.value
         walk = _Walk(False, *_BOUNDS, [], self.lists)
         walk.reach(self.root(), None, 0)
-        self.checks, self.found = walk.checks, tuple(walk.found)
+        self.checks, self.found = _Checks(walk.checks, self.lists), tuple(walk.found)
         if len(self._numbers) >= self.NUMBERS_MAX:
             self._numbers.clear()
         self.number = self._numbers.setdefault(self.found, next(_answers))
 
     def _holds(self) -> bool:
-        for check in self.checks:
-            kind = check[0]
-            if kind == _TENSOR:
-                t = check[1]()
-                if t is None or t._id != check[2] or t._host is not None or \
-                        t.requires_grad != check[3]:
-                    return False
-            elif kind == _GLOBAL:
-                if check[1].get(check[2], _ABSENT) is not check[3]:
-                    return False
-            elif kind == _CELL:
-                try:
-                    contents = check[1].cell_contents
-                except ValueError:
-                    contents = _ABSENT
-                if contents is not check[2]:
-                    return False
-            elif kind == _CLASS:
-                if check[1].__dict__.get(check[2], _ABSENT) is not check[3]:
-                    return False
-            elif _content(check[1], check[2], check[3], _DEPTH, _BOUNDS[1],
-                          self.lists) != check[4]:
+        return self.checks.hold()
+
+
+_ID_AND_GRAD = operator.attrgetter("_id", "requires_grad")
+
+
+def _plain_object(value: Any) -> list[type] | None:
+    """The program's classes of ``value`` (a config object) where all it holds is numbers
+    and strings and its classes hold no code of their own but dunders (a dataclass): what a
+    walk finds in it is then its attributes and its classes' numbers; else None."""
+    attrs = getattr(value, "__dict__", None)
+    if type(attrs) is not dict or not all(isinstance(v, _PLAIN) for v in attrs.values()):
+        return None
+    # (a walk reads no class of the library's objects: class_state)
+    classes = [klass for klass in type(value).__mro__ if _users(klass)] \
+        if _users(type(value)) else []
+    for klass in classes:
+        for key, item in vars(klass).items():
+            if not key.startswith("__") and isinstance(item, _LEAVES + (types.FunctionType,)) \
+                    and not isinstance(item, _PLAIN):
+                return None
+    return classes
+
+
+class _Checks:
+    """A walk's checks, arranged to cost little on every call (a GPT-2's are 280: each
+    parameter, each global its code reads): the tensors' ids and requires_grad compared as
+    one list, the globals (once each) and class attributes by the identity of what each
+    name holds, per namespace, and a plain object's attributes (a config) as its dict."""
+
+    __slots__ = ("tensors", "expected", "names", "cells", "plain", "loose", "lists")
+
+    def __init__(self, checks: list, lists: bool) -> None:
+        self.lists = lists
+        self.tensors = [c[1] for c in checks if c[0] == _TENSOR]
+        self.expected = [(c[2], c[3]) for c in checks if c[0] == _TENSOR]
+        spaces: dict[int, tuple] = {}
+
+        def name(owner: Any, kind: int, key: str, held: Any) -> None:
+            spaces.setdefault(id(owner), (owner, kind, {}))[2].setdefault(key, held)
+
+        for c in checks:
+            if c[0] in (_GLOBAL, _CLASS):
+                name(c[1], c[0], c[2], c[3])
+        self.cells = [(c[1], c[2]) for c in checks if c[0] == _CELL]
+        self.plain, self.loose = [], []
+        for c in checks:
+            if c[0] != _LOOSE:
+                continue
+            value = c[1]
+            classes = _plain_object(value)
+            if classes is None:
+                self.loose.append(c[1:])
+                continue
+            # its walk's answer: its class, these values in this order, and its class's
+            # numbers (each checked by identity, as a class attribute is)
+            attrs = value.__dict__
+            self.plain.append((value, type(value), dict(attrs), tuple(attrs)))
+            for klass in classes:
+                for key, item in vars(klass).items():
+                    if isinstance(item, _PLAIN) and not key.startswith("__"):
+                        name(klass, _CLASS, key, item)
+        # (namespace, its names, the ids of what they held): what they held is kept alive
+        # here, so no other object can take one of those ids meanwhile
+        self.names = [(owner, kind, tuple(held), [id(v) for v in held.values()],
+                       list(held.values())) for owner, kind, held in spaces.values()]
+
+    def hold(self) -> bool:
+        try:  # a tensor gone reads as None, which has no _id
+            if list(map(_ID_AND_GRAD, map(operator.call, self.tensors))) != self.expected:
+                return False
+        except AttributeError:
+            return False
+        for owner, kind, names, ids, _ in self.names:
+            space = owner if kind == _GLOBAL else owner.__dict__
+            if list(map(id, map(space.get, names, itertools.repeat(_ABSENT)))) != ids:
+                return False
+        for cell, contents in self.cells:
+            try:
+                now = cell.cell_contents
+            except ValueError:
+                now = _ABSENT
+            if now is not contents:
+                return False
+        for value, cls, attrs, order in self.plain:
+            now = value.__dict__
+            if type(value) is not cls or now != attrs or tuple(now) != order:
+                return False
+        for value, depth, inside_library, content in self.loose:
+            if _content(value, depth, inside_library, _DEPTH, _BOUNDS[1],
+                        self.lists) != content:
                 return False
         return True
 
