@@ -21,7 +21,8 @@ functional as F``). Two ways to run it:
   only --max_iters set (and the device on a machine with no GPU). Its dataset is made by the
   checkout's own data/<dataset>/prepare.py, from a generated text where the download would be
   (GPU hosts reach nothing). "torch" runs the config as it is (compiled); "torch-eager" with
-  --compile=False; gtmpi's runs as they are (gtmpi.compile(model) returns the model);
+  --compile=False; gtmpi's runs as they are (gtmpi.compile(model): with GTMPI_COMPILE
+  unset, the model's forward and backward compiled where that wins);
 - ``--sample``: sample.py as the README runs it after that training (a checkpoint of the same
   model made by two iterations of its train.py), --samples samples of --tokens tokens each;
   its figure is ms per token, the median over the samples after the first (each timed by the
@@ -47,7 +48,11 @@ The runs:
                captured, and the captured programs compiled by Inductor (GTMPI_COMPILE=1)
   embedded-default, mpiexec-default
                gtmpi's defaults, as a user runs it (GTMPI_CAPTURE unset: captured with one
-               worker)
+               worker; GTMPI_COMPILE unset: what gtmpi.compile was given compiled where
+               that wins)
+  embedded-default-compile
+               the same with the program's --compile=True (gtmpi.compile(model)), as
+               torch-compiled runs torch's (the default runs are eager)
   torch-compiled  the original with --compile=True (the default runs are eager)
   ddp          torchrun --nproc-per-node N train.py (the original's own DDP), N GPUs, batch
                --batch per GPU (gradient_accumulation_steps N: one micro-step each)
@@ -340,16 +345,17 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
     if "torch-compiled" in runs:
         out.append(one("torch compiled", [py, "run.py", *args_, "--compile=True"], dirs["torch"],
                        env))
-    variants = {"": {"GTMPI_CAPTURE": "0"},
-                "-eager": {"GTMPI_CAPTURE": "0", "GTMPI_AUTO_REPLAY": "0"},
-                "-captured": {"GTMPI_CAPTURE": "1"},
+    variants = {"": {"GTMPI_CAPTURE": "0", "GTMPI_COMPILE": "0"},
+                "-eager": {"GTMPI_CAPTURE": "0", "GTMPI_AUTO_REPLAY": "0", "GTMPI_COMPILE": "0"},
+                "-captured": {"GTMPI_CAPTURE": "1", "GTMPI_COMPILE": "0"},
                 "-compiled": {"GTMPI_CAPTURE": "1", "GTMPI_COMPILE": "1"},
-                "-default": {}}
+                "-default": {}, "-default-compile": {}}
     for variant, extra in variants.items():
         genv = {**env, **extra}
+        flag = ["--compile=True"] if variant.endswith("-compile") else []
         if "embedded" + variant in runs:
-            out.append(one("gtmpi embedded" + variant, [py, "run.py", *args_], dirs["gtmpi"],
-                           genv))
+            out.append(one("gtmpi embedded" + variant, [py, "run.py", *args_, *flag],
+                           dirs["gtmpi"], genv))
         if "mpiexec" + variant in runs:
             out.append(one("gtmpi mpiexec -n 2" + variant,
                            [*mpiexec, "-n", "2", py, "run.py", *args_], dirs["gtmpi"], genv))
@@ -426,8 +432,9 @@ def _sample_main(args, gpus: int) -> None:
     env["REAL_SCRIPT"] = "sample.py"  # through run.py: gtmpi's runs then say what compiled
     commands = {"torch": ([py, "run.py"], "torch", {}),
                 "torch-compiled": ([py, "run.py", "--compile=True"], "torch", {}),
-                "embedded": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "0"}),
-                "embedded-captured": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1"}),
+                "embedded": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "0", "GTMPI_COMPILE": "0"}),
+                "embedded-captured": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
+                                                                    "GTMPI_COMPILE": "0"}),
                 "embedded-graphed": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1",
                                                                    "GTMPI_SIZED_GRAPHS": "1"}),
                 "embedded-compiled": ([py, "run.py"], "gtmpi", {"GTMPI_CAPTURE": "1",

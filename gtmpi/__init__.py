@@ -9,7 +9,6 @@ from __future__ import annotations
 import builtins as _builtins
 import difflib as _difflib
 import sys as _sys
-import warnings as _warnings
 from typing import Any
 
 from .transport import early as _early
@@ -56,6 +55,7 @@ from .interop import torch_function as _torch_function
 from .signals import ConfigError, load_config
 from .launch import spawn_workers as workers
 from .launch import start_role as _start_role
+from .nn.capture import ask_compile as _ask_compile
 
 bool = bool_
 float, int = float32, int32  # torch.float, torch.int
@@ -74,18 +74,19 @@ Tensor.__torch_function__ = _torch_function(_sys.modules[__name__], nn.functiona
 
 
 def compile(model: Any = None, **options: Any) -> Any:
-    """torch.compile's place: a function (a training step) becomes gtmpi.replayable, recorded
-    once and replayed by the workers, as CUDA graphs on GPUs. A Module is returned as it is,
-    with a warning: its forward alone cannot be replayed (the backward runs outside it);
-    decorate the step that calls it and its backward instead. torch's options are accepted."""
+    """torch.compile's place. A Module is returned as it is, its calls captured as any
+    module's (nn/capture.py), and the programs they record, forward and backward, compiled
+    by Inductor on GPU workers where that wins (GTMPI_COMPILE=auto's rule; GTMPI_COMPILE set
+    decides instead). A function (a training step) becomes gtmpi.replayable, its program
+    compiled the same way. torch's options are accepted; the workers' compile uses none."""
     if model is None:  # @gtmpi.compile(mode=...)
         return lambda fn: compile(fn, **options)
     if isinstance(model, nn.Module):
-        _warnings.warn("gtmpi.compile(module) returns the module unchanged: decorate the "
-                       "training step (forward and backward) with gtmpi.replayable or "
-                       "gtmpi.compile to have it replayed", stacklevel=2)
+        _ask_compile(model)
         return model
-    return replayable(model)
+    step = replayable(model)
+    step.compile = "auto"
+    return step
 
 
 # what a torch program may reach for that gtmpi has under another name

@@ -45,12 +45,15 @@ def _gpt(dropout: float = 0.0):
 
 
 def _loop(capture: str, monkeypatch, make_opt, steps: int, dropout: float = 0.0,
-          schedule: bool = False, clip: float = 1.0, change=None):
+          schedule: bool = False, clip: float = 1.0, change=None, compiled: bool = False):
     """The tiny GPT trained ``steps`` steps, clipped; ``schedule``: its rate changes every step;
-    ``change(model, opt)`` runs before the fifth. Its losses, weights, model and optimizer."""
+    ``change(model, opt)`` runs before the fifth; ``compiled``: the model given to
+    gtmpi.compile. Its losses, weights, model and optimizer."""
     monkeypatch.setenv("GTMPI_CAPTURE", capture)
     gtmpi.manual_seed(3)
     c, model = _gpt(dropout)
+    if compiled:
+        assert gtmpi.compile(model) is model
     opt = make_opt(model.parameters())
     gen = torch.Generator().manual_seed(1)
     losses = []

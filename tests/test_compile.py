@@ -410,22 +410,74 @@ def test_which_inputs_grow_is_read_off_two_sizes():
         "its inputs were not seen at two sizes"
 
 
-@pytest.mark.parametrize("mode, device, warms", [
-    ("1", "cpu", True), ("auto", "cpu", False), ("auto", "cuda", True), ("0", "cuda", False),
-    ("fx", "cpu", False), ("1", "meta", False)])
-def test_a_worker_that_will_compile_warms_the_compiler_up_meanwhile(mode, device, warms,
+@pytest.mark.parametrize("mode, device, asked, warms", [
+    ("1", "cpu", False, True), ("auto", "cpu", False, False), ("auto", "cuda", False, True),
+    ("0", "cuda", False, False), ("fx", "cpu", False, False), ("1", "meta", False, False),
+    (None, "cuda", False, False), (None, "cuda", True, True), (None, "cpu", True, False),
+    ("0", "cuda", True, False)])
+def test_a_worker_that_will_compile_warms_the_compiler_up_meanwhile(mode, device, asked, warms,
                                                                      monkeypatch):
-    """Where GTMPI_COMPILE asks a worker to compile, its start begins a thread that pays
-    tracing's and Inductor's first-use costs on a tiny program (the worker joins it before its
-    first capture); nowhere else."""
+    """Where GTMPI_COMPILE asks a worker to compile (at its start), or, unset, a program
+    given to gtmpi.compile will (``asked``: rank 0 says so then), a thread pays tracing's and
+    Inductor's first-use costs on a tiny program (the worker joins it before its first
+    capture); nowhere else."""
     from gtmpi.worker import compiled as compiling
-    monkeypatch.setenv("GTMPI_COMPILE", mode)
+    if mode is None:
+        monkeypatch.delenv("GTMPI_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("GTMPI_COMPILE", mode)
     started = []
     monkeypatch.setattr(compiling.threading.Thread, "start", lambda t: started.append(t))
-    thread = compiling.warm_up(torch.device(device))
+    thread = compiling.warm_up(torch.device(device), asked)
     assert (thread is not None) == warms and len(started) == warms
     if warms:
         assert thread.name == "gtmpi-compile-warm-up" and thread.daemon
+
+
+def test_a_module_given_to_compile_asks_its_forward_and_backward_compiled(monkeypatch):
+    """torch.compile(model)'s place: with GTMPI_COMPILE unset, the programs a module given to
+    gtmpi.compile records (its forward and backward) ask to be compiled where that wins
+    ('auto': Inductor on GPU workers, nothing on CPU workers), the clipping's and the
+    optimizer's do not; GTMPI_COMPILE set decides for every program instead."""
+    from gtmpi.dispatcher.dispatcher import compile_mode
+    monkeypatch.delenv("GTMPI_COMPILE", raising=False)
+    warmed = []
+    post = runtime().dispatcher.post
+    monkeypatch.setattr(runtime().dispatcher, "post", lambda word, args, ranks: (
+        warmed.append((word, ranks)), post(word, args, ranks)))
+    before = _compiles()
+    losses, _, model, _ = _loop("1", monkeypatch, _adamw, 6, compiled=True)
+    assert ("warm_compile", sorted(runtime().dispatcher.links)) in warmed
+    compiled, refused = (a - b for a, b in zip(_compiles(), before))
+    plain, _, plain_model, _ = _loop("1", monkeypatch, _adamw, 6)
+    assert losses == plain  # a mark that changes no result
+    call, = [c for kept in model._capture.kept.values() for c in kept]
+    programs = [call.program] + [b.program for b in call.backwards.values()]
+    assert len(programs) == 2 and [compile_mode(p) for p in programs] == ["auto", "auto"]
+    other, = [c for kept in plain_model._capture.kept.values() for c in kept]
+    assert compile_mode(other.program) == ""
+    if HOME_DEVICE.type == "cuda":
+        assert compiled >= 2 and refused == 0, _explained()
+    else:
+        assert (compiled, refused) == (0, 0)
+    for value, mode in (("0", ""), ("1", "inductor"), ("fx", "fx")):
+        monkeypatch.setenv("GTMPI_COMPILE", value)
+        assert compile_mode(programs[0]) == compile_mode(other.program) == mode
+
+
+def test_auto_leaves_attention_with_dropout_uncompiled_and_says_why():
+    """Compiled, attention with dropout is composed (its mask drawn by counting) and keeps
+    its probabilities: as fast as the fused kernel and 1.35x the memory (nanoGPT's first run
+    on an H100), so auto's rule does not compile it; asked plainly (1), it does."""
+    from gtmpi.ops.table import Seed
+    from gtmpi.worker import compiled as compiling
+    attention = [("scaled_dot_product_attention", 4, (1, 2, 3, None, 0.2, True, None, Seed(9, 0)),
+                  0b111, None)]
+    assert compiling.refusal(attention) is None
+    assert "leaves attention with dropout to its fused kernel" in \
+        compiling.refusal(attention, "auto")
+    plain = [("scaled_dot_product_attention", 4, (1, 2, 3, None, 0.0, True, None), 0b111, None)]
+    assert compiling.refusal(plain, "auto") is None
 
 
 def test_an_unknown_compile_mode_is_named(monkeypatch):

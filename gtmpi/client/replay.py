@@ -75,6 +75,7 @@ class Replayable:
         self._named: tuple = ()  # outside(fn, named=True) at the last recording
         self.guard = Guard(fn)
         self.replays = 0
+        self.compile = ""  # 'auto' once given to gtmpi.compile: its programs compiled (compile_mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # every call's tensors are made by the workers, as a replay makes them: the same
@@ -108,6 +109,7 @@ class Replayable:
             return self.fn(*args, **kwargs)
         self._named = outside(self.fn, named=True)  # to say what changed, should it
         result, rec = _record(rt, self.fn, args, kwargs, inputs, _tensor_ids(key[0]) | self.guard.tensor_ids())
+        rec.program.compile = self.compile
         kept.append(rec)
         return result
 
@@ -448,7 +450,7 @@ _LEAVES = (Tensor, *_PLAIN)
 _TABLES = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 _MODULE_INTERNALS = frozenset({*_TABLES, *_HOOKS, "_non_persistent", "_capture",
-                               "_parameters_at"})
+                               "_parameters_at", "_compile_asked"})
 # a Guard's checks, by kind (first item)
 _TENSOR, _GLOBAL, _CELL, _CLASS, _LOOSE = range(5)
 _ABSENT = object()  # a global not bound (a builtin read by name)

@@ -620,7 +620,7 @@ class Dispatcher:
             if program.dynamic is True:
                 mode = "compiled"
             elif program.dynamic is None and state.replays >= GRAPH_AFTER and \
-                    (compiling := compile_mode()):
+                    (compiling := compile_mode(program)):
                 mode = f"compile:{compiling}"
         elif state.graph is True:
             mode = "graph"
@@ -635,7 +635,7 @@ class Dispatcher:
             elif refused:
                 mode = "plain"
                 self._graph_note(program, state, f"{refused} (a run of the same ops before)")
-            elif (compiling := compile_mode()):
+            elif (compiling := compile_mode(program)):
                 mode = f"{mode}:{compiling}"
         if state is not None:
             state.replays += 1
@@ -795,11 +795,15 @@ def _reads(ins: tuple, ids: set[int]) -> bool:
     return False
 
 
-def compile_mode() -> str:
-    """What a capture asks its workers to compile with (GTMPI_COMPILE; worker/compiled.py):
-    '' (0, the default), 'inductor' (1), 'auto' (Inductor on GPU workers, where a compiled
-    program's kernels win, and none on CPU workers) or 'fx' (the traced graph run as it is)."""
-    value = os.environ.get("GTMPI_COMPILE", "0")
+def compile_mode(program: Program) -> str:
+    """What a capture of ``program`` asks its workers to compile with (GTMPI_COMPILE;
+    worker/compiled.py): '' (0), 'inductor' (1), 'auto' (Inductor on GPU workers, where a
+    compiled program wins, none on CPU workers) or 'fx' (the traced graph run as it is).
+    Unset, what the program's maker asked: 'auto' for a module or function given to
+    gtmpi.compile (torch.compile's place), '' for the rest."""
+    value = os.environ.get("GTMPI_COMPILE")
+    if value is None:
+        return program.compile
     modes = {"0": "", "1": "inductor", "inductor": "inductor", "auto": "auto", "fx": "fx"}
     if value not in modes:
         raise ValueError(f"GTMPI_COMPILE={value!r}: one of 0, 1, auto, fx")

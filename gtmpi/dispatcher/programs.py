@@ -83,6 +83,9 @@ class Program(Graphing):
         self.changed = changed  # (id, entry) of tensors from outside that it placed anew
         self.outputs = outputs  # (recorded id, the placer's entry for it, whether viewed)
         self.random_ops = random_ops
+        # how its maker asks it compiled where GTMPI_COMPILE is not set: 'auto' for what
+        # gtmpi.compile was given (dispatcher.compile_mode), '' for the rest
+        self.compile = ""
         self.auto = auto  # a repeated run's (dispatcher/repeats.py), not a replayable call's
         # the collectives and transfers the placer inserted while it was recorded, by
         # (site, kind, asked): (count, bytes); each replay counts them again (explain())

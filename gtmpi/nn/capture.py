@@ -30,6 +30,7 @@ GTMPI_CAPTURE=1 turns it on for several workers too (not yet run on several GPUs
 """
 from __future__ import annotations
 
+import os
 import weakref
 from collections import Counter
 from typing import Any, Callable, NamedTuple
@@ -45,6 +46,19 @@ from ..errors import ReplayError
 from ..ops.table import Dim
 
 WARMUP = 1  # calls of a key run as written before one is recorded (lazy state settles)
+COMPILE_ASKED = "_compile_asked"  # a module's mark, given to gtmpi.compile
+
+
+def ask_compile(module: Any) -> None:
+    """``gtmpi.compile(module)``: the programs its captured calls record (forward and
+    backward) are compiled where compiling wins (GTMPI_COMPILE=auto's rule, on GPU workers),
+    unless GTMPI_COMPILE says otherwise. A mark no guard reads: it changes no result. The
+    workers pay compiling's first-use costs meanwhile (set, GTMPI_COMPILE has them do it from
+    the start)."""
+    object.__setattr__(module, COMPILE_ASKED, "auto")
+    if "GTMPI_COMPILE" not in os.environ:
+        d = runtime().dispatcher
+        d.post("warm_compile", (), sorted(d.links))
 
 
 def call(module: Any, args: tuple, kwargs: dict, as_written: Callable) -> Any:
@@ -92,6 +106,11 @@ class Captured:
             self.name += f" #{same + 1}"
         self.notes: Counter = rt.capture_notes.setdefault(self.name, Counter())
 
+    def _asked(self) -> str:
+        """How the module asks its programs compiled: 'auto' if given to gtmpi.compile."""
+        module = self.guard.root()
+        return "" if module is None else module.__dict__.get(COMPILE_ASKED, "")
+
     def call(self, rt: Runtime, args: tuple, kwargs: dict, as_written: Callable) -> Any:
         inputs: list[Tensor] = []
         try:
@@ -119,7 +138,7 @@ class Captured:
                 self.notes["as written: recorded (a growing size)"] += 1
                 followed = _tensor_ids(signature) | self.guard.tensor_ids()
                 result, rec, why = _record(rt, self.name, args, kwargs, inputs, as_written,
-                                           followed, (grow, n))
+                                           followed, self._asked(), (grow, n))
                 if why is not None:
                     grow.refused = why
                     self.notes[f"as written: a growing size: {why}"] += 1
@@ -139,7 +158,8 @@ class Captured:
             return _AsWritten(f"{RECORDINGS_MAX} recordings of one key never replayed")
         self.notes["as written: recorded"] += 1
         followed = _tensor_ids(signature) | self.guard.tensor_ids()
-        result, rec, why = _record(rt, self.name, args, kwargs, inputs, as_written, followed)
+        result, rec, why = _record(rt, self.name, args, kwargs, inputs, as_written, followed,
+                                   self._asked())
         if rec is not None:
             self.kept.setdefault(key, []).append(rec)
         elif why is not None:
@@ -313,6 +333,7 @@ class _Call:
         program, kept = d.install([g.id for g in made], [g.id for g in given] +
                                   [t.id for t in held] + [t.id for t in inputs],
                                   f"{self.name} backward")
+        program.compile = self.program.compile
         if kept or program.reads - self.followed:
             # this backward's gradients stand; the key's later calls run as written
             d.drop(program)
@@ -334,11 +355,12 @@ def _zeros(out: Tensor | None, sig: tuple) -> Tensor:
 
 
 def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tensor],
-            as_written: Callable, followed: set[int], growing: tuple[_Growing, int] | None = None
-            ) -> tuple[Any, _Call | None, str | None]:
+            as_written: Callable, followed: set[int], asked: str,
+            growing: tuple[_Growing, int] | None = None) -> tuple[Any, _Call | None, str | None]:
     """Run the call as written while its instructions are recorded and install them: (its
-    result, the recording or None, why not). ``growing``: a call of growing size n, kept as
-    a sample of its calls (no recording yet, no reason) until the samples tell its sizes."""
+    result, the recording or None, why not). ``asked``: how its programs are asked compiled
+    (ask_compile). ``growing``: a call of growing size n, kept as a sample of its calls (no
+    recording yet, no reason) until the samples tell its sizes."""
     d = rt.dispatcher
     first, placed = rt.new_id(), d.placer.placed
     d.start_recording(first)
@@ -377,6 +399,7 @@ def _record(rt: Runtime, name: str, args: tuple, kwargs: dict, inputs: list[Tens
     program, kept = d.install([t.id for t in made], [t.id for t in inputs],
                               f"{name}{' for every size' if sized else ''} (recorded at "
                               f"{rt.current_site()})", sized)
+    program.compile = asked
     if kept:
         d.drop(program)
         sites = ", ".join(sorted({rt.site(tid) or f"tensor {tid}" for tid in kept[:4]}))

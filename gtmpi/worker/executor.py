@@ -84,6 +84,7 @@ class Executor(Programs, Control, Quota):
                          "program": self._program, "replay": self._replay,
                          "commit": self._commit, "rename": self._rename,
                          "backend": lambda out, args: settings.apply(*args),
+                         "warm_compile": self._warm_compile,
                          "serving": self._serving, "monitor": self._monitor,
                          "device": DeviceQueries(device, link.reply).run}
         # what a server's client may send: every op but those naming a file on the server's
@@ -123,6 +124,7 @@ class Executor(Programs, Control, Quota):
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture
         self._warming = compiling.warm_up(device)  # GTMPI_COMPILE's first-use costs, meanwhile
+        self._warm_started = self._warming is not None
         self.profiler = KernelProfiler.from_env(rank, device)  # GTMPI_PROFILE (worker/profiler.py)
         self.memory_history = MemoryHistory.from_env(rank, device)  # GTMPI_MEMORY_HISTORY
         # GPU: what a replayed call made -> (an event recorded after the call, the tensor). A

@@ -19,6 +19,13 @@ _ABSENT = object()
 
 
 class Programs:
+    def _warm_compile(self, out, args: tuple) -> None:
+        """(): a program will ask to compile (gtmpi.compile): compiling's first-use costs
+        paid meanwhile, once, where that compile would run (worker/compiled.py warm_up)."""
+        if not self._warm_started:
+            self._warming = compiling.warm_up(self.device, asked=True)
+            self._warm_started = self._warming is not None
+
     def _program(self, out, args: tuple) -> None:
         """(key, instructions): keep a recorded sequence; (key, None): drop it."""
         key, instructions = args
@@ -58,8 +65,8 @@ class Programs:
         program."""
         key, binds, renames, mode, seeds = args[:5]
         mode, _, compile_mode = mode.partition(":")
-        if compile_mode == "auto":
-            compile_mode = "inductor" if self.device.type == "cuda" else ""
+        if compile_mode == "auto" and self.device.type != "cuda":
+            compile_mode = ""
         size = args[5] if len(args) > 5 else None
         knobs = args[6] if len(args) > 6 else None
         if self.profiler is not None:
