@@ -120,6 +120,9 @@ class Executor(Programs, Control, Quota):
         # that size (worker/compiled.py: growth), and the program compiled for every size
         self.grown: dict[int, tuple[int, dict[int, tuple]]] = {}
         self.dynamic: dict[int, compiling.Compiled] = {}
+        # a growing program's instructions at each size it ran at (a decoding loop's sizes
+        # come again each sample): made once, not per call
+        self.at_size: dict[tuple[int, int], list[tuple]] = {}
         self.graphs = graphs.Kept(os.environ.get("GTMPI_GRAPH_SAVED_ASIDE", "1") != "0")
         self._capture: tuple | None = None  # a capture waiting for the dispatcher's commit
         self._cuda_backend: graphs.CudaBackend | str | None = None  # made at the first capture

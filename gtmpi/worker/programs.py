@@ -16,6 +16,7 @@ from ..transport.tags import GRAPH_LATER, Tag
 from . import compiled as compiling, graphs
 
 _ABSENT = object()
+AT_SIZES_MAX = 4096  # a growing program's instructions kept per size (Executor.at_size)
 
 
 class Programs:
@@ -34,6 +35,7 @@ class Programs:
             # program holds ops and the words a recording keeps (frees), never programs
             wire.check(instructions, self.client_words - {"program", "replay"})
         self.graphs.pop(key)
+        self.at_size.clear()
         if instructions is None:
             self.programs.pop(key, None)
             self.seeded.pop(key, None)
@@ -110,7 +112,12 @@ class Programs:
                       size: int | None = None, knobs: tuple | None = None) -> list[tuple]:
         program, where = self.programs[key], self.seeded[key]
         if size is not None:
-            program = graphs.with_sizes(program, self.sized[key], size)
+            at = self.at_size.get((key, size))
+            if at is None:
+                if len(self.at_size) >= AT_SIZES_MAX:
+                    self.at_size.clear()
+                at = self.at_size[key, size] = graphs.with_sizes(program, self.sized[key], size)
+            program = at
         if knobs is not None:
             program = graphs.with_seeds(program, self.knobbed[key], lambda k: knobs[k.index])
         if not where:
