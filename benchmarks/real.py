@@ -21,8 +21,8 @@ functional as F``). Two ways to run it:
   only --max_iters set (and the device on a machine with no GPU). Its dataset is made by the
   checkout's own data/<dataset>/prepare.py, from a generated text where the download would be
   (GPU hosts reach nothing). "torch" runs the config as it is (compiled); "torch-eager" with
-  --compile=False; gtmpi's runs as they are (gtmpi.compile(model): with GTMPI_COMPILE
-  unset, the model's forward and backward compiled where that wins);
+  --compile=False; gtmpi's runs as they are (gtmpi.compile(model) compiles under
+  GTMPI_COMPILE=asked only: the -asked runs);
 - ``--sample``: sample.py as the README runs it after that training (a checkpoint of the same
   model made by two iterations of its train.py), --samples samples of --tokens tokens each;
   its figure is ms per token, the median over the samples after the first (each timed by the
@@ -48,11 +48,11 @@ The runs:
                captured, and the captured programs compiled by Inductor (GTMPI_COMPILE=1)
   embedded-default, mpiexec-default
                gtmpi's defaults, as a user runs it (GTMPI_CAPTURE unset: captured with one
-               worker; GTMPI_COMPILE unset: what gtmpi.compile was given compiled where
-               that wins)
-  embedded-default-compile
-               the same with the program's --compile=True (gtmpi.compile(model)), as
-               torch-compiled runs torch's (the default runs are eager)
+               worker)
+  embedded-asked, mpiexec-asked
+               the same with GTMPI_COMPILE=asked and the program's --compile=True: its
+               gtmpi.compile(model) has the model's forward and backward compiled where that
+               wins, as torch-compiled has torch's (the default runs are eager)
   torch-compiled  the original with --compile=True (the default runs are eager)
   ddp          torchrun --nproc-per-node N train.py (the original's own DDP), N GPUs, batch
                --batch per GPU (gradient_accumulation_steps N: one micro-step each)
@@ -349,10 +349,10 @@ def one_gpu_runs(runs: list[str], round_: int, py: str, mpiexec: list[str], args
                 "-eager": {"GTMPI_CAPTURE": "0", "GTMPI_AUTO_REPLAY": "0", "GTMPI_COMPILE": "0"},
                 "-captured": {"GTMPI_CAPTURE": "1", "GTMPI_COMPILE": "0"},
                 "-compiled": {"GTMPI_CAPTURE": "1", "GTMPI_COMPILE": "1"},
-                "-default": {}, "-default-compile": {}}
+                "-default": {}, "-asked": {"GTMPI_COMPILE": "asked"}}
     for variant, extra in variants.items():
         genv = {**env, **extra}
-        flag = ["--compile=True"] if variant.endswith("-compile") else []
+        flag = ["--compile=True"] if variant == "-asked" else []
         if "embedded" + variant in runs:
             out.append(one("gtmpi embedded" + variant, [py, "run.py", *args_, *flag],
                            dirs["gtmpi"], genv))

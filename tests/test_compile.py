@@ -413,14 +413,14 @@ def test_which_inputs_grow_is_read_off_two_sizes():
 @pytest.mark.parametrize("mode, device, asked, warms", [
     ("1", "cpu", False, True), ("auto", "cpu", False, False), ("auto", "cuda", False, True),
     ("0", "cuda", False, False), ("fx", "cpu", False, False), ("1", "meta", False, False),
-    (None, "cuda", False, False), (None, "cuda", True, True), (None, "cpu", True, False),
-    ("0", "cuda", True, False)])
+    (None, "cuda", False, False), ("asked", "cuda", False, False),
+    ("asked", "cuda", True, True), ("asked", "cpu", True, False)])
 def test_a_worker_that_will_compile_warms_the_compiler_up_meanwhile(mode, device, asked, warms,
                                                                      monkeypatch):
-    """Where GTMPI_COMPILE asks a worker to compile (at its start), or, unset, a program
-    given to gtmpi.compile will (``asked``: rank 0 says so then), a thread pays tracing's and
-    Inductor's first-use costs on a tiny program (the worker joins it before its first
-    capture); nowhere else."""
+    """Where GTMPI_COMPILE asks a worker to compile (at its start), or a program given to
+    gtmpi.compile will under GTMPI_COMPILE=asked (``asked``: rank 0 says so then), a thread
+    pays tracing's and Inductor's first-use costs on a tiny program (the worker joins it
+    before its first capture); nowhere else."""
     from gtmpi.worker import compiled as compiling
     if mode is None:
         monkeypatch.delenv("GTMPI_COMPILE", raising=False)
@@ -435,12 +435,13 @@ def test_a_worker_that_will_compile_warms_the_compiler_up_meanwhile(mode, device
 
 
 def test_a_module_given_to_compile_asks_its_forward_and_backward_compiled(monkeypatch):
-    """torch.compile(model)'s place: with GTMPI_COMPILE unset, the programs a module given to
-    gtmpi.compile records (its forward and backward) ask to be compiled where that wins
-    ('auto': Inductor on GPU workers, nothing on CPU workers), the clipping's and the
-    optimizer's do not; GTMPI_COMPILE set decides for every program instead."""
+    """torch.compile(model)'s place: under GTMPI_COMPILE=asked (to be the default once run on
+    a GPU), the programs a module given to gtmpi.compile records (its forward and backward)
+    ask to be compiled where that wins ('auto': Inductor on GPU workers, nothing on CPU
+    workers), the clipping's and the optimizer's do not; the other settings decide for every
+    program alike, and unset nothing compiles."""
     from gtmpi.dispatcher.dispatcher import compile_mode
-    monkeypatch.delenv("GTMPI_COMPILE", raising=False)
+    monkeypatch.setenv("GTMPI_COMPILE", "asked")
     warmed = []
     post = runtime().dispatcher.post
     monkeypatch.setattr(runtime().dispatcher, "post", lambda word, args, ranks: (
@@ -460,8 +461,11 @@ def test_a_module_given_to_compile_asks_its_forward_and_backward_compiled(monkey
         assert compiled >= 2 and refused == 0, _explained()
     else:
         assert (compiled, refused) == (0, 0)
-    for value, mode in (("0", ""), ("1", "inductor"), ("fx", "fx")):
-        monkeypatch.setenv("GTMPI_COMPILE", value)
+    for value, mode in (("0", ""), ("1", "inductor"), ("fx", "fx"), (None, "")):
+        if value is None:
+            monkeypatch.delenv("GTMPI_COMPILE")
+        else:
+            monkeypatch.setenv("GTMPI_COMPILE", value)
         assert compile_mode(programs[0]) == compile_mode(other.program) == mode
 
 
@@ -482,6 +486,6 @@ def test_auto_leaves_attention_with_dropout_uncompiled_and_says_why():
 
 def test_an_unknown_compile_mode_is_named(monkeypatch):
     monkeypatch.setenv("GTMPI_COMPILE", "fast")
-    with pytest.raises(ValueError, match="GTMPI_COMPILE='fast': one of 0, 1, auto, fx"):
+    with pytest.raises(ValueError, match="GTMPI_COMPILE='fast': one of 0, 1, auto, asked, fx"):
         _loop("1", monkeypatch, _adamw, 4)
     runtime()  # the session goes on

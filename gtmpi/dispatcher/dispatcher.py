@@ -795,16 +795,26 @@ def _reads(ins: tuple, ids: set[int]) -> bool:
     return False
 
 
+# GTMPI_COMPILE unset: 'asked' is to take its place once a GPU has run it (until then it is
+# GPU-unchecked: on only where set)
+COMPILE_DEFAULT = "0"
+
+
+def compile_setting() -> str:
+    """GTMPI_COMPILE, or its default."""
+    return os.environ.get("GTMPI_COMPILE", COMPILE_DEFAULT)
+
+
 def compile_mode(program: Program) -> str:
     """What a capture of ``program`` asks its workers to compile with (GTMPI_COMPILE;
     worker/compiled.py): '' (0), 'inductor' (1), 'auto' (Inductor on GPU workers, where a
-    compiled program wins, none on CPU workers) or 'fx' (the traced graph run as it is).
-    Unset, what the program's maker asked: 'auto' for a module or function given to
+    compiled program wins, none on CPU workers) or 'fx' (the traced graph run as it is);
+    'asked': what the program's maker asked, 'auto' for a module or function given to
     gtmpi.compile (torch.compile's place), '' for the rest."""
-    value = os.environ.get("GTMPI_COMPILE")
-    if value is None:
+    value = compile_setting()
+    if value == "asked":
         return program.compile
     modes = {"0": "", "1": "inductor", "inductor": "inductor", "auto": "auto", "fx": "fx"}
     if value not in modes:
-        raise ValueError(f"GTMPI_COMPILE={value!r}: one of 0, 1, auto, fx")
+        raise ValueError(f"GTMPI_COMPILE={value!r}: one of 0, 1, auto, asked, fx")
     return modes[value]

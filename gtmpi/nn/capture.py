@@ -30,7 +30,6 @@ GTMPI_CAPTURE=1 turns it on for several workers too (not yet run on several GPUs
 """
 from __future__ import annotations
 
-import os
 import weakref
 from collections import Counter
 from typing import Any, Callable, NamedTuple
@@ -42,6 +41,7 @@ from ..client.replay import (RECORDINGS_MAX, SIGNATURES_MAX, Guard, _build, _sig
 from ..client.creation import zeros, zeros_like
 from ..client.runtime import Runtime, runtime
 from ..client.tensor import Tensor
+from ..dispatcher.dispatcher import compile_setting
 from ..errors import ReplayError
 from ..ops.table import Dim
 
@@ -50,13 +50,12 @@ COMPILE_ASKED = "_compile_asked"  # a module's mark, given to gtmpi.compile
 
 
 def ask_compile(module: Any) -> None:
-    """``gtmpi.compile(module)``: the programs its captured calls record (forward and
-    backward) are compiled where compiling wins (GTMPI_COMPILE=auto's rule, on GPU workers),
-    unless GTMPI_COMPILE says otherwise. A mark no guard reads: it changes no result. The
-    workers pay compiling's first-use costs meanwhile (set, GTMPI_COMPILE has them do it from
-    the start)."""
+    """``gtmpi.compile(module)``: under GTMPI_COMPILE=asked, the programs its captured calls
+    record (forward and backward) are compiled where compiling wins (auto's rule: on GPU
+    workers), and the workers pay compiling's first-use costs from now on; other settings
+    decide for every program alike. A mark no guard reads: it changes no result."""
     object.__setattr__(module, COMPILE_ASKED, "auto")
-    if "GTMPI_COMPILE" not in os.environ:
+    if compile_setting() == "asked":
         d = runtime().dispatcher
         d.post("warm_compile", (), sorted(d.links))
 

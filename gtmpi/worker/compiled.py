@@ -40,7 +40,8 @@ all-to-alls, a server's client's collectives, other random ops (randn, randint, 
 trace or Inductor raises.
 
 Modes (GTMPI_COMPILE, read on rank 0 and sent with each capture): 0 (the default: off), 1
-(Inductor), fx (the traced graph run as it is: the translation checked against eager replay on
+(Inductor), auto (Inductor on GPU workers, none on CPU workers, no attention with dropout),
+asked (auto's rule for what gtmpi.compile was given, nothing else), fx (the traced graph run as it is: the translation checked against eager replay on
 CPU workers, tests/test_compile.py). Inductor keeps what it compiled in its cache on disk
 (TORCHINDUCTOR_CACHE_DIR), so a second run of the same program skips the compile.
 """
@@ -149,11 +150,11 @@ def warm_up(device: torch.device, asked: bool = False) -> threading.Thread | Non
     modules, caches and compile workers set up: a one-instruction program traced in 5.9 s and
     compiled in 10.9 s on an H100's host, 1.6 and 4.7 s on a CPU here, against 0.01 and 1.4 s
     the second time). Where GTMPI_COMPILE asks this worker to compile (read here as rank 0
-    reads it: the launch gives every rank its environment), or where the program ``asked``
-    (gtmpi.compile, GTMPI_COMPILE unset: auto's rule), a thread pays them on a tiny program
-    while the first steps run as written; the worker joins it before its first capture (a
-    compile is no thread's to share)."""
-    mode = os.environ.get("GTMPI_COMPILE", "auto" if asked else "0")
+    reads it: the launch gives every rank its environment), or where rank 0 says a program
+    ``asked`` (gtmpi.compile under GTMPI_COMPILE=asked: auto's rule), a thread pays them on a
+    tiny program while the first steps run as written; the worker joins it before its first
+    capture (a compile is no thread's to share)."""
+    mode = "auto" if asked else os.environ.get("GTMPI_COMPILE", "0")
     if device.type not in ("cuda", "cpu") or \
             mode != "1" and not (mode == "auto" and device.type == "cuda"):
         return None
