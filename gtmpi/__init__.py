@@ -75,10 +75,11 @@ Tensor.__torch_function__ = _torch_function(_sys.modules[__name__], nn.functiona
 
 def compile(model: Any = None, **options: Any) -> Any:
     """torch.compile's place. A Module is returned as it is, its calls captured as any
-    module's (nn/capture.py), and the programs they record, forward and backward, compiled
-    by Inductor on GPU workers where that wins (GTMPI_COMPILE=auto's rule; GTMPI_COMPILE set
-    decides instead). A function (a training step) becomes gtmpi.replayable, its program
-    compiled the same way. torch's options are accepted; the workers' compile uses none."""
+    module's (nn/capture.py); under GTMPI_COMPILE=asked the programs they record, forward and
+    backward, are compiled by Inductor on GPU workers where that wins (auto's rule; the
+    other settings decide for every program alike). A function (a training step) becomes
+    gtmpi.replayable, its program asked compiled the same way. torch's options are accepted;
+    the workers' compile uses none."""
     if model is None:  # @gtmpi.compile(mode=...)
         return lambda fn: compile(fn, **options)
     if isinstance(model, nn.Module):

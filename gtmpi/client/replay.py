@@ -696,22 +696,27 @@ class Guard:
 _ID_AND_GRAD = operator.attrgetter("_id", "requires_grad")
 
 
-def _plain_object(value: Any) -> list[type] | None:
-    """The program's classes of ``value`` (a config object) where all it holds is numbers
-    and strings and its classes hold no code of their own but dunders (a dataclass): what a
-    walk finds in it is then its attributes and its classes' numbers; else None."""
+def _plain_object(value: Any) -> list[tuple[type, str, Any]] | None:
+    """Where all ``value`` (a config object) holds is numbers and strings and its program's
+    classes hold no code or tensors of their own but dunders (a dataclass), what a walk finds
+    in it besides its attributes: its classes' numbers, (class, name, number) each; else
+    None."""
     attrs = getattr(value, "__dict__", None)
     if type(attrs) is not dict or not all(isinstance(v, _PLAIN) for v in attrs.values()):
         return None
     # (a walk reads no class of the library's objects: class_state)
     classes = [klass for klass in type(value).__mro__ if _users(klass)] \
         if _users(type(value)) else []
+    numbers = []
     for klass in classes:
         for key, item in vars(klass).items():
-            if not key.startswith("__") and isinstance(item, _LEAVES + (types.FunctionType,)) \
-                    and not isinstance(item, _PLAIN):
+            if key.startswith("__"):
+                continue
+            if isinstance(item, (Tensor, types.FunctionType)):
                 return None
-    return classes
+            if isinstance(item, _PLAIN):
+                numbers.append((klass, key, item))
+    return numbers
 
 
 class _Checks:
@@ -740,18 +745,16 @@ class _Checks:
             if c[0] != _LOOSE:
                 continue
             value = c[1]
-            classes = _plain_object(value)
-            if classes is None:
+            numbers = _plain_object(value)
+            if numbers is None:
                 self.loose.append(c[1:])
                 continue
             # its walk's answer: its class, these values in this order, and its class's
             # numbers (each checked by identity, as a class attribute is)
             attrs = value.__dict__
             self.plain.append((value, type(value), dict(attrs), tuple(attrs)))
-            for klass in classes:
-                for key, item in vars(klass).items():
-                    if isinstance(item, _PLAIN) and not key.startswith("__"):
-                        name(klass, _CLASS, key, item)
+            for klass, key, item in numbers:
+                name(klass, _CLASS, key, item)
         # (namespace, its names, the ids of what they held): what they held is kept alive
         # here, so no other object can take one of those ids meanwhile
         self.names = [(owner, kind, tuple(held), [id(v) for v in held.values()],

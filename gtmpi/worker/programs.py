@@ -35,8 +35,9 @@ class Programs:
             # program holds ops and the words a recording keeps (frees), never programs
             wire.check(instructions, self.client_words - {"program", "replay"})
         self.graphs.pop(key)
-        self.at_size.clear()
         if instructions is None:
+            for at in [at for at in self.at_size if at[0] == key]:
+                del self.at_size[at]
             self.programs.pop(key, None)
             self.seeded.pop(key, None)
             self.sized.pop(key, None)
