@@ -6,15 +6,16 @@ in explain(); Inductor's numbers (GTMPI_COMPILE=1) agree within rounding."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 
 import pytest
 import torch
 
 import gtmpi
-from conftest import HOME_DEVICE
+from conftest import HOME_DEVICE, run_job
 from gtmpi.client.runtime import runtime
-from test_capture import _decoder_as_written, _generate, _loop
+from test_capture import SIZES, _decoder_as_written, _generate, _loop
 from test_dp_ops import CASES, INPUTS, GRAD, _backward, _results
 from test_replay import WORKERS, _train, data_parallel, spread, tensor_parallel_run
 
@@ -489,3 +490,83 @@ def test_an_unknown_compile_mode_is_named(monkeypatch):
     with pytest.raises(ValueError, match="GTMPI_COMPILE='fast': one of 0, 1, auto, asked, fx"):
         _loop("1", monkeypatch, _adamw, 4)
     runtime()  # the session goes on
+
+
+TRAINED = """
+    import io, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    import gtmpi
+    from test_capture import _gpt
+
+    def loop(seq):
+        gtmpi.manual_seed(3)
+        c, model = _gpt()
+        opt = gtmpi.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(5):
+            data = torch.randint(0, c.vocab, (4, seq + 1), generator=gen)
+            loss = model(gtmpi.tensor(data[:, :-1]), gtmpi.tensor(data[:, 1:]))
+            loss.backward()
+            gtmpi.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        print("LOSSES", losses, [p.cpu_torch().sum().item() for p in model.parameters()])
+        return c
+
+    c = loop(int(sys.argv[1]))
+    if len(sys.argv) > 2:  # the same model on shorter sequences: other shapes, another trace
+        loop(c.seq - 2)
+    out = io.StringIO()
+    gtmpi.debug.explain(file=out)
+    print(out.getvalue())
+"""
+
+
+@pytest.mark.skipif(len(gtmpi.info()["workers"]) > 1, reason="runs plain python jobs itself")
+def test_a_second_run_reads_its_programs_traces_from_disk_and_gives_the_same_numbers(tmp_path):
+    """GTMPI_COMPILE=fx (the trace run as it is), a training loop run twice in two processes
+    with one cache folder: the second run's forward, backward and clipping programs are read
+    from disk, not traced (its backward reads the forward's records, their functions kept by
+    name), and it gives the first run's losses and weights bit for bit; a program of other
+    shapes in it is traced; GTMPI_TRACE_CACHE=0 keeps nothing."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    seq = str(SIZES["tiny"].seq)
+    env = {"GTMPI_COMPILE": "fx", "GTMPI_CAPTURE": "1", "GTMPI_CUDA_GRAPHS": GRAPHS,
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    body = TRAINED.format(tests=tests)
+    runs = [run_job(tmp_path, body, 240, n=None, env=env, args=args)[0]
+            for args in ([seq], [seq, "more"])]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = ([l for l in p.stdout.splitlines() if l.startswith("LOSSES")] for p in runs)
+    assert len(first) == 1 and len(second) == 2 and second[0] == first[0], (first, second)
+    read = [l for l in runs[1].stdout.splitlines() if "its trace read from disk" in l]
+    assert len(read) >= 3 and any("backward" in l for l in read), runs[1].stdout
+    assert not any("its trace read from disk" in l for l in runs[0].stdout.splitlines())
+    # the shorter sequences' forward and backward were traced afresh
+    assert sum("(traced in" in l for l in runs[1].stdout.splitlines()) >= 2, runs[1].stdout
+    kept = list((tmp_path / "cache" / "gtmpi-traces").rglob("*.pickle"))
+    assert kept and not list((tmp_path / "cache").rglob(".writing-*"))
+    off = run_job(tmp_path, body, 240, n=None, args=[seq],
+                  env={**env, "GTMPI_TRACE_CACHE": "0",
+                       "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "off")})[0]
+    assert off.returncode == 0 and "LOSSES" in off.stdout, off.stderr[-3000:]
+    assert not (tmp_path / "off" / "gtmpi-traces").exists()
+
+
+def test_a_trace_file_that_cannot_be_read_is_traced_again(tmp_path, monkeypatch):
+    from gtmpi.worker import tracecache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    found_by = tracecache.key(("program", 1, [2.5, None]))
+    assert found_by == tracecache.key(("program", 1, [2.5, None]))
+    assert found_by != tracecache.key(("program", 1, [2.5, 0]))
+    assert tracecache.load(found_by) is None
+    assert tracecache.store(found_by, {"graph": [1, 2]}) == {"graph": [1, 2]}
+    assert tracecache.load(found_by) == {"graph": [1, 2]}
+    path, = tmp_path.rglob("*.pickle")
+    path.write_bytes(path.read_bytes()[:7])  # cut short, as a full disk might leave it
+    assert tracecache.load(found_by) is None
+    assert tracecache.key(lambda: 0) is None  # no pickle takes it: traced every time

@@ -43,7 +43,8 @@ Modes (GTMPI_COMPILE, read on rank 0 and sent with each capture): 0 (the default
 (Inductor), auto (Inductor on GPU workers, none on CPU workers, no attention with dropout),
 asked (auto's rule for what gtmpi.compile was given, nothing else), fx (the traced graph run as it is: the translation checked against eager replay on
 CPU workers, tests/test_compile.py). Inductor keeps what it compiled in its cache on disk
-(TORCHINDUCTOR_CACHE_DIR), so a second run of the same program skips the compile.
+(TORCHINDUCTOR_CACHE_DIR), and the trace is kept beside it (worker/tracecache.py; not a
+growing program's or one holding collectives), so a second run of the same program skips both.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ import torch
 
 from ..ops.table import (FUSED_FNS, OPS, SAVED_FORMS, Graph, Kind, Redo, Seed,
                          autocast_operands, derive_seed)
-from . import graphs
+from . import graphs, tracecache
 from .dataplane import DataPlane, TracedPlane
 
 # the collectives a trace takes: each a kernel of the data plane over a TracedPlane
@@ -204,23 +205,43 @@ def compile_program(program: list[tuple], inputs: list[int], env: dict[int, Any]
                    growing and growing.sized)
     from torch.fx.experimental.proxy_tensor import make_fx
     fits = None
-    if growing is None:
+    # a growing program's guards live in its trace's shape environment, and collectives name
+    # the job's groups: those are traced every time
+    kept = _trace_key(program, layouts, flat, len(seeds), device) \
+        if growing is None and tracing is None and tracecache.enabled() else None
+    found = kept and tracecache.load(kept)
+    kept_now = False
+    if found:
+        graph, outputs, made["freed"] = found
+        traced = tracecache.graph_module(graph)
+        made["outputs"] = [(tid, _restored(layout)) for tid, layout in outputs]
+    elif growing is None:
         traced = make_fx(fn, tracing_mode="fake")(*flat)
+        portable = kept and _portable_trace(traced, made["outputs"])
+        if portable:
+            # compiled as read back, as later runs will read it: the same graph and inputs,
+            # so that Inductor finds what it keeps now (the trace's own graph, its nodes'
+            # metadata and all, is another key to it: the next run's backward missed)
+            graph = tracecache.store(kept, (*portable, made["freed"]))[0]
+            traced = tracecache.graph_module(graph)
+            kept_now = True
     else:
         fakes, shape_env, n = _symbolic(layouts, flat, env, growing, device)
         traced = make_fx(fn, tracing_mode="fake")(*fakes)
         fits, assumed = _guards(shape_env, n)
         flat.append(torch.empty(growing.size, dtype=torch.uint8, device=device))
-    detail = f"traced in {time.perf_counter() - start:.1f} s" + \
+    detail = f"{'its trace read from disk' if found else 'traced'} in " \
+        f"{time.perf_counter() - start:.1f} s" + \
         (f", assuming {assumed} of the growing size" if growing is not None else "")
     if mode == "inductor":
         from torch._dynamo.utils import counters
         from torch._inductor import compile as inductor
         before = dict(counters["inductor"])
-        # the trace's own fake inputs: Inductor keeps in its cache only a graph whose fake
-        # tensors have a shape environment (make_fx's have; fresh ones for real tensors not)
-        run = inductor(traced, [n.meta["val"] for n in traced.graph.nodes
-                                if n.op == "placeholder"])
+        # the trace's own fake inputs (a trace read from disk has none: fakes alike): Inductor
+        # keeps in its cache only a graph whose fake tensors have a shape environment (make_fx's
+        # have; fresh ones for real tensors without one not)
+        run = inductor(traced, _fakes(flat) if found or kept_now else
+                       [n.meta["val"] for n in traced.graph.nodes if n.op == "placeholder"])
         cache = [k.rsplit("_", 1)[1] for k in _CACHE if counters["inductor"][k] > before.get(k, 0)]
         detail += f"; Inductor's cache on disk: {', '.join(cache) or 'not asked'}"
         if device.type == "cuda":  # its first call loads its kernels, which a capture cannot
@@ -306,6 +327,92 @@ def _symbolic(layouts: list[tuple[int, Any]], flat: list[torch.Tensor], env: dic
             raise RuntimeError(f"its input {tid} grows and is an autograd record")
     return [grown.get(id(t)) if id(t) in grown else as_is(t) for t in flat] + [carrier], \
         shape_env, n
+
+
+def _trace_key(program: list[tuple], layouts: list[tuple[int, Any]], flat: list[torch.Tensor],
+               seeded: int, device: torch.device) -> str | None:
+    """The key of a program's trace on disk (worker/tracecache.py): its instructions (a seed by
+    its place, not its value, which is an input), its inputs' layouts and each flat input's
+    shape, strides, offset, dtype, whether it needs gradients and which storage it shares."""
+    storages: dict[int, int] = {}
+    tensors = [(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.requires_grad,
+                storages.setdefault(t.untyped_storage().data_ptr(), len(storages)))
+               for t in flat]
+    try:
+        given = [(tid, _portable(layout)) for tid, layout in layouts]
+    except KeyError:  # a record of a function no name gives: traced every time
+        return None
+    return tracecache.key((_canonical(program), given, tensors, seeded, str(device)))
+
+
+def _canonical(value: Any) -> Any:
+    """An instruction's parts with each Seed as its place among the call's random ops."""
+    kind = type(value)
+    if kind is Seed:
+        return ("seed", value.offset)
+    if kind is tuple or kind is list:
+        return kind(map(_canonical, value))
+    if kind is dict:
+        return {k: _canonical(v) for k, v in value.items()}
+    return value
+
+
+def _named() -> dict[Any, tuple[str, str]]:
+    """The functions a Redo record may hold, each by its table and name."""
+    named = {fn: ("fused", name) for name, fn in FUSED_FNS.items()}
+    named.update({fn: ("counted", name) for name, fn in _COUNTED.items()})
+    named.update({back: ("back", name) for name, (_, back) in SAVED_FORMS.items()})
+    return named
+
+
+def _portable(layout: Any) -> Any:
+    """A layout (_layout) as pickle can keep it: a Redo's functions by name, its tensors' places
+    marked. KeyError for a function of no table."""
+    if layout is _TENSOR or layout is _NONE:
+        return layout
+    named = _named()
+
+    def marked(part: tuple) -> tuple:
+        return tuple(("t",) if isinstance(a, torch.Tensor) else ("v", a) for a in part)
+    return ("redo", named[layout.fn], marked(layout.args), tuple(layout.kw),
+            marked(tuple(layout.kw.values())), layout.grads, marked(layout.saved),
+            None if layout.back is None else named[layout.back])
+
+
+def _portable_trace(traced: torch.fx.GraphModule, outputs: list[tuple[int, Any]]
+                    ) -> tuple[Any, list[tuple[int, Any]]] | None:
+    """A trace's graph and output layouts as pickle can keep them, or None where they cannot
+    be (traced every time)."""
+    try:
+        return tracecache.portable_graph(traced), [(tid, _portable(layout))
+                                                    for tid, layout in outputs]
+    except (KeyError, ValueError):
+        return None
+
+
+def _restored(portable: Any) -> Any:
+    """The layout _portable was given."""
+    if portable == _TENSOR:
+        return _TENSOR
+    if portable == _NONE:
+        return _NONE
+    _, fn, args, keys, values, grads, saved, back = portable
+    functions = {where: fn for fn, where in _named().items()}
+
+    def hollow(part: tuple) -> tuple:
+        return tuple(_HOLLOW if mark[0] == "t" else mark[1] for mark in part)
+    return Redo(functions[fn], hollow(args), dict(zip(keys, hollow(values))), grads,
+                hollow(saved), None if back is None else functions[back])
+
+
+def _fakes(flat: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fake tensors for ``flat``, as make_fx's fake tracing makes them (static sizes, in a
+    shape environment, each named by its place), so that Inductor finds what it kept."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    fake = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+    return [fake.from_tensor(t, source=ConstantSource(f"input{i}")) for i, t in enumerate(flat)]
 
 
 def _guards(shape_env: Any, n: Any) -> tuple[Callable[[int], bool], str]:
