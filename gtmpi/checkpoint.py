@@ -12,6 +12,7 @@ load() checks every record first and names the damaged one.
 """
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import tempfile
@@ -32,9 +33,15 @@ def _map(obj: Any, fn, kind: type) -> Any:
     if isinstance(obj, kind):
         return fn(obj)
     if isinstance(obj, dict):
-        return type(obj)((k, _map(v, fn, kind)) for k, v in obj.items())
+        # a copy keeps what a dict's subclass holds besides its items (a defaultdict's
+        # factory); made from its items, a Counter counted the (key, count) pairs instead
+        mapped = copy.copy(obj)
+        for k, v in obj.items():
+            mapped[k] = _map(v, fn, kind)
+        return mapped
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(v, fn, kind) for v in obj)
+        items = [_map(v, fn, kind) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 

@@ -3,6 +3,7 @@ and GradScaler (gtmpi/amp.py), torch.backends' settings (they reach the workers)
 loader, torch.load's arguments, compile, and what a missing name says."""
 from __future__ import annotations
 
+import collections
 
 import numpy as np
 import pytest
@@ -187,6 +188,29 @@ def test_load_takes_torchs_arguments(tmp_path):
                {"weights_only": False, "mmap": True}):
         got = gtmpi.load(path, **kw)
         assert got["w"].tolist() == [0, 1, 2, 3] and got["step"] == 3
+
+
+Pair = collections.namedtuple("Pair", "a b")  # a named tuple pickle finds by its name
+
+
+def test_a_checkpoints_containers_come_back_as_they_were_saved(tmp_path):
+    """A Counter (MultiStepLR's milestones), a defaultdict and a named tuple holding tensors,
+    through gtmpi.save and gtmpi.load, and a file of torch's through gtmpi.load: each comes back
+    of its own type with its own items (a Counter came back counting its (key, count) pairs)."""
+    made = collections.defaultdict(list, {"x": [1]})
+
+    def state(lib):
+        return {"milestones": collections.Counter([2, 5, 5, 9]), "made": made,
+                "pair": Pair(lib.arange(3), 4)}
+    gtmpi.save(state(gtmpi), tmp_path / "g.pt")
+    torch.save(state(torch), tmp_path / "t.pt")
+    for name in ("g.pt", "t.pt"):
+        got = gtmpi.load(tmp_path / name, weights_only=False)
+        assert got["milestones"] == collections.Counter({5: 2, 2: 1, 9: 1})
+        assert type(got["made"]) is collections.defaultdict and got["made"]["x"] == [1]
+        assert got["made"]["new"] == [] and got["made"].default_factory is list
+        assert type(got["pair"]) is Pair and got["pair"].a.tolist() == [0, 1, 2]
+        assert got["pair"].b == 4
 
 
 def test_compile_replays_a_step_and_says_what_it_does_with_a_module():

@@ -111,6 +111,22 @@ def test_in_place_forms_match_torch():
     assert_same(g, t)
 
 
+# schedules torch programs use every day, each against torch's for 16 steps and resumed
+EVERYDAY_SCHEDULES = {
+    "MultiStepLR": lambda o, lib: lib.optim.lr_scheduler.MultiStepLR(o, [2, 5, 5, 9], 0.5),
+    "ConstantLR": lambda o, lib: lib.optim.lr_scheduler.ConstantLR(o, 0.25, total_iters=4),
+    "PolynomialLR": lambda o, lib: lib.optim.lr_scheduler.PolynomialLR(o, 10, power=2.0),
+    "MultiplicativeLR": lambda o, lib: lib.optim.lr_scheduler.MultiplicativeLR(
+        o, lambda e: 0.95 if e % 2 else 0.9),
+    "CosineAnnealingWarmRestarts": lambda o, lib:
+        lib.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, 3, T_mult=2, eta_min=1e-3),
+    "SequentialLR": lambda o, lib: lib.optim.lr_scheduler.SequentialLR(
+        o, [lib.optim.lr_scheduler.LinearLR(o, 0.1, 1.0, total_iters=3),
+            lib.optim.lr_scheduler.CosineAnnealingLR(o, 8, eta_min=1e-3),
+            lib.optim.lr_scheduler.MultiplicativeLR(o, lambda e: 0.9)], milestones=[3, 9]),
+}
+
+
 def test_in_place_unary_forms_and_schedulers_match_torch():
     x = r(3, 4, low=0.5)
     g = gtmpi.tensor(x)
@@ -121,15 +137,28 @@ def test_in_place_unary_forms_and_schedulers_match_torch():
     for make in (lambda o, lib: lib.optim.lr_scheduler.StepLR(o, 3, gamma=0.5),
                  lambda o, lib: lib.optim.lr_scheduler.ExponentialLR(o, 0.9),
                  lambda o, lib: lib.optim.lr_scheduler.LinearLR(o, 0.25, 1.0, total_iters=4),
-                 lambda o, lib: lib.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=1e-4)):
+                 lambda o, lib: lib.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=1e-4),
+                 *EVERYDAY_SCHEDULES.values()):
         topt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
         gopt = gtmpi.optim.SGD([gnn.Parameter(gtmpi.zeros(2))], lr=0.1)
         ts, gs = make(topt, torch), make(gopt, gtmpi)
-        for _ in range(12):
+        for _ in range(16):
             assert gs.get_last_lr() == pytest.approx(ts.get_last_lr(), rel=1e-9, abs=1e-12)
             topt.step()
             ts.step()
             gs.step()
+
+
+def test_sequential_lr_refuses_what_torchs_refuses():
+    opt = gtmpi.optim.SGD([gnn.Parameter(gtmpi.zeros(2))], lr=0.1)
+    other = gtmpi.optim.SGD([gnn.Parameter(gtmpi.zeros(2))], lr=0.1)
+    sched = gtmpi.optim.lr_scheduler
+    with pytest.raises(ValueError, match="number of milestone points"):
+        sched.SequentialLR(opt, [sched.ConstantLR(opt), sched.ExponentialLR(opt, 0.9)], [2, 4])
+    with pytest.raises(ValueError, match="belong to the same optimizer"):
+        sched.SequentialLR(opt, [sched.ConstantLR(opt), sched.ExponentialLR(other, 0.9)], [2])
+    with pytest.raises(ValueError, match="does not support `ReduceLROnPlateau`"):
+        sched.SequentialLR(opt, [sched.ConstantLR(opt), sched.ReduceLROnPlateau(opt)], [2])
 
 
 @pytest.mark.parametrize("kw", [{}, {"anneal_strategy": "linear"}, {"three_phase": True},
@@ -531,6 +560,7 @@ def test_gt_documented_forms():
 
 
 SCHEDULES = {
+    **EVERYDAY_SCHEDULES,
     "LambdaLR": lambda o, lib: lib.optim.lr_scheduler.LambdaLR(o, lambda e: 0.9 ** e),
     "StepLR": lambda o, lib: lib.optim.lr_scheduler.StepLR(o, 3, gamma=0.5),
     "CosineAnnealingLR": lambda o, lib: lib.optim.lr_scheduler.CosineAnnealingLR(o, 10, 1e-4),

@@ -2,25 +2,31 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from collections import Counter
 from typing import Any, Callable
 
 from .optimizer import Optimizer
 
+# a schedule's functions (a lambda is the program's code, saved by no one), lists of them too
+_FUNCTIONS = ("lr_lambda", "lr_lambdas")
+
 
 class _Saved:
     """torch's state_dict()/load_state_dict() of a schedule: its own attributes, less the
-    optimizer and functions (a lambda is the program's code, saved by no one). A torch
-    schedule's state loads too: the keys this one has are taken, torch's own extras left."""
+    optimizer and functions. A torch schedule's state loads too: the keys this one has are
+    taken, torch's own extras left."""
 
     def state_dict(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k != "optimizer" and not callable(v)}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k != "optimizer" and k not in _FUNCTIONS and not callable(v)}
         if isinstance(self, LambdaLR):  # what torch's LambdaLR.load_state_dict pops and reads
             state.update(lr_lambdas=[None] * len(self.base_lrs), _last_lr=self.get_last_lr())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.__dict__.update((k, v) for k, v in state_dict.items()
-                             if k in self.__dict__ and not callable(self.__dict__[k]))
+        self.__dict__.update((k, v) for k, v in state_dict.items() if k in self.__dict__ and
+                             k not in _FUNCTIONS and not callable(self.__dict__[k]))
 
 
 class LambdaLR(_Saved):
@@ -38,6 +44,12 @@ class LambdaLR(_Saved):
 
     def step(self) -> None:
         self.last_epoch += 1
+        self._apply()
+
+    def restart(self) -> None:
+        """Back to step 0, as SequentialLR starts a schedule at its milestone (torch's
+        _update_lr(0))."""
+        self.last_epoch = 0
         self._apply()
 
     def get_last_lr(self) -> list[float]:
@@ -80,6 +92,154 @@ class StepLR(_Closed):
 
     def lr(self, base: float, epoch: int) -> float:
         return base * self.gamma ** (epoch // self.step_size)
+
+
+class MultiStepLR(_Closed):
+    def __init__(self, optimizer: Optimizer, milestones: list[int], gamma: float = 0.1):
+        self.milestones, self.gamma = Counter(milestones), gamma  # torch's attributes
+        super().__init__(optimizer)
+
+    def lr(self, base: float, epoch: int) -> float:
+        return base * self.gamma ** bisect_right(sorted(self.milestones.elements()), epoch)
+
+
+class ConstantLR(_Closed):
+    def __init__(self, optimizer: Optimizer, factor: float = 1.0 / 3, total_iters: int = 5):
+        if factor > 1.0 or factor < 0:
+            raise ValueError("Constant multiplicative factor expected to be between 0 and 1.")
+        self.factor, self.total_iters = factor, total_iters
+        super().__init__(optimizer)
+
+    def lr(self, base: float, epoch: int) -> float:
+        return base * (self.factor + (epoch >= self.total_iters) * (1 - self.factor))
+
+
+class PolynomialLR(_Closed):
+    def __init__(self, optimizer: Optimizer, total_iters: int = 5, power: float = 1.0):
+        self.total_iters, self.power = total_iters, power
+        super().__init__(optimizer)
+
+    def lr(self, base: float, epoch: int) -> float:
+        return base * (1.0 - min(self.total_iters, epoch) / self.total_iters) ** self.power
+
+
+class MultiplicativeLR(LambdaLR):
+    """Each step multiplies each group's lr by its function of the step count (step 0
+    leaves it)."""
+
+    def __init__(self, optimizer: Optimizer,
+                 lr_lambda: Callable[[int], float] | list[Callable[[int], float]]):
+        groups = optimizer.param_groups
+        self.lr_lambdas = list(lr_lambda) if isinstance(lr_lambda, (list, tuple)) else \
+            [lr_lambda] * len(groups)
+        if len(self.lr_lambdas) != len(groups):
+            raise ValueError(f"Expected {len(groups)} lr_lambdas, but got "
+                             f"{len(self.lr_lambdas)}")
+        super().__init__(optimizer, lambda epoch: 1.0)
+
+    def _apply(self) -> None:
+        if self.last_epoch > 0:
+            self._multiply()
+
+    def restart(self) -> None:
+        self.last_epoch = 0  # torch's at a SequentialLR's milestone: step 0's factor too
+        self._multiply()
+
+    def _multiply(self) -> None:
+        for group, factor in zip(self.optimizer.param_groups, self.lr_lambdas):
+            group["lr"] *= factor(self.last_epoch)
+
+
+class CosineAnnealingWarmRestarts(LambdaLR):
+    """Cosine annealing from each group's initial lr to ``eta_min`` over ``T_0`` steps, then
+    again from the top over ``T_0 * T_mult``, ``T_0 * T_mult ** 2``, ... steps; torch's
+    counters (T_cur, T_i), so that either's state loads into the other."""
+
+    def __init__(self, optimizer: Optimizer, T_0: int, T_mult: int = 1,
+                 eta_min: float = 0.0):
+        if T_0 <= 0 or not isinstance(T_0, int):
+            raise ValueError(f"Expected positive integer T_0, but got {T_0}")
+        if T_mult < 1 or not isinstance(T_mult, int):
+            raise ValueError(f"Expected integer T_mult >= 1, but got {T_mult}")
+        self.T_0, self.T_i, self.T_mult, self.eta_min, self.T_cur = T_0, T_0, T_mult, eta_min, 0
+        super().__init__(optimizer, lambda epoch: 1.0)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self.T_cur += 1
+        if self.T_cur >= self.T_i:
+            self.T_cur %= self.T_i
+            self.T_i *= self.T_mult
+        self._apply()
+
+    def restart(self) -> None:
+        self.T_i, self.T_cur = self.T_0, 0
+        super().restart()
+
+    def _apply(self) -> None:
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = self.eta_min + (base - self.eta_min) * \
+                (1 + math.cos(math.pi * self.T_cur / self.T_i)) / 2
+
+
+class SequentialLR(_Saved):
+    """torch's: ``schedulers`` one after another, each from step 0 at its milestone (a
+    warm-up, then a decay)."""
+
+    def __init__(self, optimizer: Optimizer, schedulers: list[LambdaLR],
+                 milestones: list[int]):
+        if len(schedulers) < 1:
+            raise ValueError(f"{type(self).__name__} expects at least one scheduler, but got "
+                             "no scheduler.")
+        for i, scheduler in enumerate(schedulers):
+            if isinstance(scheduler, ReduceLROnPlateau):
+                raise ValueError(f"{type(self).__name__} does not support `ReduceLROnPlateau` "
+                                 "scheduler as it requires additional kwargs to be specified "
+                                 f"when calling `step`, but got one at index {i} in the "
+                                 "given schedulers sequence.")
+            if scheduler.optimizer is not optimizer:
+                raise ValueError(f"{type(self).__name__} expects all schedulers to belong to "
+                                 f"the same optimizer, but got scheduler "
+                                 f"{type(scheduler).__name__} at index {i} has "
+                                 f"{scheduler.optimizer}, which is different from "
+                                 f"{type(optimizer).__name__}.")
+        if len(milestones) != len(schedulers) - 1:
+            raise ValueError("Sequential Schedulers expects number of schedulers provided to "
+                             f"be one more than the number of milestone points, but got number "
+                             f"of schedulers {len(schedulers)} and the number of milestones to "
+                             f"be equal to {len(milestones)}")
+        self.optimizer = optimizer
+        self._schedulers, self._milestones = list(schedulers), list(milestones)
+        self.last_epoch = 0
+        for group in optimizer.param_groups:  # each schedule made set it: the first decides
+            group["lr"] = group["initial_lr"]
+        first = self._schedulers[bisect_right(self._milestones, 0)]
+        first.restart()
+        self._last_lr = first.get_last_lr()
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        at = bisect_right(self._milestones, self.last_epoch)
+        scheduler = self._schedulers[at]
+        if at > 0 and self._milestones[at - 1] == self.last_epoch:
+            scheduler.restart()
+        else:
+            scheduler.step()
+        self._last_lr = scheduler.get_last_lr()
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_schedulers")}
+        state["_schedulers"] = [s.state_dict() for s in self._schedulers]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        inner = state_dict["_schedulers"]
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "_schedulers"})
+        for scheduler, state in zip(self._schedulers, inner):
+            scheduler.load_state_dict(state)
 
 
 class ExponentialLR(_Closed):
