@@ -30,6 +30,9 @@ from .client.creation import (arange, empty, empty_like, eye, from_numpy, full, 
                               randn, randn_like, tensor, zeros, zeros_like)
 from .client.dtypes import (bfloat16, bool_, double, float16, float32, float64, half, int8,
                             int16, int32, int64, long, uint8)
+from .client.functions import (addcdiv, addcmul, cdist, clamp_max, clamp_min, diag, isclose,
+                               logical_xor, masked_select, meshgrid, moveaxis, movedim,
+                               swapaxes, swapdims)
 from .client.functions import (abs, addmm, all, allclose, any, argmax, argmin, argsort,
                                baddbmm, bmm, lerp, nonzero, outer, repeat_interleave, unique,
                                cat, ceil, chunk,

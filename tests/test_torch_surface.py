@@ -76,9 +76,75 @@ DIFFERENTIABLE = [
 ]
 
 
+def _lib(x):
+    return torch if isinstance(x, torch.Tensor) else gtmpi
+
+
+DIFFERENTIABLE += [
+    ("clamp_min and clamp_max", lambda x: x.clamp_min(-0.5) + _lib(x).clamp_max(x, 0.5),
+     (r(3, 4),)),
+    ("movedim", lambda x: x.movedim((0, 1), (2, 0)) * 2, (r(2, 3, 4),)),
+    ("moveaxis and swapaxes", lambda x: _lib(x).moveaxis(x, -1, 0).swapaxes(1, 2), (r(2, 3, 4),)),
+    ("masked_select", lambda x, m: x.masked_select(m[0]), (r(3, 4), r(3, 4) > 0)),
+    ("addcmul and addcdiv", lambda x, a, b: _lib(x).addcmul(x, a, b, value=0.5).addcdiv(
+        a, b.abs() + 1, value=2), (r(3, 4), r(3, 4), r(3, 4))),
+    ("cdist", lambda a, b: _lib(a).cdist(a, b) + _lib(a).cdist(a, b, p=1.0) +
+     _lib(a).cdist(a, b, p=3.0), (r(2, 5, 3), r(2, 4, 3))),
+    ("diag", lambda v, m: _lib(v).diag(v).sum(0) + _lib(m).diag(m), (r(3), r(3, 5))),
+    ("meshgrid", lambda a, b: sum(g * (i + 1) for i, g in enumerate(
+        _lib(a).meshgrid(a, b, indexing="xy"))), (r(3), r(4))),
+]
+
+
+def test_closeness_and_exclusive_or_are_torchs():
+    a, b = r(3, 4), r(3, 4)
+    a[0, 0], a[0, 1], a[0, 2] = float("inf"), float("nan"), 1.0
+    b = a.clone()
+    b[1] += 1e-6
+    b[0, 2] = 1.0 + 1e-9
+    ga, gb = gtmpi.tensor(a), gtmpi.tensor(b)
+    for kw in ({}, {"equal_nan": True}, {"rtol": 0.0, "atol": 1e-7}):
+        assert torch.equal(gtmpi.isclose(ga, gb, **kw).cpu_torch(), torch.isclose(a, b, **kw))
+    assert torch.equal(ga.isclose(1.0).cpu_torch(), a.isclose(torch.full_like(a, 1.0)))
+    assert torch.equal(gtmpi.logical_xor(ga > 0, gb > 0.5).cpu_torch(),
+                       torch.logical_xor(a > 0, b > 0.5))
+
+
+# torch's activation modules, each made with these arguments in both libraries
+ACTIVATIONS = [("Hardtanh", (-0.5, 1.5), {}), ("ReLU6", (), {}), ("ELU", (0.7,), {}),
+               ("CELU", (0.7,), {}), ("SELU", (), {}), ("Softplus", (2.0, 3.0), {}),
+               ("Mish", (), {}), ("Hardsigmoid", (), {}), ("Hardswish", (), {}),
+               ("Softsign", (), {}), ("Tanhshrink", (), {}), ("LogSigmoid", (), {}),
+               ("GLU", (), {"dim": 1}), ("Threshold", (0.3, -1.0), {}),
+               ("Softmin", (), {"dim": 1}), ("LogSoftmax", (1,), {}), ("Softmin", (), {}),
+               ("PReLU", (), {}), ("PReLU", (4, 0.1), {})]
+DIFFERENTIABLE += [
+    (f"nn.{name}{args or ''}{kw or ''}",
+     lambda x, name=name, args=args, kw=kw: getattr(
+         torch.nn if isinstance(x, torch.Tensor) else gnn, name)(*args, **kw).to(x.dtype)(x),
+     (r(3, 4, low=-4.0, high=4.0),)) for name, args, kw in ACTIVATIONS]
+
+
 @pytest.mark.parametrize("name,fn,inputs", DIFFERENTIABLE, ids=[d[0] for d in DIFFERENTIABLE])
 def test_op_and_its_gradient_match_torch(name, fn, inputs):
     grad_check(fn, *inputs)
+
+
+def test_activations_in_place_and_their_refusals_are_torchs():
+    x = r(3, 4, low=-4.0, high=4.0)
+    for name, args in (("elu", (0.5,)), ("hardtanh", (-1.0, 2.0)), ("relu6", ()),
+                       ("selu", ()), ("hardswish", ()), ("threshold", (0.1, 2.0))):
+        g = gtmpi.tensor(x)
+        out = getattr(GF, name)(g, *args, inplace=True)
+        assert out is g
+        assert_same(g, getattr(TF, name)(x.clone(), *args))
+    with pytest.raises(RuntimeError, match="Halving dimension must be even"):
+        GF.glu(gtmpi.ones(2, 3))
+    with pytest.raises(TypeError, match="missing required argument: 'value'"):
+        gnn.Threshold(0.1)
+    assert repr(gnn.Hardtanh(-2.0, 2.0)) == repr(torch.nn.Hardtanh(-2.0, 2.0))
+    assert gnn.Unflatten(1, (2, 3))(gtmpi.ones(4, 6, 5)).shape == (4, 2, 3, 5)
+    assert gnn.Unflatten(-1, (2, 2))(gtmpi.ones(3, 4)).shape == (3, 2, 2)
 
 
 def test_reductions_and_predicates_without_gradients():

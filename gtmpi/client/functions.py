@@ -1,6 +1,7 @@
 """torch-style free functions (gtmpi.exp(x), gtmpi.cat([...]), ...), all through tensor.apply."""
 from __future__ import annotations
 
+import builtins
 from typing import Any, Sequence
 
 import torch
@@ -44,6 +45,95 @@ def log_softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor
 
 def outer(a: Tensor, b: Tensor) -> Tensor:
     return a.outer(b)
+
+
+def clamp_min(x: Tensor, min: Operand) -> Tensor:
+    return x.clamp_min(min)
+
+
+def clamp_max(x: Tensor, max: Operand) -> Tensor:
+    return x.clamp_max(max)
+
+
+def movedim(x: Tensor, source: int | Sequence[int], destination: int | Sequence[int]) -> Tensor:
+    return x.movedim(source, destination)
+
+
+moveaxis = movedim
+
+
+def swapaxes(x: Tensor, axis0: int, axis1: int) -> Tensor:
+    return x.swapaxes(axis0, axis1)
+
+
+swapdims = swapaxes
+
+
+def masked_select(x: Tensor, mask: Tensor) -> Tensor:
+    return x.masked_select(mask)
+
+
+def addcmul(x: Tensor, tensor1: Operand, tensor2: Operand, *, value: float = 1) -> Tensor:
+    return x.addcmul(tensor1, tensor2, value=value)
+
+
+def addcdiv(x: Tensor, tensor1: Operand, tensor2: Operand, *, value: float = 1) -> Tensor:
+    return x.addcdiv(tensor1, tensor2, value=value)
+
+
+def isclose(a: Tensor, b: Operand, rtol: float = 1e-05, atol: float = 1e-08,
+            equal_nan: bool = False) -> Tensor:
+    return a.isclose(b, rtol, atol, equal_nan)
+
+
+def logical_xor(a: Tensor, b: Operand) -> Tensor:
+    return a.logical_xor(b)
+
+
+def meshgrid(*tensors: Tensor | Sequence[Tensor], indexing: str = "ij") -> tuple[Tensor, ...]:
+    """Each 1-D tensor viewed along its own dimension and expanded to the grid ('xy': the first
+    two dimensions swapped, as numpy's)."""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    if indexing not in ("ij", "xy"):
+        raise ValueError(f'torch.meshgrid: indexing must be one of "xy" or "ij", but received: '
+                         f"{indexing}")
+    n = len(tensors)
+    order = list(range(n))
+    if indexing == "xy" and n >= 2:
+        order[0], order[1] = 1, 0
+    shape = [tensors[order[d]].numel() for d in range(n)]
+    grids = []
+    for i, t in enumerate(tensors):
+        at = order.index(i)
+        grids.append(t.reshape(*[-1 if d == at else 1 for d in range(n)]).expand(*shape))
+    return tuple(grids)
+
+
+def cdist(x1: Tensor, x2: Tensor, p: float = 2.0) -> Tensor:
+    """The p-norm distance of each row of x1 to each row of x2 (batched), as torch's exact
+    form computes it (not its matrix-product shortcut for large inputs)."""
+    diff = (x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs()
+    if p == 2.0:
+        return (diff * diff).sum(-1).sqrt()
+    if p == 1.0:
+        return diff.sum(-1)
+    if p == float("inf"):
+        return diff.amax(-1)
+    return (diff ** p).sum(-1) ** (1.0 / p)
+
+
+def diag(x: Tensor, diagonal: int = 0) -> Tensor:
+    """A vector's square matrix, or a matrix's main diagonal (the others: not yet)."""
+    if diagonal != 0:
+        raise NotImplementedError("gtmpi.diag: only the main diagonal (diagonal=0) so far")
+    if x.dim() == 1:
+        from .creation import eye
+        return eye(x.shape[0], dtype=x.dtype, device=x.device) * x
+    if x.dim() == 2:
+        n = builtins.min(x.shape)
+        return x[:n, :n].reshape(-1)[::n + 1]
+    raise RuntimeError(f"diag(): Supports 1D or 2D tensors. Got {x.dim()}D")
 
 
 def lerp(a: Tensor, end: Operand, weight: Operand) -> Tensor:

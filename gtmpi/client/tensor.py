@@ -6,6 +6,7 @@ hands one instruction to the dispatcher and returns a new handle at once. Only r
 """
 from __future__ import annotations
 
+import builtins
 import math
 import numbers
 import operator
@@ -392,6 +393,57 @@ class Tensor:
         return apply("clamp", self, min, max)
 
     clip = clamp
+
+    def clamp_min(self, min: Operand) -> Tensor:
+        return self.clamp(min=min)
+
+    def clamp_max(self, max: Operand) -> Tensor:
+        return self.clamp(max=max)
+
+    def movedim(self, source: int | Sequence[int], destination: int | Sequence[int]) -> Tensor:
+        source = [source] if isinstance(source, int) else list(source)
+        destination = [destination] if isinstance(destination, int) else list(destination)
+        n = self.dim()
+        if len(source) != len(destination):
+            raise RuntimeError(f"movedim: Invalid source or destination dims: source ({source} "
+                               f"dims) should contain the same number of dims as destination "
+                               f"({destination} dims)")
+        source, destination = [d % n for d in source], [d % n for d in destination]
+        order: list[int | None] = [None] * n
+        for s_, d_ in zip(source, destination):
+            order[d_] = s_
+        rest = iter(d for d in range(n) if d not in source)
+        return self.permute(*[next(rest) if o is None else o for o in order])
+
+    moveaxis = movedim
+
+    def swapaxes(self, axis0: int, axis1: int) -> Tensor:
+        return self.transpose(axis0, axis1)
+
+    swapdims = swapaxes
+
+    def masked_select(self, mask: Tensor) -> Tensor:
+        shape = torch.broadcast_shapes(tuple(self.shape), tuple(mask.shape))
+        return self.expand(*shape)[mask.expand(*shape)]
+
+    def addcmul(self, tensor1: Operand, tensor2: Operand, *, value: float = 1) -> Tensor:
+        return self + value * tensor1 * tensor2
+
+    def addcdiv(self, tensor1: Operand, tensor2: Operand, *, value: float = 1) -> Tensor:
+        return self + value * tensor1 / tensor2
+
+    def isclose(self, other: Operand, rtol: float = 1e-05, atol: float = 1e-08,
+                equal_nan: bool = False) -> Tensor:
+        # torch's test; equal values too (two infinities of one sign)
+        scale = other.abs() if isinstance(other, Tensor) else builtins.abs(other)
+        close = ((self - other).abs() <= atol + rtol * scale) | (self == other)
+        if equal_nan:
+            close = close | (self.isnan() & (other.isnan() if isinstance(other, Tensor) else
+                                             other != other))
+        return close
+
+    def logical_xor(self, other: Operand) -> Tensor:
+        return self.bool() != (other.bool() if isinstance(other, Tensor) else bool(other))
 
     def where(self, condition: Operand, other: Operand) -> Tensor:
         return apply("where", condition, self, other)

@@ -4,11 +4,13 @@ target)``), which torch keeps in torch.nn.functional."""
 from . import functional, init, utils
 from .functional import (LinearCrossEntropyOptions, cross_entropy, gelu, log_softmax, mse_loss,
                          relu, sigmoid, silu, softmax, tanh)
-from .layers import (GELU, AdaptiveAvgPool1d, AdaptiveAvgPool2d, AvgPool1d, AvgPool2d,
-                     BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, CrossEntropyLoss, Dropout,
-                     Embedding, Flatten, Identity, LayerNorm, LeakyReLU, Linear, MaxPool1d,
-                     MaxPool2d, MSELoss, MultiheadAttention, MultiheadSelfAttention, NLLLoss, ReLU,
-                     RMSNorm, Sigmoid, SiLU, Softmax, Tanh)
+from .layers import (CELU, ELU, GELU, GLU, SELU, AdaptiveAvgPool1d, AdaptiveAvgPool2d,
+                     AvgPool1d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d,
+                     CrossEntropyLoss, Dropout, Embedding, Flatten, Hardsigmoid, Hardswish,
+                     Hardtanh, Identity, LayerNorm, LeakyReLU, Linear, LogSigmoid, LogSoftmax,
+                     MaxPool1d, MaxPool2d, Mish, MSELoss, MultiheadAttention,
+                     MultiheadSelfAttention, NLLLoss, PReLU, ReLU, ReLU6, RMSNorm, Sigmoid, SiLU,
+                     Softmax, Softmin, Softplus, Softsign, Tanh, Tanhshrink, Threshold, Unflatten)
 from .module import Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
@@ -20,4 +22,6 @@ __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax"
            "NLLLoss", "ReLU", "RMSNorm", "Sigmoid", "SiLU", "Softmax", "Tanh", "Module",
            "ModuleDict", "ModuleList", "Sequential", "Parameter", "SGD", "Adam", "AdamW",
            "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AvgPool1d", "AvgPool2d", "MaxPool1d",
-           "MaxPool2d"]
+           "MaxPool2d", "CELU", "ELU", "GLU", "SELU", "Hardsigmoid", "Hardswish", "Hardtanh",
+           "LogSigmoid", "LogSoftmax", "Mish", "PReLU", "ReLU6", "Softmin", "Softplus",
+           "Softsign", "Tanhshrink", "Threshold", "Unflatten"]

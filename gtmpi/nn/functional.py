@@ -121,6 +121,88 @@ def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -
     return x.copy_(out) if inplace else out
 
 
+# torch's other activations, each composed of the table's ops by torch's formula (their
+# gradients follow from the ops'); ``inplace`` writes the result into the input, as leaky_relu's
+def _written(x: Tensor, out: Tensor, inplace: bool) -> Tensor:
+    return x.copy_(out) if inplace else out
+
+
+def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0,
+             inplace: bool = False) -> Tensor:
+    return _written(x, x.clamp(min_val, max_val), inplace)
+
+
+def relu6(x: Tensor, inplace: bool = False) -> Tensor:
+    return hardtanh(x, 0.0, 6.0, inplace)
+
+
+def elu(x: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
+    return _written(x, where(x > 0, x, alpha * x.expm1()), inplace)
+
+
+def celu(x: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
+    return _written(x, where(x > 0, x, alpha * (x / alpha).expm1()), inplace)
+
+
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def selu(x: Tensor, inplace: bool = False) -> Tensor:
+    return _written(x, _SELU_SCALE * where(x > 0, x, _SELU_ALPHA * x.expm1()), inplace)
+
+
+def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    return where(x * beta > threshold, x, (x * beta).exp().log1p() / beta)
+
+
+def mish(x: Tensor, inplace: bool = False) -> Tensor:
+    return _written(x, x * softplus(x).tanh(), inplace)
+
+
+def hardsigmoid(x: Tensor, inplace: bool = False) -> Tensor:
+    return _written(x, (x + 3.0).clamp(0.0, 6.0) / 6.0, inplace)
+
+
+def hardswish(x: Tensor, inplace: bool = False) -> Tensor:
+    return _written(x, x * (x + 3.0).clamp(0.0, 6.0) / 6.0, inplace)
+
+
+def softsign(x: Tensor) -> Tensor:
+    return x / (x.abs() + 1.0)
+
+
+def tanhshrink(x: Tensor) -> Tensor:
+    return x - x.tanh()
+
+
+def logsigmoid(x: Tensor) -> Tensor:
+    # torch's stable form: no exp of a large positive number
+    return x.clamp(max=0.0) - (-x.abs()).exp().log1p()
+
+
+def softmin(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+    return softmax(-x, dim, dtype=dtype)
+
+
+def glu(x: Tensor, dim: int = -1) -> Tensor:
+    if x.shape[dim] % 2:
+        raise RuntimeError(f"Halving dimension must be even, but dimension {dim % x.dim()} is "
+                           f"size {x.shape[dim]}")
+    a, b = x.chunk(2, dim)
+    return a * b.sigmoid()
+
+
+def threshold(x: Tensor, threshold: float, value: float, inplace: bool = False) -> Tensor:
+    return _written(x, where(x > threshold, x, value), inplace)
+
+
+def prelu(x: Tensor, weight: Tensor) -> Tensor:
+    # one slope, or one per channel (dimension 1)
+    slope = weight if weight.numel() == 1 or x.dim() < 2 else \
+        weight.reshape(-1, *[1] * (x.dim() - 2))
+    return where(x >= 0, x, slope * x)
+
+
 def one_hot(indices: Tensor, num_classes: int = -1) -> Tensor:
     """int64 one-hot rows; num_classes=-1 reads the largest index (a wait, as in torch)."""
     if num_classes == -1:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..client.creation import empty, ones, zeros
+from ..client.creation import empty, full, ones, zeros
 from ..autograd import no_grad
 from ..client.tensor import Tensor
 from . import functional as F
@@ -233,6 +233,84 @@ class LeakyReLU(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.leaky_relu(x, self.negative_slope, self.inplace)
+
+
+_REQUIRED = object()  # an argument torch's constructor has no default for
+
+
+def _activation(name: str, fn: Any, **defaults: Any) -> type:
+    """The module class torch has for activation ``fn``: its constructor takes ``defaults``'
+    names, in that order, as torch's does, keeps them as attributes, and its forward calls
+    ``fn`` with them."""
+    names = list(defaults)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        Module.__init__(self)
+        if len(args) > len(names) or set(kwargs) - set(names):
+            raise TypeError(f"{name}.__init__() takes the arguments {names}")
+        given = {**dict(zip(names, args)), **kwargs}
+        for key, default in defaults.items():
+            value = given.get(key, default)
+            if value is _REQUIRED:
+                raise TypeError(f"{name}.__init__() missing required argument: '{key}'")
+            setattr(self, key, value)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fn(x, **{key: getattr(self, key) for key in names})
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{key}={getattr(self, key)}" for key in names if key != "inplace")
+    return type(name, (Module,), {"__init__": __init__, "forward": forward,
+                                  "extra_repr": extra_repr, "__module__": __name__,
+                                  "__qualname__": name, "__doc__": f"torch.nn.{name}"})
+
+
+def _legacy_dim(fn: Any) -> Any:
+    """Softmin's and LogSoftmax's dim=None: torch's old rule (0 for 0-, 1- and 3-dimensional
+    input, else 1)."""
+    def call(x: Tensor, dim: int | None) -> Tensor:
+        return fn(x, dim if dim is not None else 0 if x.dim() in (0, 1, 3) else 1)
+    return call
+
+
+Hardtanh = _activation("Hardtanh", F.hardtanh, min_val=-1.0, max_val=1.0, inplace=False)
+ReLU6 = _activation("ReLU6", F.relu6, inplace=False)
+ELU = _activation("ELU", F.elu, alpha=1.0, inplace=False)
+CELU = _activation("CELU", F.celu, alpha=1.0, inplace=False)
+SELU = _activation("SELU", F.selu, inplace=False)
+Softplus = _activation("Softplus", F.softplus, beta=1.0, threshold=20.0)
+Mish = _activation("Mish", F.mish, inplace=False)
+Hardsigmoid = _activation("Hardsigmoid", F.hardsigmoid, inplace=False)
+Hardswish = _activation("Hardswish", F.hardswish, inplace=False)
+Softsign = _activation("Softsign", F.softsign)
+Tanhshrink = _activation("Tanhshrink", F.tanhshrink)
+LogSigmoid = _activation("LogSigmoid", F.logsigmoid)
+GLU = _activation("GLU", F.glu, dim=-1)
+Threshold = _activation("Threshold", F.threshold, threshold=_REQUIRED, value=_REQUIRED,
+                        inplace=False)
+Softmin = _activation("Softmin", _legacy_dim(F.softmin), dim=None)
+LogSoftmax = _activation("LogSoftmax", _legacy_dim(F.log_softmax), dim=None)
+
+
+@_factory_keywords
+class PReLU(Module):
+    def __init__(self, num_parameters: int = 1, init: float = 0.25) -> None:
+        super().__init__()
+        self.num_parameters = num_parameters
+        self.weight = Parameter(full((num_parameters,), init))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.prelu(x, self.weight)
+
+
+class Unflatten(Module):
+    def __init__(self, dim: int, unflattened_size: tuple[int, ...]) -> None:
+        super().__init__()
+        self.dim, self.unflattened_size = dim, tuple(unflattened_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dim = self.dim % x.dim()
+        return x.view(*x.shape[:dim], *self.unflattened_size, *x.shape[dim + 1:])
 
 
 class CrossEntropyLoss(Module):
