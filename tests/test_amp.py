@@ -181,6 +181,26 @@ def test_data_loader_gives_torchs_batches():
         gtmpi.utils.data.TensorDataset(torch.ones(3), torch.ones(4))
 
 
+def test_splits_subsets_and_samplers_give_torchs_batches():
+    """random_split (the host's generator, seeded by gtmpi.manual_seed as torch's), Subset,
+    ConcatDataset and a weighted sampler over a TensorDataset: torch's batches, a split's
+    rows taken from the dataset at once."""
+    xs, ys = torch.randn(12, 3), torch.arange(12)
+    got = {}
+    for lib in (torch, gtmpi):
+        data = lib.utils.data
+        lib.manual_seed(5)
+        train, val = data.random_split(data.TensorDataset(xs, ys), [8, 4])
+        loaders = [data.DataLoader(train, batch_size=3, shuffle=True,
+                                   generator=torch.Generator().manual_seed(2)),
+                   data.DataLoader(data.Subset(val, [3, 1]), batch_size=2),
+                   data.DataLoader(data.ConcatDataset([val, val]), batch_size=5),
+                   data.DataLoader(train, batch_size=4, sampler=data.WeightedRandomSampler(
+                       [0.1] * 4 + [1.0] * 4, 8, generator=torch.Generator().manual_seed(3)))]
+        got[lib] = [[(x.tolist(), y.tolist()) for x, y in loader] for loader in loaders]
+    assert got[gtmpi] == got[torch]
+
+
 def test_load_takes_torchs_arguments(tmp_path):
     path = tmp_path / "ck.pt"
     gtmpi.save({"w": gtmpi.arange(4), "step": 3}, path)

@@ -96,6 +96,34 @@ DIFFERENTIABLE += [
 ]
 
 
+def test_parameter_lists_and_dicts_are_torchs():
+    """Registered by position and by name: torch's state-dict keys, every parameter given to
+    the optimizer and updated; a tensor given becomes a Parameter."""
+    got = {}
+    for lib in (torch, gtmpi):
+        nn_ = torch.nn if lib is torch else gnn
+
+        class Model(nn_.Module):
+            def __init__(self):
+                super().__init__()
+                self.scales = nn_.ParameterList([nn_.Parameter(lib.ones(3)), lib.zeros(3)])
+                self.scales.append(nn_.Parameter(lib.full((3,), 2.0)))
+                self.named = nn_.ParameterDict({"a": nn_.Parameter(lib.ones(2))})
+                self.named["b"] = nn_.Parameter(lib.zeros(2))
+
+            def forward(self, x):
+                return sum(s * x for s in self.scales).sum() + self.named["a"].sum() * \
+                    self.named["b"].sum()
+        model = Model()
+        opt = lib.optim.SGD(model.parameters(), lr=0.5)
+        model(lib.ones(3)).backward()
+        opt.step()
+        assert len(model.scales) == 3 and list(model.named) == ["a", "b"] and "a" in model.named
+        assert all(isinstance(p, nn_.Parameter) for p in model.scales)
+        got[lib] = {k: (v.tolist()) for k, v in model.state_dict().items()}
+    assert got[gtmpi] == got[torch]
+
+
 def test_closeness_and_exclusive_or_are_torchs():
     a, b = r(3, 4), r(3, 4)
     a[0, 0], a[0, 1], a[0, 2] = float("inf"), float("nan"), 1.0

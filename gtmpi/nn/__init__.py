@@ -11,7 +11,7 @@ from .layers import (CELU, ELU, GELU, GLU, SELU, AdaptiveAvgPool1d, AdaptiveAvgP
                      MaxPool1d, MaxPool2d, Mish, MSELoss, MultiheadAttention,
                      MultiheadSelfAttention, NLLLoss, PReLU, ReLU, ReLU6, RMSNorm, Sigmoid, SiLU,
                      Softmax, Softmin, Softplus, Softsign, Tanh, Tanhshrink, Threshold, Unflatten)
-from .module import Module, ModuleDict, ModuleList, Sequential
+from .module import Module, ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
 
@@ -24,4 +24,4 @@ __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax"
            "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AvgPool1d", "AvgPool2d", "MaxPool1d",
            "MaxPool2d", "CELU", "ELU", "GLU", "SELU", "Hardsigmoid", "Hardswish", "Hardtanh",
            "LogSigmoid", "LogSoftmax", "Mish", "PReLU", "ReLU6", "Softmin", "Softplus",
-           "Softsign", "Tanhshrink", "Threshold", "Unflatten"]
+           "Softsign", "Tanhshrink", "Threshold", "Unflatten", "ParameterDict", "ParameterList"]

@@ -385,29 +385,88 @@ class Sequential(ModuleList):
         return x
 
 
-class ModuleDict(Module):
+class ParameterList(Module):
+    """Parameters by position, registered as "0", "1", ... as torch's (a tensor given is made
+    a Parameter)."""
+
+    def __init__(self, values: Any = None) -> None:
+        super().__init__()
+        for value in values or ():
+            self.append(value)
+
+    def append(self, value: Any) -> "ParameterList":
+        self.register_parameter(str(len(self._parameters)), _as_parameter(value))
+        return self
+
+    def extend(self, values: Any) -> "ParameterList":
+        for value in values:
+            self.append(value)
+        return self
+
+    def __getitem__(self, i: int) -> Any:
+        return list(self._parameters.values())[i]
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        self.register_parameter(list(self._parameters)[i], _as_parameter(value))
+
+    def __len__(self) -> int:
+        return len(self._parameters)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._parameters.values())
+
+
+class _Named(Module):
+    """A container module read as a dict: the one of its own dicts that ``_held`` names."""
+    _held = ""
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, self._held)[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in getattr(self, self._held)
+
+    def __len__(self) -> int:
+        return len(getattr(self, self._held))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(getattr(self, self._held))
+
+    def keys(self) -> KeysView[str]:
+        return getattr(self, self._held).keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        return getattr(self, self._held).items()
+
+    def values(self) -> ValuesView[Any]:
+        return getattr(self, self._held).values()
+
+
+class ParameterDict(_Named):
+    """Parameters by name, as torch's (a tensor given is made a Parameter)."""
+    _held = "_parameters"
+
+    def __init__(self, parameters: Any = None) -> None:
+        super().__init__()
+        for key, value in dict(parameters or {}).items():
+            self[key] = value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.register_parameter(key, _as_parameter(value))
+
+
+def _as_parameter(value: Any) -> Any:
+    from .parameter import Parameter
+    return value if value is None or isinstance(value, Parameter) else Parameter(value)
+
+
+class ModuleDict(_Named):
+    _held = "_modules"
+
     def __init__(self, modules: dict | None = None) -> None:
         super().__init__()
         for k, m in (modules or {}).items():
             self.add_module(k, m)
 
-    def __getitem__(self, key: str) -> Module:
-        return self._modules[key]
-
     def __setitem__(self, key: str, module: Module) -> None:
         self.add_module(key, module)
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._modules)
-
-    def keys(self) -> KeysView[str]:
-        return self._modules.keys()
-
-    def items(self) -> ItemsView[str, Module]:
-        return self._modules.items()
-
-    def values(self) -> ValuesView[Module]:
-        return self._modules.values()

@@ -1,4 +1,5 @@
-"""torch.utils.data on gtmpi: TensorDataset and DataLoader.
+"""torch.utils.data on gtmpi: TensorDataset and DataLoader (torch's own samplers, Subset,
+ConcatDataset and random_split, which only index a dataset, work on gtmpi's as they are).
 
 Which samples make each batch is torch's own choice: torch's samplers (sequential, random
 with a generator, drop_last) pick the indices, so a seeded loader gives torch's batches. A
@@ -11,7 +12,10 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import Dataset, Sampler  # noqa: F401  (torch's, under its names)
+# torch's, under its names: they choose indices or index a dataset, nothing more
+from torch.utils.data import (BatchSampler, ConcatDataset, Dataset, IterableDataset,  # noqa: F401
+                              RandomSampler, Sampler, SequentialSampler, Subset,
+                              SubsetRandomSampler, WeightedRandomSampler, random_split)
 
 from ..autograd import no_grad
 from ..client.creation import tensor as _tensor
@@ -66,8 +70,12 @@ class DataLoader:
     def _batch(self, index: Any) -> Any:
         if self.batch_size is None and not isinstance(index, torch.Tensor):
             return self.dataset[int(index)]
-        if isinstance(self.dataset, TensorDataset) and self.collate_fn is None:
-            return [_rows(t, index) for t in self.dataset.tensors]
+        dataset = self.dataset
+        while isinstance(dataset, Subset) and self.collate_fn is None:  # a split's rows
+            index = torch.as_tensor(dataset.indices)[index]
+            dataset = dataset.dataset
+        if isinstance(dataset, TensorDataset) and self.collate_fn is None:
+            return [_rows(t, index) for t in dataset.tensors]
         samples = [self.dataset[int(i)] for i in index]
         return (self.collate_fn or default_collate)(samples)
 
