@@ -124,6 +124,54 @@ def test_parameter_lists_and_dicts_are_torchs():
     assert got[gtmpi] == got[torch]
 
 
+def _nn(x):
+    return torch.nn if isinstance(x, torch.Tensor) else gnn
+
+
+def _probs(*shape):
+    return r(*shape, low=0.05, high=0.95)
+
+
+DIFFERENTIABLE += [
+    (f"nn.{name}{kw or ''}", lambda a, b, name=name, kw=kw: getattr(_nn(a), name)(**kw)(a, b),
+     inputs) for name, kw, inputs in [
+        ("L1Loss", {}, (r(3, 4), r(3, 4))),
+        ("L1Loss", {"reduction": "sum"}, (r(3, 4), r(3, 4))),
+        ("SmoothL1Loss", {"beta": 0.5}, (r(3, 4), r(3, 4))),
+        ("SmoothL1Loss", {"beta": 0.0}, (r(3, 4), r(3, 4))),
+        ("HuberLoss", {"delta": 0.7, "reduction": "none"}, (r(3, 4), r(3, 4))),
+        ("KLDivLoss", {"reduction": "batchmean"}, (r(3, 4, low=-3.0, high=-0.1), _probs(3, 4))),
+        ("KLDivLoss", {"log_target": True}, (r(3, 4, low=-3.0, high=-0.1),
+                                             r(3, 4, low=-3.0, high=-0.1))),
+        ("BCELoss", {}, (_probs(3, 4), _probs(3, 4))),
+        ("BCEWithLogitsLoss", {"reduction": "sum"}, (r(3, 4), _probs(3, 4))),
+        ("CosineSimilarity", {"dim": -1}, (r(3, 4), r(3, 4))),
+        ("PairwiseDistance", {"p": 3.0, "keepdim": True}, (r(3, 4), r(3, 4)))]]
+DIFFERENTIABLE += [
+    ("GroupNorm", lambda x: _nn(x).GroupNorm(2, 4).to(x.dtype)(x), (r(3, 4, 5, 2),)),
+    ("GroupNorm without affine", lambda x: _nn(x).GroupNorm(4, 4, affine=False)(x),
+     (r(2, 4, 6),)),
+    ("InstanceNorm2d", lambda x: _nn(x).InstanceNorm2d(3, affine=True).to(x.dtype)(x),
+     (r(2, 3, 4, 5),)),
+    ("InstanceNorm1d unbatched", lambda x: _nn(x).InstanceNorm1d(3)(x), (r(3, 6),)),
+]
+
+
+def test_kl_div_counts_nothing_where_the_target_is_zero():
+    """torch's xlogy: a zero target adds 0 (not 0 * log 0), and the input's gradient there is
+    0 (the target's own gradient at 0 is torch's -inf times the mask: not compared)."""
+    logp, q = r(3, 4, low=-3.0, high=-0.1), _probs(3, 4)
+    q = q * (q > 0.5)
+    t_in = logp.clone().requires_grad_()
+    want = TF.kl_div(t_in, q, reduction="sum")
+    want.backward()
+    g_in = gtmpi.tensor(logp, requires_grad=True)
+    got = GF.kl_div(g_in, gtmpi.tensor(q), reduction="sum")
+    got.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    assert torch.equal(g_in.grad.cpu_torch(), t_in.grad)
+
+
 def test_closeness_and_exclusive_or_are_torchs():
     a, b = r(3, 4), r(3, 4)
     a[0, 0], a[0, 1], a[0, 2] = float("inf"), float("nan"), 1.0

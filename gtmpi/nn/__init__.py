@@ -10,7 +10,10 @@ from .layers import (CELU, ELU, GELU, GLU, SELU, AdaptiveAvgPool1d, AdaptiveAvgP
                      Hardtanh, Identity, LayerNorm, LeakyReLU, Linear, LogSigmoid, LogSoftmax,
                      MaxPool1d, MaxPool2d, Mish, MSELoss, MultiheadAttention,
                      MultiheadSelfAttention, NLLLoss, PReLU, ReLU, ReLU6, RMSNorm, Sigmoid, SiLU,
-                     Softmax, Softmin, Softplus, Softsign, Tanh, Tanhshrink, Threshold, Unflatten)
+                     Softmax, Softmin, Softplus, Softsign, Tanh, Tanhshrink, Threshold, Unflatten,
+                     L1Loss, BCELoss, BCEWithLogitsLoss, SmoothL1Loss, HuberLoss, KLDivLoss,
+                     CosineSimilarity, PairwiseDistance, GroupNorm, InstanceNorm1d,
+                     InstanceNorm2d)
 from .module import Module, ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
@@ -24,4 +27,6 @@ __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax"
            "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AvgPool1d", "AvgPool2d", "MaxPool1d",
            "MaxPool2d", "CELU", "ELU", "GLU", "SELU", "Hardsigmoid", "Hardswish", "Hardtanh",
            "LogSigmoid", "LogSoftmax", "Mish", "PReLU", "ReLU6", "Softmin", "Softplus",
-           "Softsign", "Tanhshrink", "Threshold", "Unflatten", "ParameterDict", "ParameterList"]
+           "Softsign", "Tanhshrink", "Threshold", "Unflatten", "ParameterDict", "ParameterList", "L1Loss", "BCELoss",
+           "BCEWithLogitsLoss", "SmoothL1Loss", "HuberLoss", "KLDivLoss", "CosineSimilarity",
+           "PairwiseDistance", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d"]

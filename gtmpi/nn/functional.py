@@ -466,6 +466,83 @@ def _split_along(t: Tensor, dim: int) -> bool:
     return ("S", dim) in runtime().dispatcher.placer.placement(t.id).per_axis()
 
 
+def l1_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    return _reduce((input - target).abs(), reduction)
+
+
+def smooth_l1_loss(input: Tensor, target: Tensor, reduction: str = "mean",
+                   beta: float = 1.0) -> Tensor:
+    d = (input - target).abs()
+    if beta == 0.0:
+        return _reduce(d, reduction)
+    return _reduce(where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta), reduction)
+
+
+def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean",
+               delta: float = 1.0) -> Tensor:
+    d = (input - target).abs()
+    return _reduce(where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta)), reduction)
+
+
+def kl_div(input: Tensor, target: Tensor, reduction: str = "mean",
+           log_target: bool = False) -> Tensor:
+    """input: log-probabilities; target: probabilities (log-probabilities if log_target).
+    'batchmean' divides the sum by the batch size, as the KL divergence's definition asks."""
+    if log_target:
+        loss = target.exp() * (target - input)
+    else:  # 0 where the target is 0 (torch's xlogy)
+        loss = where(target > 0, target * (target.clamp(min=1e-45).log() - input), 0.0)
+    if reduction == "batchmean":
+        return loss.sum() / input.shape[0]
+    return _reduce(loss, reduction)
+
+
+def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
+    # torch's: the dot product over the product of the norms, each norm at least eps
+    n1 = (x1 * x1).sum(dim).sqrt().clamp(min=eps)
+    n2 = (x2 * x2).sum(dim).sqrt().clamp(min=eps)
+    return (x1 * x2).sum(dim) / (n1 * n2)
+
+
+def pairwise_distance(x1: Tensor, x2: Tensor, p: float = 2.0, eps: float = 1e-6,
+                      keepdim: bool = False) -> Tensor:
+    d = (x1 - x2 + eps).abs()
+    return (d ** p).sum(-1, keepdim=keepdim) ** (1.0 / p)
+
+
+def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    """Each sample's channels in ``num_groups`` groups, each group normalized over its
+    channels and positions (biased variance), then the per-channel affine."""
+    n, c = x.shape[0], x.shape[1]
+    if c % num_groups:
+        raise RuntimeError(f"Expected number of channels in input to be divisible by "
+                           f"num_groups, but got input of shape {tuple(x.shape)} and "
+                           f"num_groups={num_groups}")
+    grouped = x.reshape(n, num_groups, -1)
+    mean = grouped.mean(-1, keepdim=True)
+    var = grouped.var(-1, unbiased=False, keepdim=True)
+    out = ((grouped - mean) * (var + eps).rsqrt()).reshape(*x.shape)
+    along = (1, c) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        out = out * weight.reshape(*along)
+    if bias is not None:
+        out = out + bias.reshape(*along)
+    return out
+
+
+def instance_norm(x: Tensor, running_mean: Tensor | None = None,
+                  running_var: Tensor | None = None, weight: Tensor | None = None,
+                  bias: Tensor | None = None, use_input_stats: bool = True,
+                  momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """Each sample's each channel normalized over its positions (group norm, a group per
+    channel); running statistics are not kept (torch's default, track_running_stats=False)."""
+    if running_mean is not None or running_var is not None or not use_input_stats:
+        raise NotImplementedError("gtmpi's instance_norm: running statistics "
+                                  "(track_running_stats=True) are not supported yet")
+    return group_norm(x, x.shape[1], weight, bias, eps)
+
+
 def binary_cross_entropy(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     log_p = input.log().clamp(min=-100.0)
     log_q = (1 - input).log().clamp(min=-100.0)

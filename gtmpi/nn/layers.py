@@ -37,6 +37,11 @@ def _factory_keywords(cls: type) -> type:
     return cls
 
 
+def _affine(n: int, affine: bool) -> tuple[Parameter | None, Parameter | None]:
+    """A normalization's per-channel scale and shift (ones and zeros), or none."""
+    return (Parameter(ones(n)), Parameter(zeros(n))) if affine else (None, None)
+
+
 def _kaiming(weight_shape: tuple, bias: bool, fan_in: int) -> tuple[Parameter, Parameter | None]:
     """torch's Linear and Conv parameters, drawn as torch draws them (reset_parameters): the
     weight by kaiming_uniform with a=√5, then the bias ~ U(-1/√fan_in, 1/√fan_in)."""
@@ -334,6 +339,123 @@ class MSELoss(Module):
         return F.mse_loss(input, target, self.reduction)
 
 
+class _Loss(Module):
+    """A loss module over its function: ``reduction`` and the function's other keywords, kept
+    as attributes under torch's names."""
+
+    def __init__(self, reduction: str = "mean", **options: Any) -> None:
+        super().__init__()
+        self.reduction = reduction
+        self._options = tuple(options)
+        for key, value in options.items():
+            setattr(self, key, value)
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return self.fn(input, target, reduction=self.reduction,
+                       **{key: getattr(self, key) for key in self._options})
+
+
+class L1Loss(_Loss):
+    fn = staticmethod(F.l1_loss)
+
+
+class BCELoss(_Loss):
+    fn = staticmethod(F.binary_cross_entropy)
+
+
+class BCEWithLogitsLoss(_Loss):
+    fn = staticmethod(F.binary_cross_entropy_with_logits)
+
+
+class SmoothL1Loss(_Loss):
+    fn = staticmethod(F.smooth_l1_loss)
+
+    def __init__(self, reduction: str = "mean", beta: float = 1.0) -> None:
+        super().__init__(reduction, beta=beta)
+
+
+class HuberLoss(_Loss):
+    fn = staticmethod(F.huber_loss)
+
+    def __init__(self, reduction: str = "mean", delta: float = 1.0) -> None:
+        super().__init__(reduction, delta=delta)
+
+
+class KLDivLoss(_Loss):
+    fn = staticmethod(F.kl_div)
+
+    def __init__(self, reduction: str = "mean", log_target: bool = False) -> None:
+        super().__init__(reduction, log_target=log_target)
+
+
+class CosineSimilarity(Module):
+    def __init__(self, dim: int = 1, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x1: Tensor, x2: Tensor) -> Tensor:
+        return F.cosine_similarity(x1, x2, self.dim, self.eps)
+
+
+class PairwiseDistance(Module):
+    def __init__(self, p: float = 2.0, eps: float = 1e-6, keepdim: bool = False) -> None:
+        super().__init__()
+        self.norm, self.eps, self.keepdim = p, eps, keepdim
+
+    def forward(self, x1: Tensor, x2: Tensor) -> Tensor:
+        return F.pairwise_distance(x1, x2, self.norm, self.eps, self.keepdim)
+
+
+@_factory_keywords
+class GroupNorm(Module):
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
+                 affine: bool = True) -> None:
+        super().__init__()
+        if num_channels % num_groups:
+            raise ValueError("num_channels must be divisible by num_groups")
+        self.num_groups, self.num_channels, self.eps, self.affine = \
+            num_groups, num_channels, eps, affine
+        self.weight, self.bias = _affine(num_channels, affine)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
+
+
+@_factory_keywords
+class _InstanceNorm(Module):
+    dims: tuple[int, ...] = ()
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,
+                 affine: bool = False, track_running_stats: bool = False) -> None:
+        super().__init__()
+        if track_running_stats:
+            raise NotImplementedError("gtmpi's InstanceNorm: track_running_stats=True is not "
+                                      "supported yet")
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.weight, self.bias = _affine(num_features, affine)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim not in self.dims:
+            raise ValueError(f"expected {' or '.join(f'{d}D' for d in self.dims)} input "
+                             f"(got {x.ndim}D input)")
+        if x.ndim == self.dims[0]:  # unbatched: one sample
+            return F.instance_norm(x.unsqueeze(0), weight=self.weight, bias=self.bias,
+                                   eps=self.eps).squeeze(0)
+        return F.instance_norm(x, weight=self.weight, bias=self.bias, eps=self.eps)
+
+
+class InstanceNorm1d(_InstanceNorm):
+    dims = (2, 3)
+
+
+class InstanceNorm2d(_InstanceNorm):
+    dims = (3, 4)
+
+
 class NLLLoss(Module):
     def __init__(self, ignore_index: int = -100, reduction: str = "mean") -> None:
         super().__init__()
@@ -552,8 +674,7 @@ class _BatchNorm(Module):
                                       "is not supported")
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
-        self.weight = Parameter(ones(num_features)) if affine else None
-        self.bias = Parameter(zeros(num_features)) if affine else None
+        self.weight, self.bias = _affine(num_features, affine)
         if track_running_stats:
             self.register_buffer("running_mean", zeros(num_features))
             self.register_buffer("running_var", ones(num_features))
