@@ -157,6 +157,56 @@ DIFFERENTIABLE += [
 ]
 
 
+DIFFERENTIABLE += [
+    ("tile and broadcast_to", lambda x: _lib(x).tile(x, (2, 1, 2)).sum(0) +
+     x[0].broadcast_to((3, 4)).tile((1, 2)), (r(2, 3, 4),)),
+    ("log2, log10, exp2, sinh, cosh, frac", lambda x: x.abs().log2() + _lib(x).log10(x.abs()) +
+     x.exp2() + x.sinh() + _lib(x).cosh(x) + x.frac(), (r(3, 4, low=0.2),)),
+    ("logaddexp, logit, xlogy", lambda a, b: a.logaddexp(b) + _lib(b).logit(b.sigmoid(), 0.1) +
+     a.xlogy(b.abs()), (r(3, 4), r(3, 4))),
+    ("fmod and remainder", lambda x: x.fmod(0.7) + _lib(x).remainder(x, 0.9), (r(3, 4),)),
+    ("nan_to_num of finite numbers", lambda x: x.nan_to_num(), (r(3, 4),)),
+    ("diff", lambda x: x.diff() + _lib(x).diff(x, 2, 1, prepend=x[:, :2])[:, :4], (r(3, 5),)),
+    ("dot and inner", lambda a, b: a[0].dot(b[0]) + _lib(a).inner(a, b).sum(), (r(3, 4), r(3, 4))),
+    ("take_along_dim", lambda x: x.take_along_dim(idx(3, 2, high=4), 1) +
+     _lib(x).take_along_dim(x, idx(3, 1, high=4, seed=5), 1), (r(3, 4),)),
+    ("diagonal and trace", lambda x: x.diagonal(1, 1, 2).sum() + x.diagonal(-1).sum() +
+     x[0].trace(), (r(3, 4, 5),)),
+    ("var_mean and std_mean", lambda x: sum(_lib(x).var_mean(x, 1)) + sum(_lib(x).std_mean(x)),
+     (r(3, 4),)),
+    ("kthvalue and median", lambda x: x.kthvalue(2, 1).values + x.median(1).values +
+     x.median(), (r(3, 5),)),
+    ("hstack, vstack, column_stack", lambda a, b: _lib(a).hstack([a, b]).sum(0) +
+     _lib(a).vstack([a[0], b[0]]).sum(1).sum() + _lib(a).column_stack([a[0], b[0]]).sum(),
+     (r(3, 4), r(3, 4))),
+]
+
+
+def test_predicates_counts_and_in_place_forms_of_the_newcomers_list_are_torchs():
+    x = r(3, 4)
+    x[0, 0], x[0, 1], x[1, 1] = 0.0, -0.0, 0.0
+    g = gtmpi.tensor(x)
+    for name, args in (("signbit", ()), ("count_nonzero", ()), ("count_nonzero", (1,)),
+                       ("floor_divide", (0.7,)),
+                       ("heaviside", (torch.tensor([0.5], dtype=x.dtype),))):
+        got = getattr(g, name)(*[gtmpi.tensor(a) if isinstance(a, torch.Tensor) else a
+                                 for a in args])
+        assert torch.equal(got.cpu_torch(), getattr(x, name)(*args)), name
+    for got, want in zip(gtmpi.aminmax(g, dim=1), x.aminmax(dim=1), strict=True):
+        assert torch.equal(got.cpu_torch(), want)
+    w = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0])
+    assert torch.equal(gtmpi.nan_to_num(gtmpi.tensor(w)).cpu_torch(), w.nan_to_num())
+    assert torch.equal(gtmpi.tensor(w).nan_to_num(1.0, 5.0).cpu_torch(), w.nan_to_num(1.0, 5.0))
+    for got, want in zip(gtmpi.broadcast_tensors(g[0], g[:, :1]),
+                         torch.broadcast_tensors(x[0], x[:, :1]), strict=True):
+        assert torch.equal(got.cpu_torch(), want)
+    t = gtmpi.tensor(x)
+    t.addcmul_(g, g, value=0.5).addcdiv_(g, g.abs() + 1).square_().clip_(0.0, 1.0)
+    assert_same(t, (x + 0.5 * x * x + x / (x.abs() + 1)).square().clip(0.0, 1.0))
+    drawn = gtmpi.bernoulli(gtmpi.full((4000,), 0.3)).cpu_torch()
+    assert set(drawn.tolist()) == {0.0, 1.0} and abs(drawn.mean().item() - 0.3) < 0.04
+
+
 def test_kl_div_counts_nothing_where_the_target_is_zero():
     """torch's xlogy: a zero target adds 0 (not 0 * log 0), and the input's gradient there is
     0 (the target's own gradient at 0 is torch's -inf times the mask: not compared)."""

@@ -47,6 +47,40 @@ def outer(a: Tensor, b: Tensor) -> Tensor:
     return a.outer(b)
 
 
+def _method(name: str):
+    """gtmpi.NAME(x, ...) for the Tensor method x.NAME(...)."""
+    def fn(x: Tensor, *args: Any, **kw: Any) -> Any:
+        return getattr(x, name)(*args, **kw)
+    fn.__name__ = name
+    return fn
+
+
+(tile, broadcast_to, log2, log10, exp2, sinh, cosh, frac, logaddexp, logit, xlogy, signbit,
+ heaviside, nan_to_num, remainder, floor_divide, fmod, count_nonzero, aminmax, diff, dot, inner,
+ take_along_dim, diagonal, var_mean, std_mean, kthvalue, median, bernoulli) = map(_method, (
+    "tile", "broadcast_to", "log2", "log10", "exp2", "sinh", "cosh", "frac", "logaddexp",
+    "logit", "xlogy", "signbit", "heaviside", "nan_to_num", "remainder", "floor_divide", "fmod",
+    "count_nonzero", "aminmax", "diff", "dot", "inner", "take_along_dim", "diagonal",
+    "var_mean", "std_mean", "kthvalue", "median", "bernoulli"))
+
+
+def broadcast_tensors(*tensors: Tensor) -> tuple[Tensor, ...]:
+    shape = torch.broadcast_shapes(*(tuple(t.shape) for t in tensors))
+    return tuple(t.expand(*shape) for t in tensors)
+
+
+def hstack(tensors: Sequence[Tensor]) -> Tensor:
+    return cat(list(tensors), 0 if tensors[0].dim() == 1 else 1)
+
+
+def vstack(tensors: Sequence[Tensor]) -> Tensor:
+    return cat([t.reshape(1, -1) if t.dim() < 2 else t for t in tensors], 0)
+
+
+def column_stack(tensors: Sequence[Tensor]) -> Tensor:
+    return cat([t.reshape(-1, 1) if t.dim() < 2 else t for t in tensors], 1)
+
+
 def clamp_min(x: Tensor, min: Operand) -> Tensor:
     return x.clamp_min(min)
 

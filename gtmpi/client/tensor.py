@@ -31,6 +31,7 @@ from .runtime import current, runtime
 MinMax = namedtuple("MinMax", ["values", "indices"])
 TopK = namedtuple("TopK", ["values", "indices"])
 Sort = namedtuple("Sort", ["values", "indices"])
+AMinMax = namedtuple("AMinMax", ["min", "max"])
 _clock = time.perf_counter_ns
 _CPU = torch.device("cpu")
 Operand = Union["Tensor", bool, int, float, np.ndarray, torch.Tensor]
@@ -445,6 +446,140 @@ class Tensor:
     def logical_xor(self, other: Operand) -> Tensor:
         return self.bool() != (other.bool() if isinstance(other, Tensor) else bool(other))
 
+    # composed of the table's ops by torch's definitions (gradients follow from the ops') ------
+
+    def tile(self, dims: Sequence[int]) -> Tensor:
+        dims = tuple(dims)
+        return self.repeat(*(1,) * (self.dim() - len(dims)), *dims)
+
+    def broadcast_to(self, size: Sequence[int]) -> Tensor:
+        return self.expand(*size)
+
+    def log2(self) -> Tensor: return self.log() * (1 / math.log(2))
+    def log10(self) -> Tensor: return self.log() * (1 / math.log(10))
+    def exp2(self) -> Tensor: return (self * math.log(2)).exp()
+    def sinh(self) -> Tensor: return (self.expm1() - (-self).expm1()) * 0.5
+    def cosh(self) -> Tensor: return (self.exp() + (-self).exp()) * 0.5
+    def frac(self) -> Tensor: return self - self.trunc()
+
+    def logaddexp(self, other: Tensor) -> Tensor:
+        high = self.maximum(other)
+        return high + (-(self - other).abs()).exp().log1p()
+
+    def logit(self, eps: float | None = None) -> Tensor:
+        x = self if eps is None else self.clamp(eps, 1 - eps)
+        return (x / (1 - x)).log()
+
+    def xlogy(self, other: Operand) -> Tensor:
+        # 0 where x is 0 (its log term ignored), as torch's
+        return (self * other.log() if isinstance(other, Tensor) else self * math.log(other)) \
+            .masked_fill(self == 0, 0.0)
+
+    def signbit(self) -> Tensor:
+        return (self < 0) | ((self == 0) & (1 / self < 0))  # -0.0 too
+
+    def heaviside(self, values: Operand) -> Tensor:
+        return (self > 0).to(self.dtype).masked_fill(self == 0, 0.0) + \
+            (values * (self == 0) if isinstance(values, Tensor) else (self == 0) * values)
+
+    def nan_to_num(self, nan: float = 0.0, posinf: float | None = None,
+                   neginf: float | None = None) -> Tensor:
+        info = torch.finfo(self.dtype)
+        out = self.masked_fill(self.isnan(), nan)
+        out = out.masked_fill(self == math.inf, info.max if posinf is None else posinf)
+        return out.masked_fill(self == -math.inf, info.min if neginf is None else neginf)
+
+    def remainder(self, other: Operand) -> Tensor: return self % other
+    def floor_divide(self, other: Operand) -> Tensor: return self // other
+
+    def fmod(self, other: Operand) -> Tensor:
+        # the dividend's sign (C's), where remainder takes the divisor's
+        return self - (self / other).trunc() * other
+
+    def count_nonzero(self, dim: Dims = None) -> Tensor:
+        return (self != 0).sum(dim) if dim is not None else (self != 0).sum()
+
+    def aminmax(self, *, dim: int | None = None, keepdim: bool = False) -> AMinMax:
+        if dim is None:
+            return AMinMax(self.amin(), self.amax())
+        return AMinMax(self.amin(dim, keepdim), self.amax(dim, keepdim))
+
+    def diff(self, n: int = 1, dim: int = -1, prepend: Tensor | None = None,
+             append: Tensor | None = None) -> Tensor:
+        from .functions import cat
+        x = cat([t for t in (prepend, self, append) if t is not None], dim) \
+            if prepend is not None or append is not None else self
+        for _ in range(n):
+            length = x.shape[dim]
+            x = x.narrow(dim, 1, length - 1) - x.narrow(dim, 0, length - 1)
+        return x
+
+    def dot(self, other: Tensor) -> Tensor:
+        if self.dim() != 1 or other.dim() != 1:
+            raise RuntimeError(f"1D tensors expected, but got {self.dim()}D and "
+                               f"{other.dim()}D tensors")
+        return (self * other).sum()
+
+    def inner(self, other: Tensor) -> Tensor:
+        if self.dim() == 0 or other.dim() == 0:
+            return self * other
+        k = self.shape[-1]
+        return (self.reshape(-1, k) @ other.reshape(-1, k).t()).reshape(
+            *self.shape[:-1], *other.shape[:-1])
+
+    def take_along_dim(self, indices: Tensor, dim: int | None = None) -> Tensor:
+        if dim is None:
+            return self.reshape(-1).gather(0, indices.reshape(-1))
+        ours, theirs = list(self.shape), list(indices.shape)
+        ours[dim] = theirs[dim] = 1  # broadcast along every other dimension
+        shape = list(torch.broadcast_shapes(tuple(ours), tuple(theirs)))
+        wanted = list(shape)
+        shape[dim], wanted[dim] = self.shape[dim], indices.shape[dim]
+        return self.expand(*shape).gather(dim, indices.expand(*wanted))
+
+    def diagonal(self, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Tensor:
+        x = self.movedim((dim1, dim2), (-2, -1))
+        x = x[..., :, offset:] if offset >= 0 else x[..., -offset:, :]
+        size = max(0, builtins.min(x.shape[-2], x.shape[-1]))
+        square = x[..., :size, :size].reshape(*x.shape[:-2], size * size)
+        return square[..., ::size + 1]
+
+    def trace(self) -> Tensor:
+        return self.diagonal().sum()
+
+    def var_mean(self, dim: Dims = None, unbiased: bool | None = None, keepdim: bool = False,
+                 *, correction: int | None = None) -> tuple[Tensor, Tensor]:
+        return (self.var(dim, unbiased, keepdim, correction=correction),
+                self.mean(dim, keepdim) if dim is not None else self.mean())
+
+    def std_mean(self, dim: Dims = None, unbiased: bool | None = None, keepdim: bool = False,
+                 *, correction: int | None = None) -> tuple[Tensor, Tensor]:
+        return (self.std(dim, unbiased, keepdim, correction=correction),
+                self.mean(dim, keepdim) if dim is not None else self.mean())
+
+    def kthvalue(self, k: int, dim: int = -1, keepdim: bool = False) -> MinMax:
+        """The k-th smallest along ``dim`` (from a sort: where values tie, which index comes
+        is the sort's)."""
+        ordered = self.sort(dim)
+        values, indices = ordered.values.select(dim, k - 1), ordered.indices.select(dim, k - 1)
+        if keepdim:
+            values, indices = values.unsqueeze(dim), indices.unsqueeze(dim)
+        return MinMax(values, indices)
+
+    def median(self, dim: int | None = None, keepdim: bool = False) -> Tensor | MinMax:
+        """The lower of the two middle values, as torch's."""
+        if dim is None:
+            flat = self.reshape(-1)
+            return flat.kthvalue((flat.shape[0] + 1) // 2, 0).values
+        return self.kthvalue((self.shape[dim] + 1) // 2, dim, keepdim)
+
+    def bernoulli(self, *, generator: Any = None) -> Tensor:
+        """1 with each element's probability, else 0 (the workers' draws, not torch's)."""
+        from .creation import rand, rand_like
+        drawn = rand_like(self) if generator is None else \
+            rand(*self.shape, dtype=self.dtype, generator=generator, device=self.device)
+        return (drawn < self).to(self.dtype)
+
     def where(self, condition: Operand, other: Operand) -> Tensor:
         return apply("where", condition, self, other)
 
@@ -581,6 +716,15 @@ class Tensor:
     def tanh_(self) -> Tensor: return self._assign(self.tanh())
     def sigmoid_(self) -> Tensor: return self._assign(self.sigmoid())
     def pow_(self, o: Operand) -> Tensor: return self._assign(self.pow(o))
+    def square_(self) -> Tensor: return self._assign(self.square())
+
+    clip_ = clamp_
+
+    def addcmul_(self, tensor1: Operand, tensor2: Operand, *, value: float = 1) -> Tensor:
+        return self.add_(value * tensor1 * tensor2)
+
+    def addcdiv_(self, tensor1: Operand, tensor2: Operand, *, value: float = 1) -> Tensor:
+        return self.add_(value * tensor1 / tensor2)
 
     def normal_(self, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> Tensor:
         if self._draws_here(generator):
