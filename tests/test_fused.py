@@ -309,7 +309,12 @@ def test_adam_kernel_fused_where_asked_and_on_gpus():
 
 
 @pytest.mark.parametrize("name, kw", [("SGD", dict(lr=0.1, momentum=0.9)),
-                                      ("AdamW", dict(lr=1e-2, weight_decay=0.1))])
+                                      ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+                                      ("RMSprop", dict(lr=1e-2, momentum=0.5, centered=True,
+                                                       weight_decay=0.1)),
+                                      ("RMSprop", dict(lr=1e-2)),
+                                      ("Adagrad", dict(lr=0.1, lr_decay=0.01, weight_decay=0.1,
+                                                       initial_accumulator_value=0.5))])
 def test_optimizer_state_dict_is_torchs_both_ways(name, kw):
     """A checkpoint of the optimizer resumes the same updates: torch's state loads into
     gtmpi's and gtmpi's into torch's, with torch's keys."""

@@ -28,7 +28,7 @@ def mlp_pair(seed: int = 0):
     return t, g
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "rmsprop", "adagrad"])
 def test_mlp_training_matches_torch_for_50_steps(optimizer):
     t_model, g_model = mlp_pair()
     gen = torch.Generator().manual_seed(5)
@@ -39,8 +39,11 @@ def test_mlp_training_matches_torch_for_50_steps(optimizer):
         t_opt = torch.optim.SGD(t_model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True)
         g_opt = gtmpi.optim.SGD(g_model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True)
     else:
-        t_opt = torch.optim.AdamW(t_model.parameters(), lr=3e-3, weight_decay=0.05)
-        g_opt = gtmpi.optim.AdamW(g_model.parameters(), lr=3e-3, weight_decay=0.05)
+        name, kw = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.05)),
+                    "rmsprop": ("RMSprop", dict(lr=1e-3, momentum=0.9, weight_decay=1e-4)),
+                    "adagrad": ("Adagrad", dict(lr=3e-2, lr_decay=1e-3))}[optimizer]
+        t_opt = getattr(torch.optim, name)(t_model.parameters(), **kw)
+        g_opt = getattr(gtmpi.optim, name)(g_model.parameters(), **kw)
     t_losses, g_losses = [], []
     for _ in range(50):
         t_opt.zero_grad()

@@ -60,7 +60,9 @@ class Optimizer:
         repeated = repeated_at(rt, f"{type(self).__name__}.step", self._repeated)
         run = functools.partial(self._step, rt)
         if type(self) not in _CAPTURED:  # what a subclass does besides its instructions
-            repeated.as_written("a subclass of gtmpi's optimizers", run)
+            repeated.as_written("a subclass of gtmpi's optimizers" if type(self).__module__ !=
+                                __name__ else f"{type(self).__name__}'s update is not one "
+                                "instruction yet", run)
             return
         key, grads, followed = self._key()
         repeated(rt, key, grads, followed, run, self._knob, self._advance)
@@ -318,6 +320,93 @@ class AdamW(Adam):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, fused=fused)
+
+
+class _Elementwise(Optimizer):
+    """An optimizer whose update is the table's elementwise ops, parameter by parameter, in
+    torch's order of arithmetic (no foreach kernel of its own yet): its steps run as written,
+    not captured."""
+
+    def advance(self, state: dict) -> None:
+        state["step"] += 1
+
+    def update(self, params: list[Tensor], states: list[dict], group: dict, lr: float,
+               knob: Callable[[float, Any], float]) -> None:
+        for p, state in zip(params, states):
+            if not state:
+                state.update(self.fresh(p, group))
+            self.advance(state)
+            grad = p.grad if not group["weight_decay"] else p.grad + group["weight_decay"] * p
+            self.each(p, grad, state, group, lr)
+
+    def each(self, p: Tensor, grad: Tensor, state: dict, group: dict, lr: float) -> None:
+        raise NotImplementedError
+
+
+class RMSprop(_Elementwise):
+    def __init__(self, params: Iterable, lr: float = 1e-2, alpha: float = 0.99,
+                 eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
+                 centered: bool = False):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                                      momentum=momentum, centered=centered))
+
+    def check(self, group: dict) -> None:
+        super().check(group)
+        for name in ("eps", "momentum", "alpha"):
+            if not 0.0 <= group[name]:
+                raise ValueError(f"Invalid {'epsilon' if name == 'eps' else name} value: "
+                                 f"{group[name]}")
+
+    def fresh(self, p: Tensor, group: dict) -> dict:
+        state = {"step": 0, "square_avg": zero_state(p)}
+        if group["momentum"] > 0:
+            state["momentum_buffer"] = zero_state(p)
+        if group["centered"]:
+            state["grad_avg"] = zero_state(p)
+        return state
+
+    def each(self, p: Tensor, grad: Tensor, state: dict, group: dict, lr: float) -> None:
+        alpha = group["alpha"]
+        square_avg = state["square_avg"]
+        square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+        if group["centered"]:
+            grad_avg = state["grad_avg"]
+            grad_avg.lerp_(grad, 1 - alpha)
+            avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt() + group["eps"]
+        else:
+            avg = square_avg.sqrt() + group["eps"]
+        if group["momentum"] > 0:
+            buf = state["momentum_buffer"]
+            buf.mul_(group["momentum"]).addcdiv_(grad, avg)
+            p.add_(buf, alpha=-lr)
+        else:
+            p.addcdiv_(grad, avg, value=-lr)
+
+
+class Adagrad(_Elementwise):
+    def __init__(self, params: Iterable, lr: float = 1e-2, lr_decay: float = 0.0,
+                 weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                 eps: float = 1e-10):
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value,
+                                      eps=eps))
+
+    def check(self, group: dict) -> None:
+        super().check(group)
+        for name in ("lr_decay", "initial_accumulator_value", "eps"):
+            if not 0.0 <= group[name]:
+                raise ValueError(f"Invalid {name} value: {group[name]}")
+
+    def fresh(self, p: Tensor, group: dict) -> dict:
+        accumulated = zero_state(p)
+        if group["initial_accumulator_value"]:
+            accumulated.add_(group["initial_accumulator_value"])
+        return {"step": 0, "sum": accumulated}
+
+    def each(self, p: Tensor, grad: Tensor, state: dict, group: dict, lr: float) -> None:
+        rate = lr / (1 + (state["step"] - 1) * group["lr_decay"])
+        state["sum"].addcmul_(grad, grad, value=1)
+        p.addcdiv_(grad, state["sum"].sqrt() + group["eps"], value=-rate)
 
 
 # the optimizers whose advance() is all a step does on the client besides its instructions
