@@ -162,6 +162,13 @@ class Optimizer:
         """``p``'s state before its first update."""
         return {}
 
+    def stepped(self, params: list[Tensor], states: list[dict], group: dict) -> None:
+        """Each state made at its parameter's first update, then advanced by this one."""
+        for p, state in zip(params, states):
+            if not state:
+                state.update(self.fresh(p, group))
+            self.advance(state)
+
     def update(self, params: list[Tensor], states: list[dict], group: dict, lr: float,
                knob: Callable[[float, Any], float]) -> None:
         """One instruction updating ``params`` at rate ``lr``; ``knob`` (Repeated's) marks any
@@ -303,10 +310,7 @@ class Adam(Optimizer):
 
     def update(self, params: list[Tensor], states: list[dict], group: dict, lr: float,
                knob: Callable[[float, Any], float]) -> None:
-        for p, state in zip(params, states):
-            if not state:
-                state.update(self.fresh(p, group))
-            self.advance(state)
+        self.stepped(params, states, group)
         b1, b2 = group["betas"]
         apply("adam_foreach", *params, *(p.grad for p in params),
               *(s["exp_avg"] for s in states), *(s["exp_avg_sq"] for s in states), lr,
@@ -332,10 +336,8 @@ class _Elementwise(Optimizer):
 
     def update(self, params: list[Tensor], states: list[dict], group: dict, lr: float,
                knob: Callable[[float, Any], float]) -> None:
+        self.stepped(params, states, group)
         for p, state in zip(params, states):
-            if not state:
-                state.update(self.fresh(p, group))
-            self.advance(state)
             grad = p.grad if not group["weight_decay"] else p.grad + group["weight_decay"] * p
             self.each(p, grad, state, group, lr)
 
