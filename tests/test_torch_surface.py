@@ -555,6 +555,61 @@ def test_multihead_attention_matches_torch(batch_first, need_weights):
         assert got_w is None
 
 
+@pytest.mark.parametrize("kw", [{}, {"norm_first": True, "activation": "gelu", "batch_first": True},
+                                {"activation": GF.gelu}])
+def test_a_transformer_encoder_is_torchs(kw):
+    """torch's submodules and keys; with torch's weights loaded, its outputs and gradients (in
+    training, dropout off; masks and key padding given), and the same initial weights in
+    every layer (deep copies of the one given)."""
+    torch.manual_seed(0)
+    lib_kw = {**kw, "activation": TF.gelu} if callable(kw.get("activation")) else kw
+
+    def encoder(lib_nn, layer_kw):
+        layer = lib_nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, **layer_kw)
+        return lib_nn.TransformerEncoder(layer, 2, norm=lib_nn.LayerNorm(8))
+    t, g = encoder(torch.nn, lib_kw), encoder(gnn, kw)
+    assert list(g.state_dict()) == list(t.state_dict())
+    assert torch.equal(g.layers[0].linear1.weight.cpu_torch(), g.layers[1].linear1.weight.cpu_torch())
+    g.load_state_dict(t.state_dict())
+    x = torch.randn(3, 5, 8) if kw.get("batch_first") else torch.randn(5, 3, 8)  # N=3, L=5
+    mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[1, 3:] = True
+    tx = x.clone().requires_grad_()
+    want = t(tx, mask=mask, src_key_padding_mask=padding)
+    gx = gtmpi.tensor(x, requires_grad=True)
+    got = g(gx, mask=gtmpi.tensor(mask), src_key_padding_mask=gtmpi.tensor(padding))
+    assert_same(got.detach(), want.detach(), rtol=1e-4, atol=1e-5)
+    want.pow(2).sum().backward()
+    got.pow(2).sum().backward()
+    assert_same(gx.grad, tx.grad, rtol=1e-4, atol=1e-4)
+    for (name, gp), tp in zip(g.named_parameters(), t.parameters()):
+        assert_same(gp.grad, tp.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_deepcopy_of_a_module_is_torchs():
+    """copy.deepcopy(model) (an average of weights, a snapshot): new Parameters with the same
+    values and gradients, beside the originals, that train apart; a non-leaf is refused."""
+    import copy
+    model = gnn.Sequential(gnn.Linear(3, 4), gnn.ReLU(), gnn.Linear(4, 2))
+    model(gtmpi.ones(5, 3)).sum().backward()
+    twin = copy.deepcopy(model)
+    for mine, theirs in zip(twin.parameters(), model.parameters()):
+        assert type(mine) is gnn.Parameter and mine is not theirs and mine.requires_grad
+        assert torch.equal(mine.cpu_torch(), theirs.cpu_torch())
+        assert torch.equal(mine.grad.cpu_torch(), theirs.grad.cpu_torch())
+    before = [p.cpu_torch() for p in model.parameters()]
+    opt = gtmpi.optim.SGD(twin.parameters(), lr=0.5)
+    opt.step()
+    assert all(torch.equal(p.cpu_torch(), b) for p, b in zip(model.parameters(), before))
+    assert not torch.equal(twin[0].weight.cpu_torch(), before[0])
+    shared = gtmpi.ones(2)
+    a, b = copy.deepcopy([shared, shared])
+    assert a is b  # one copy of one tensor, as the memo keeps it
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(gtmpi.ones(2, requires_grad=True) * 2)
+
+
 @pytest.mark.parametrize("dims,kw", [(1, {}), (1, {"stride": 2, "padding": 1, "dilation": 2}),
                                      (2, {"padding": (1, 0), "groups": 2}), (2, {"stride": [2, 1]})])
 def test_convolutions_match_torch(dims, kw):

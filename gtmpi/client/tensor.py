@@ -7,6 +7,7 @@ hands one instruction to the dispatcher and returns a new handle at once. Only r
 from __future__ import annotations
 
 import builtins
+import copy
 import math
 import numbers
 import operator
@@ -229,6 +230,26 @@ class Tensor:
 
     def backward(self, gradient: Any = None, retain_graph: bool = False) -> None:
         gradmode.autograd().backward(self, gradient, retain_graph)
+
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        """torch's: a leaf copied (its values, requires_grad and gradient) beside the original;
+        copy.deepcopy(model) for an average of weights or a snapshot."""
+        if self._node is not None:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) "
+                               "support the deepcopy protocol at the moment.")
+        if id(self) in memo:
+            return memo[id(self)]
+        with gradmode.no_grad():
+            copied = self._copied(self.clone())
+        copied.requires_grad = self.requires_grad
+        memo[id(self)] = copied
+        if self.grad is not None:
+            copied.grad = copy.deepcopy(self.grad, memo)
+        return copied
+
+    def _copied(self, values: Tensor) -> Tensor:
+        """What deepcopy makes of this tensor's copied ``values`` (a Parameter: a Parameter)."""
+        return values
 
     # reads: these wait ------------------------------------------------------------------------
 

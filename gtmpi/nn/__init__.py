@@ -13,7 +13,7 @@ from .layers import (CELU, ELU, GELU, GLU, SELU, AdaptiveAvgPool1d, AdaptiveAvgP
                      Softmax, Softmin, Softplus, Softsign, Tanh, Tanhshrink, Threshold, Unflatten,
                      L1Loss, BCELoss, BCEWithLogitsLoss, SmoothL1Loss, HuberLoss, KLDivLoss,
                      CosineSimilarity, PairwiseDistance, GroupNorm, InstanceNorm1d,
-                     InstanceNorm2d)
+                     InstanceNorm2d, TransformerEncoder, TransformerEncoderLayer)
 from .module import Module, ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
@@ -29,4 +29,5 @@ __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax"
            "LogSigmoid", "LogSoftmax", "Mish", "PReLU", "ReLU6", "Softmin", "Softplus",
            "Softsign", "Tanhshrink", "Threshold", "Unflatten", "ParameterDict", "ParameterList", "L1Loss", "BCELoss",
            "BCEWithLogitsLoss", "SmoothL1Loss", "HuberLoss", "KLDivLoss", "CosineSimilarity",
-           "PairwiseDistance", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d"]
+           "PairwiseDistance", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d",
+           "TransformerEncoder", "TransformerEncoderLayer"]

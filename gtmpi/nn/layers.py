@@ -1,6 +1,7 @@
 """Layers with torch's parameter names, shapes and default initialisations."""
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any
@@ -12,7 +13,7 @@ from ..autograd import no_grad
 from ..client.tensor import Tensor
 from . import functional as F
 from . import init
-from .module import Module
+from .module import Module, ModuleList
 from .parameter import Parameter
 
 
@@ -518,6 +519,70 @@ class MultiheadAttention(Module):
         if weights is not None and average_attn_weights:
             weights = weights.mean(1)
         return y, weights
+
+
+class TransformerEncoderLayer(Module):
+    """torch's: self-attention then a feed-forward block, each with dropout, a residual and a
+    layer norm (after, or before with ``norm_first``); torch's submodules and state-dict keys
+    (``self_attn``, ``linear1``, ``linear2``, ``norm1``, ``norm2``). Composed of gtmpi's layers:
+    torch's fused fast path in evaluation is its numbers within rounding."""
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048,
+                 dropout: float = 0.1, activation: Any = "relu", layer_norm_eps: float = 1e-5,
+                 batch_first: bool = False, norm_first: bool = False, bias: bool = True) -> None:
+        super().__init__()
+        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
+                                            batch_first=batch_first)
+        self.linear1 = Linear(d_model, dim_feedforward, bias=bias)
+        self.dropout = Dropout(dropout)
+        self.linear2 = Linear(dim_feedforward, d_model, bias=bias)
+        self.norm_first = norm_first
+        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.dropout1, self.dropout2 = Dropout(dropout), Dropout(dropout)
+        if isinstance(activation, str):
+            if activation not in ("relu", "gelu"):
+                raise RuntimeError(f"activation should be relu/gelu, not {activation}")
+            activation = F.relu if activation == "relu" else F.gelu
+        self.activation = activation
+
+    def forward(self, src: Tensor, src_mask: Tensor | None = None,
+                src_key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        x = src
+        if self.norm_first:
+            x = x + self._attention(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
+            return x + self._feed_forward(self.norm2(x))
+        x = self.norm1(x + self._attention(x, src_mask, src_key_padding_mask, is_causal))
+        return self.norm2(x + self._feed_forward(x))
+
+    def _attention(self, x: Tensor, mask: Tensor | None, padding: Tensor | None,
+                   is_causal: bool) -> Tensor:
+        return self.dropout1(self.self_attn(x, x, x, attn_mask=mask, key_padding_mask=padding,
+                                            need_weights=False, is_causal=is_causal)[0])
+
+    def _feed_forward(self, x: Tensor) -> Tensor:
+        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+
+class TransformerEncoder(Module):
+    """torch's: ``num_layers`` copies of ``encoder_layer`` (deep copies: the same initial
+    weights, as torch's), then ``norm`` if given."""
+
+    def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int,
+                 norm: Module | None = None, enable_nested_tensor: bool = True,
+                 mask_check: bool = True) -> None:
+        super().__init__()
+        self.layers = ModuleList([copy.deepcopy(encoder_layer) for _ in range(num_layers)])
+        self.num_layers, self.norm = num_layers, norm
+
+    def forward(self, src: Tensor, mask: Tensor | None = None,
+                src_key_padding_mask: Tensor | None = None,
+                is_causal: bool | None = None) -> Tensor:
+        out = src
+        for layer in self.layers:
+            out = layer(out, src_mask=mask, src_key_padding_mask=src_key_padding_mask,
+                        is_causal=bool(is_causal))
+        return self.norm(out) if self.norm is not None else out
 
 
 def _additive(attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool,

@@ -31,5 +31,8 @@ class Parameter(Tensor):
     def __init__(self, data: Tensor, requires_grad: bool = True) -> None:
         pass
 
+    def _copied(self, values: Tensor) -> "Parameter":
+        return Parameter(values, self.requires_grad)
+
     def __repr__(self) -> str:
         return "Parameter containing:\n" + super().__repr__()
