@@ -251,6 +251,27 @@ DIFFERENTIABLE += [
      (r(3, 4, low=-4.0, high=4.0),)) for name, args, kw in ACTIVATIONS]
 
 
+RESAMPLED = [
+    ("nearest", {"scale_factor": 2}, (2, 3, 4, 5)), ("nearest", {"size": (7, 3)}, (2, 3, 4, 5)),
+    ("nearest", {"scale_factor": 1.5}, (2, 3, 5)), ("linear", {"size": 9}, (2, 3, 5)),
+    ("linear", {"scale_factor": 2, "align_corners": True}, (2, 3, 5)),
+    ("bilinear", {"scale_factor": 2}, (2, 3, 4, 5)),
+    ("bilinear", {"size": (3, 8), "align_corners": True}, (2, 3, 4, 5)),
+    ("bilinear", {"scale_factor": 0.5}, (1, 2, 6, 6))]
+DIFFERENTIABLE += [
+    (f"interpolate {mode} {kw}", lambda x, mode=mode, kw=kw: (
+        TF if isinstance(x, torch.Tensor) else GF).interpolate(x, mode=mode, **kw), (r(*shape),))
+    for mode, kw, shape in RESAMPLED] + [
+    ("nn.Upsample", lambda x: _nn(x).Upsample(scale_factor=2, mode="bilinear")(x),
+     (r(1, 2, 3, 3),)),
+    ("pixel_shuffle and unshuffle", lambda x: _nn(x).PixelShuffle(2)(x) +
+     _nn(x).PixelUnshuffle(2)(_nn(x).PixelShuffle(2)(x)).sum() * 0.1, (r(2, 8, 3, 4),)),
+    ("padding modules", lambda x: _nn(x).ZeroPad2d((1, 0, 2, 1))(x).sum() +
+     _nn(x).ConstantPad2d(1, 0.5)(x).sum() + _nn(x).ReflectionPad2d(1)(x) .sum() +
+     _nn(x).ReplicationPad1d((2, 1))(x[0]).sum(), (r(2, 3, 4, 4),)),
+]
+
+
 @pytest.mark.parametrize("name,fn,inputs", DIFFERENTIABLE, ids=[d[0] for d in DIFFERENTIABLE])
 def test_op_and_its_gradient_match_torch(name, fn, inputs):
     grad_check(fn, *inputs)
@@ -585,6 +606,17 @@ def test_a_transformer_encoder_is_torchs(kw):
     assert_same(gx.grad, tx.grad, rtol=1e-4, atol=1e-4)
     for (name, gp), tp in zip(g.named_parameters(), t.parameters()):
         assert_same(gp.grad, tp.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_channel_dropout_drops_whole_channels_and_scales_the_rest():
+    x = gtmpi.ones(8, 16, 5, 5)
+    y = gnn.Dropout2d(0.5)(x).cpu_torch()
+    per_channel = y.reshape(8, 16, -1)
+    assert torch.all((per_channel == 0).all(-1) | (per_channel == 2.0).all(-1))
+    assert 0.25 < (per_channel[..., 0] == 0).float().mean().item() < 0.75
+    assert torch.equal(gnn.Dropout1d(0.3).eval()(x[0]).cpu_torch(), x[0].cpu_torch())
+    with pytest.raises(RuntimeError, match="Expected 3D or 4D input"):
+        GF.dropout2d(gtmpi.ones(2))
 
 
 def test_deepcopy_of_a_module_is_torchs():

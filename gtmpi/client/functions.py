@@ -57,11 +57,19 @@ def _method(name: str):
 
 (tile, broadcast_to, log2, log10, exp2, sinh, cosh, frac, logaddexp, logit, xlogy, signbit,
  heaviside, nan_to_num, remainder, floor_divide, fmod, count_nonzero, aminmax, diff, dot, inner,
- take_along_dim, diagonal, var_mean, std_mean, kthvalue, median, bernoulli) = map(_method, (
+ take_along_dim, diagonal, var_mean, std_mean, kthvalue, median) = map(_method, (
     "tile", "broadcast_to", "log2", "log10", "exp2", "sinh", "cosh", "frac", "logaddexp",
     "logit", "xlogy", "signbit", "heaviside", "nan_to_num", "remainder", "floor_divide", "fmod",
     "count_nonzero", "aminmax", "diff", "dot", "inner", "take_along_dim", "diagonal",
-    "var_mean", "std_mean", "kthvalue", "median", "bernoulli"))
+    "var_mean", "std_mean", "kthvalue", "median"))
+
+
+def bernoulli(p: Tensor, *, generator: Any = None) -> Tensor:
+    """1 with each element's probability, else 0 (the workers' draws, not torch's)."""
+    from .creation import rand, rand_like
+    drawn = rand_like(p) if generator is None else \
+        rand(*p.shape, dtype=p.dtype, generator=generator, device=p.device)
+    return (drawn < p).to(p.dtype)
 
 
 def broadcast_tensors(*tensors: Tensor) -> tuple[Tensor, ...]:

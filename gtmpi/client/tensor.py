@@ -527,8 +527,7 @@ class Tensor:
 
     def diff(self, n: int = 1, dim: int = -1, prepend: Tensor | None = None,
              append: Tensor | None = None) -> Tensor:
-        from .functions import cat
-        x = cat([t for t in (prepend, self, append) if t is not None], dim) \
+        x = apply("cat", *[t for t in (prepend, self, append) if t is not None], dim=dim) \
             if prepend is not None or append is not None else self
         for _ in range(n):
             length = x.shape[dim]
@@ -593,13 +592,6 @@ class Tensor:
             flat = self.reshape(-1)
             return flat.kthvalue((flat.shape[0] + 1) // 2, 0).values
         return self.kthvalue((self.shape[dim] + 1) // 2, dim, keepdim)
-
-    def bernoulli(self, *, generator: Any = None) -> Tensor:
-        """1 with each element's probability, else 0 (the workers' draws, not torch's)."""
-        from .creation import rand, rand_like
-        drawn = rand_like(self) if generator is None else \
-            rand(*self.shape, dtype=self.dtype, generator=generator, device=self.device)
-        return (drawn < self).to(self.dtype)
 
     def where(self, condition: Operand, other: Operand) -> Tensor:
         return apply("where", condition, self, other)

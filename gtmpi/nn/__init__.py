@@ -13,7 +13,10 @@ from .layers import (CELU, ELU, GELU, GLU, SELU, AdaptiveAvgPool1d, AdaptiveAvgP
                      Softmax, Softmin, Softplus, Softsign, Tanh, Tanhshrink, Threshold, Unflatten,
                      L1Loss, BCELoss, BCEWithLogitsLoss, SmoothL1Loss, HuberLoss, KLDivLoss,
                      CosineSimilarity, PairwiseDistance, GroupNorm, InstanceNorm1d,
-                     InstanceNorm2d, TransformerEncoder, TransformerEncoderLayer)
+                     InstanceNorm2d, TransformerEncoder, TransformerEncoderLayer, Upsample,
+                     PixelShuffle, PixelUnshuffle, Dropout1d, Dropout2d, ConstantPad1d,
+                     ConstantPad2d, ZeroPad1d, ZeroPad2d, ReflectionPad1d, ReflectionPad2d,
+                     ReplicationPad1d, ReplicationPad2d)
 from .module import Module, ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
@@ -30,4 +33,7 @@ __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax"
            "Softsign", "Tanhshrink", "Threshold", "Unflatten", "ParameterDict", "ParameterList", "L1Loss", "BCELoss",
            "BCEWithLogitsLoss", "SmoothL1Loss", "HuberLoss", "KLDivLoss", "CosineSimilarity",
            "PairwiseDistance", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d",
-           "TransformerEncoder", "TransformerEncoderLayer"]
+           "TransformerEncoder", "TransformerEncoderLayer", "Upsample", "PixelShuffle",
+           "PixelUnshuffle", "Dropout1d", "Dropout2d", "ConstantPad1d", "ConstantPad2d",
+           "ZeroPad1d", "ZeroPad2d", "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d",
+           "ReplicationPad2d"]

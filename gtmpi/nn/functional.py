@@ -5,6 +5,7 @@ Semantics and defaults follow torch.nn.functional."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import torch
@@ -201,6 +202,104 @@ def prelu(x: Tensor, weight: Tensor) -> Tensor:
     slope = weight if weight.numel() == 1 or x.dim() < 2 else \
         weight.reshape(-1, *[1] * (x.dim() - 2))
     return where(x >= 0, x, slope * x)
+
+
+def _channel_dropout(x: Tensor, p: float, training: bool, inplace: bool, dims: int) -> Tensor:
+    """dropout1d/2d/3d: whole channels dropped (one draw per sample and channel, the kept
+    scaled by 1 / (1 - p)); ``dims`` the spatial dimensions of a batched input."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if x.dim() not in (dims + 1, dims + 2):
+        raise RuntimeError(f"dropout{dims}d: Expected {dims + 1}D or {dims + 2}D input, but "
+                           f"received a {x.dim()}D input")
+    if not training or p == 0.0:
+        return x
+    keep = dropout(x.new_ones(*x.shape[:x.dim() - dims], *(1,) * dims), p)
+    return _written(x, x * keep, inplace)
+
+
+def dropout1d(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    return _channel_dropout(x, p, training, inplace, 1)
+
+
+def dropout2d(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    return _channel_dropout(x, p, training, inplace, 2)
+
+
+def pixel_shuffle(x: Tensor, upscale_factor: int) -> Tensor:
+    r = upscale_factor
+    *batch, c, h, w = x.shape
+    out = x.reshape(*batch, c // (r * r), r, r, h, w)
+    lead = len(batch)
+    out = out.permute(*range(lead), lead, lead + 3, lead + 1, lead + 4, lead + 2)
+    return out.reshape(*batch, c // (r * r), h * r, w * r)
+
+
+def pixel_unshuffle(x: Tensor, downscale_factor: int) -> Tensor:
+    r = downscale_factor
+    *batch, c, h, w = x.shape
+    out = x.reshape(*batch, c, h // r, r, w // r, r)
+    lead = len(batch)
+    out = out.permute(*range(lead), lead, lead + 2, lead + 4, lead + 1, lead + 3)
+    return out.reshape(*batch, c * r * r, h // r, w // r)
+
+
+def interpolate(x: Tensor, size: int | Sequence[int] | None = None,
+                scale_factor: float | Sequence[float] | None = None, mode: str = "nearest",
+                align_corners: bool | None = None,
+                recompute_scale_factor: bool | None = None) -> Tensor:
+    """torch's resampling of the last 1 or 2 dimensions: 'nearest' (torch's floor rule),
+    'linear' and 'bilinear' (each dimension in turn, align_corners as torch's), by gathering
+    rows and mixing them: the table's ops, so their gradients follow."""
+    dims = x.dim() - 2
+    if mode not in ("nearest", "linear", "bilinear") or dims not in (1, 2) or \
+            (mode == "linear") != (dims == 1) and mode != "nearest":
+        raise NotImplementedError(f"gtmpi's interpolate: mode '{mode}' on a {x.dim()}D input "
+                                  "(nearest, linear on 3D, bilinear on 4D so far)")
+    if mode == "nearest" and align_corners is not None:
+        raise ValueError("align_corners option can only be set with the interpolating modes: "
+                         "linear | bilinear | bicubic | trilinear")
+    sizes_in = list(x.shape[2:])
+    if size is not None:
+        out = [size] * dims if isinstance(size, int) else list(size)
+        scales = [None] * dims
+    else:
+        factors = [scale_factor] * dims if isinstance(scale_factor, (int, float)) else \
+            list(scale_factor)
+        out = [int(math.floor(n * f)) for n, f in zip(sizes_in, factors)]
+        # torch's kernels use the given factor unless told to recompute it from the sizes
+        scales = [None if recompute_scale_factor else 1.0 / f for f in factors]
+    for d, (n_in, n_out, scale) in enumerate(zip(sizes_in, out, scales)):
+        dim = 2 + d
+        ratio = scale if scale is not None else n_in / n_out
+        if mode == "nearest":
+            at = torch.clamp((torch.arange(n_out, dtype=torch.float64) * ratio).floor().long(),
+                             max=n_in - 1)
+            x = x.index_select(dim, _index(x, at))
+            continue
+        if align_corners:
+            source = torch.arange(n_out, dtype=torch.float64) * \
+                ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
+        else:
+            source = ((torch.arange(n_out, dtype=torch.float64) + 0.5) * ratio - 0.5).clamp(
+                min=0.0)
+        low = source.floor().long().clamp(max=n_in - 1)
+        high = (low + 1).clamp(max=n_in - 1)
+        weight = (source - low).to(torch.get_default_dtype() if not x.dtype.is_floating_point
+                                   else x.dtype)
+        shape = [1] * x.dim()
+        shape[dim] = n_out
+        w = _index(x, weight.reshape(shape))
+        below, above = x.index_select(dim, _index(x, low)), x.index_select(dim, _index(x, high))
+        x = below + (above - below) * w
+    return x
+
+
+def _index(x: Tensor, values: torch.Tensor) -> Tensor:
+    """A host constant beside ``x`` (its indices or weights)."""
+    with beside(x):
+        from ..client.creation import tensor
+        return tensor(values)
 
 
 def one_hot(indices: Tensor, num_classes: int = -1) -> Tensor:

@@ -244,8 +244,8 @@ class LeakyReLU(Module):
 _REQUIRED = object()  # an argument torch's constructor has no default for
 
 
-def _activation(name: str, fn: Any, **defaults: Any) -> type:
-    """The module class torch has for activation ``fn``: its constructor takes ``defaults``'
+def _module_over(name: str, fn: Any, **defaults: Any) -> type:
+    """The module class torch has over function ``fn`` (an activation, a resampling): its constructor takes ``defaults``'
     names, in that order, as torch's does, keeps them as attributes, and its forward calls
     ``fn`` with them."""
     names = list(defaults)
@@ -279,23 +279,91 @@ def _legacy_dim(fn: Any) -> Any:
     return call
 
 
-Hardtanh = _activation("Hardtanh", F.hardtanh, min_val=-1.0, max_val=1.0, inplace=False)
-ReLU6 = _activation("ReLU6", F.relu6, inplace=False)
-ELU = _activation("ELU", F.elu, alpha=1.0, inplace=False)
-CELU = _activation("CELU", F.celu, alpha=1.0, inplace=False)
-SELU = _activation("SELU", F.selu, inplace=False)
-Softplus = _activation("Softplus", F.softplus, beta=1.0, threshold=20.0)
-Mish = _activation("Mish", F.mish, inplace=False)
-Hardsigmoid = _activation("Hardsigmoid", F.hardsigmoid, inplace=False)
-Hardswish = _activation("Hardswish", F.hardswish, inplace=False)
-Softsign = _activation("Softsign", F.softsign)
-Tanhshrink = _activation("Tanhshrink", F.tanhshrink)
-LogSigmoid = _activation("LogSigmoid", F.logsigmoid)
-GLU = _activation("GLU", F.glu, dim=-1)
-Threshold = _activation("Threshold", F.threshold, threshold=_REQUIRED, value=_REQUIRED,
+Hardtanh = _module_over("Hardtanh", F.hardtanh, min_val=-1.0, max_val=1.0, inplace=False)
+ReLU6 = _module_over("ReLU6", F.relu6, inplace=False)
+ELU = _module_over("ELU", F.elu, alpha=1.0, inplace=False)
+CELU = _module_over("CELU", F.celu, alpha=1.0, inplace=False)
+SELU = _module_over("SELU", F.selu, inplace=False)
+Softplus = _module_over("Softplus", F.softplus, beta=1.0, threshold=20.0)
+Mish = _module_over("Mish", F.mish, inplace=False)
+Hardsigmoid = _module_over("Hardsigmoid", F.hardsigmoid, inplace=False)
+Hardswish = _module_over("Hardswish", F.hardswish, inplace=False)
+Softsign = _module_over("Softsign", F.softsign)
+Tanhshrink = _module_over("Tanhshrink", F.tanhshrink)
+LogSigmoid = _module_over("LogSigmoid", F.logsigmoid)
+GLU = _module_over("GLU", F.glu, dim=-1)
+Threshold = _module_over("Threshold", F.threshold, threshold=_REQUIRED, value=_REQUIRED,
                         inplace=False)
-Softmin = _activation("Softmin", _legacy_dim(F.softmin), dim=None)
-LogSoftmax = _activation("LogSoftmax", _legacy_dim(F.log_softmax), dim=None)
+Softmin = _module_over("Softmin", _legacy_dim(F.softmin), dim=None)
+LogSoftmax = _module_over("LogSoftmax", _legacy_dim(F.log_softmax), dim=None)
+
+
+Upsample = _module_over("Upsample", F.interpolate, size=None, scale_factor=None,
+                        mode="nearest", align_corners=None, recompute_scale_factor=None)
+PixelShuffle = _module_over("PixelShuffle", F.pixel_shuffle, upscale_factor=_REQUIRED)
+PixelUnshuffle = _module_over("PixelUnshuffle", F.pixel_unshuffle, downscale_factor=_REQUIRED)
+
+
+class Dropout1d(Dropout):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dropout1d(x, self.p, self.training, self.inplace)
+
+
+class Dropout2d(Dropout):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dropout2d(x, self.p, self.training, self.inplace)
+
+
+class _Pad(Module):
+    """torch's padding modules: F.pad's ``mode`` over the last ``dims`` dimensions, ``padding``
+    one number for every side or (left, right[, top, bottom])."""
+    mode, dims = "constant", 1
+
+    def __init__(self, padding: int | tuple[int, ...], value: float = 0.0) -> None:
+        super().__init__()
+        self.padding = (padding,) * 2 * self.dims if isinstance(padding, int) else tuple(padding)
+        if self.mode == "constant":
+            self.value = value
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.pad(x, self.padding, self.mode, getattr(self, "value", None))
+
+    def extra_repr(self) -> str:
+        return f"{self.padding}" + (f", value={self.value}" if self.mode == "constant" else "")
+
+
+class ConstantPad1d(_Pad):
+    def __init__(self, padding: int | tuple[int, ...], value: float) -> None:
+        super().__init__(padding, value)
+
+
+class ConstantPad2d(ConstantPad1d):
+    dims = 2
+
+
+class ZeroPad1d(_Pad):
+    def __init__(self, padding: int | tuple[int, ...]) -> None:
+        super().__init__(padding, 0.0)
+
+
+class ZeroPad2d(ZeroPad1d):
+    dims = 2
+
+
+class ReflectionPad1d(_Pad):
+    mode = "reflect"
+
+
+class ReflectionPad2d(ReflectionPad1d):
+    dims = 2
+
+
+class ReplicationPad1d(_Pad):
+    mode = "replicate"
+
+
+class ReplicationPad2d(ReplicationPad1d):
+    dims = 2
 
 
 @_factory_keywords
