@@ -33,7 +33,7 @@ from .ops.table import OPS
 # torch's autocast lists (ATen/autocast_mode.h of torch 2.13: LOWER_PRECISION_FP, FP32 and
 # FP32_SET_OPT_DTYPE for CUDA; autocast_mode.cpp's CPU registrations), kept to the table's ops.
 # CPU registers cross_entropy as float32.
-_TORCH_LOWER = {"conv1d", "conv2d", "conv3d", "addmm", "matmul", "einsum", "mm", "linear",
+_TORCH_LOWER = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "addmm", "matmul", "einsum", "mm", "linear",
                 "baddbmm", "bmm", "scaled_dot_product_attention"}
 # On CUDA torch registers no rule for cross_entropy: F.cross_entropy takes torch's composite
 # there (nn/functional.py), log_softmax in the logits' dtype, then nll_loss in float32.

@@ -665,6 +665,32 @@ def test_convolutions_match_torch(dims, kw):
     assert_same(g.bias.grad, t.bias.grad, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dims,kw", [(1, {}), (1, {"stride": 2, "padding": 1, "output_padding": 1}),
+                                     (2, {"stride": 2, "groups": 2, "dilation": 2}),
+                                     (2, {"stride": (2, 1), "padding": (1, 0)})])
+def test_transposed_convolutions_match_torch(dims, kw):
+    """ConvTranspose1d/2d: torch's parameters (weight (in, out/groups, *kernel)) and
+    initialisation bound, outputs and gradients, batched and unbatched."""
+    torch.manual_seed(0)
+    make = {1: "ConvTranspose1d", 2: "ConvTranspose2d"}[dims]
+    t, g = getattr(torch.nn, make)(4, 6, 3, **kw), getattr(gnn, make)(4, 6, 3, **kw)
+    assert [(n, p.shape) for n, p in g.named_parameters()] == \
+        [(n, p.shape) for n, p in t.named_parameters()]
+    bound = 1 / math.sqrt(6 // kw.get("groups", 1) * 3 ** dims)  # fan_in from out/groups
+    assert 0.8 * bound < float(g.weight.detach().abs().max()) <= bound
+    g.load_state_dict(t.state_dict())
+    for x in (torch.randn(2, 4, *(5,) * dims), torch.randn(4, *(5,) * dims)):
+        gx = gtmpi.tensor(x, requires_grad=True)
+        tx = x.clone().requires_grad_()
+        got, want = g(gx), t(tx)
+        assert_same(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        assert_same(gx.grad, tx.grad, rtol=1e-4, atol=1e-5)
+        assert_same(g.weight.grad, t.weight.grad, rtol=1e-4, atol=1e-4)
+        assert_same(g.bias.grad, t.bias.grad, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name,args,kw,shape", [
     ("MaxPool2d", (2,), {}, (3, 4, 9, 9)),
     ("MaxPool2d", (3, 2, 1), {"ceil_mode": True}, (2, 3, 8, 8)),

@@ -52,6 +52,29 @@ def _conv(name: str, x, weight, bias, stride, padding, dilation, groups: int) ->
     return apply(name, x, weight, bias, *map(_per_dim, (stride, padding, dilation)), groups)
 
 
+def conv_transpose1d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                     stride: int | tuple = 1, padding: int | tuple = 0,
+                     output_padding: int | tuple = 0, groups: int = 1,
+                     dilation: int | tuple = 1) -> Tensor:
+    return _conv_transpose("conv_transpose1d", x, weight, bias, stride, padding, output_padding,
+                           groups, dilation)
+
+
+def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                     stride: int | tuple = 1, padding: int | tuple = 0,
+                     output_padding: int | tuple = 0, groups: int = 1,
+                     dilation: int | tuple = 1) -> Tensor:
+    return _conv_transpose("conv_transpose2d", x, weight, bias, stride, padding, output_padding,
+                           groups, dilation)
+
+
+def _conv_transpose(name: str, x, weight, bias, stride, padding, output_padding, groups: int,
+                    dilation) -> Tensor:
+    # torch's argument order: the kernel (torch's own) and its gradient (torch's, vjp) take it
+    return apply(name, x, weight, bias, *map(_per_dim, (stride, padding, output_padding)),
+                 groups, _per_dim(dilation))
+
+
 Size = int | tuple[int, ...] | list[int]  # a pooling's sizes: one for every dim, or per dim
 
 

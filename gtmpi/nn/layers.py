@@ -43,14 +43,16 @@ def _affine(n: int, affine: bool) -> tuple[Parameter | None, Parameter | None]:
     return (Parameter(ones(n)), Parameter(zeros(n))) if affine else (None, None)
 
 
-def _kaiming(weight_shape: tuple, bias: bool, fan_in: int) -> tuple[Parameter, Parameter | None]:
+def _kaiming(weight_shape: tuple, bias: bool, fan_in: int,
+             outputs: int | None = None) -> tuple[Parameter, Parameter | None]:
     """torch's Linear and Conv parameters, drawn as torch draws them (reset_parameters): the
-    weight by kaiming_uniform with a=√5, then the bias ~ U(-1/√fan_in, 1/√fan_in)."""
+    weight by kaiming_uniform with a=√5, then the bias ~ U(-1/√fan_in, 1/√fan_in), one per
+    output (the weight's first dimension unless ``outputs``: a transposed convolution's)."""
     weight = Parameter(empty(weight_shape))
     init.kaiming_uniform_(weight, a=math.sqrt(5))
     if not bias:
         return weight, None
-    b = Parameter(empty(weight_shape[0]))
+    b = Parameter(empty(weight_shape[0] if outputs is None else outputs))
     bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
     init.uniform_(b, -bound, bound)
     return weight, b
@@ -673,6 +675,18 @@ def _additive(attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_caus
 
 
 @_factory_keywords
+def _convolution(layer: Module, in_channels: int, out_channels: int, kernel_size: Any,
+                 groups: int, padding_mode: str) -> tuple[int, ...]:
+    """A convolution's checks and its sizes kept under torch's names; its kernel per dim."""
+    if padding_mode != "zeros":
+        raise NotImplementedError("gtmpi's convolutions pad with zeros only")
+    if in_channels % groups or out_channels % groups:
+        raise ValueError("in_channels and out_channels must be divisible by groups")
+    kernel = (kernel_size,) * layer.dims if isinstance(kernel_size, int) else tuple(kernel_size)
+    layer.in_channels, layer.out_channels, layer.kernel_size = in_channels, out_channels, kernel
+    return kernel
+
+
 class _ConvNd(Module):
     """torch's Conv1d/Conv2d: weight (out, in/groups, *kernel) and bias ~ U(-1/√fan_in,
     1/√fan_in) (kaiming_uniform with a=√5), padding by zeros."""
@@ -682,12 +696,7 @@ class _ConvNd(Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
         super().__init__()
-        if padding_mode != "zeros":
-            raise NotImplementedError("gtmpi's convolutions pad with zeros only")
-        if in_channels % groups or out_channels % groups:
-            raise ValueError("in_channels and out_channels must be divisible by groups")
-        kernel = (kernel_size,) * self.dims if isinstance(kernel_size, int) else tuple(kernel_size)
-        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, kernel
+        kernel = _convolution(self, in_channels, out_channels, kernel_size, groups, padding_mode)
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
         self.weight, self.bias = _kaiming((out_channels, in_channels // groups, *kernel), bias,
                                           in_channels // groups * math.prod(kernel))
@@ -704,6 +713,40 @@ class _ConvNd(Module):
 
 class Conv1d(_ConvNd):
     dims = 1
+
+
+class _ConvTransposeNd(_ConvNd):
+    """torch's ConvTranspose1d/2d: weight (in, out/groups, *kernel) and bias ~ U(-1/√fan_in,
+    1/√fan_in), fan_in from the weight's second dimension (torch's rule), padding by zeros."""
+
+    dims = 0
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 output_padding=0, groups: int = 1, bias: bool = True, dilation=1,
+                 padding_mode: str = "zeros"):
+        Module.__init__(self)
+        kernel = _convolution(self, in_channels, out_channels, kernel_size, groups, padding_mode)
+        self.stride, self.padding, self.output_padding = stride, padding, output_padding
+        self.groups, self.dilation = groups, dilation
+        self.weight, self.bias = _kaiming((in_channels, out_channels // groups, *kernel), bias,
+                                          out_channels // groups * math.prod(kernel),
+                                          out_channels)
+
+    def forward(self, x: Tensor, output_size: Any = None) -> Tensor:
+        if output_size is not None:
+            raise NotImplementedError(f"gtmpi's {type(self).__name__}: output_size= (give "
+                                      "output_padding)")
+        conv = F.conv_transpose1d if self.dims == 1 else F.conv_transpose2d
+        return conv(x, self.weight, self.bias, self.stride, self.padding, self.output_padding,
+                    self.groups, self.dilation)
+
+
+class ConvTranspose1d(_ConvTransposeNd):
+    dims = 1
+
+
+class ConvTranspose2d(_ConvTransposeNd):
+    dims = 2
 
 
 class Conv2d(_ConvNd):

@@ -1141,6 +1141,8 @@ _ops = [
     Op("batch_norm", Kind.GENERAL, _batch_norm),
     Op("conv1d", Kind.GENERAL, F.conv1d),
     Op("conv2d", Kind.GENERAL, F.conv2d),
+    Op("conv_transpose1d", Kind.GENERAL, F.conv_transpose1d),
+    Op("conv_transpose2d", Kind.GENERAL, F.conv_transpose2d),
     # pooling, torch's arguments in its order (nn/functional.py)
     Op("max_pool1d", Kind.GENERAL, F.max_pool1d),
     Op("max_pool2d", Kind.GENERAL, F.max_pool2d),

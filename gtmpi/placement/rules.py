@@ -596,6 +596,8 @@ ROWS: dict[str, Rows] = {
     # a batch of images or sequences, each convolved alone with whole weights
     "conv1d": Rows(lambda args, ndim: set(range(1, ndim))),
     "conv2d": Rows(lambda args, ndim: set(range(1, ndim))),
+    "conv_transpose1d": Rows(lambda args, ndim: set(range(1, ndim))),
+    "conv_transpose2d": Rows(lambda args, ndim: set(range(1, ndim))),
     # each image or sequence pooled alone (unbatched, (C, L) or (C, H, W): each channel)
     **{name: Rows(lambda args, ndim: set(range(1, ndim)))
        for name in ("max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d",
