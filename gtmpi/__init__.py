@@ -33,6 +33,7 @@ from .client.dtypes import (bfloat16, bool_, double, float16, float32, float64, 
 from .client.functions import (addcdiv, addcmul, cdist, clamp_max, clamp_min, diag, isclose,
                                logical_xor, masked_select, meshgrid, moveaxis, movedim,
                                swapaxes, swapdims)
+from .client.functions import bucketize, cummax, cummin, cumprod, searchsorted
 from .client.functions import (aminmax, bernoulli, broadcast_tensors, broadcast_to,
                                column_stack, cosh, count_nonzero, diagonal, diff, dot, exp2,
                                floor_divide, fmod, frac, heaviside, hstack, inner, kthvalue,

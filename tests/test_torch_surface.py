@@ -251,6 +251,29 @@ DIFFERENTIABLE += [
      (r(3, 4, low=-4.0, high=4.0),)) for name, args, kw in ACTIVATIONS]
 
 
+DIFFERENTIABLE += [
+    ("cumprod", lambda x: x.cumprod(1) + _lib(x).cumprod(x, 0), (r(3, 4, low=0.5),)),
+    ("cummax and cummin values", lambda x: x.cummax(1).values + _lib(x).cummin(x, 0).values,
+     (r(3, 4),)),
+]
+
+
+def test_searchsorted_and_bucketize_are_torchs():
+    rows = torch.sort(r(3, 6), -1).values
+    edges = torch.tensor([-1.0, 0.0, 0.5], dtype=rows.dtype)
+    x = r(3, 4)
+    x[0, 0] = 0.5  # on an edge: right decides
+    for kw in ({}, {"right": True}, {"out_int32": True}, {"side": "right"}):
+        assert torch.equal(gtmpi.searchsorted(gtmpi.tensor(rows), gtmpi.tensor(x[:, :2]),
+                                              **kw).cpu_torch(),
+                           torch.searchsorted(rows, x[:, :2], **kw))
+    for kw in ({}, {"right": True}):
+        assert torch.equal(gtmpi.bucketize(gtmpi.tensor(x), gtmpi.tensor(edges), **kw).cpu_torch(),
+                           torch.bucketize(x, edges, **kw))
+    got, want = gtmpi.tensor(x).cummax(1), x.cummax(1)
+    assert torch.equal(got.indices.cpu_torch(), want.indices)
+
+
 RESAMPLED = [
     ("nearest", {"scale_factor": 2}, (2, 3, 4, 5)), ("nearest", {"size": (7, 3)}, (2, 3, 4, 5)),
     ("nearest", {"scale_factor": 1.5}, (2, 3, 5)), ("linear", {"size": 9}, (2, 3, 5)),

@@ -72,6 +72,23 @@ def bernoulli(p: Tensor, *, generator: Any = None) -> Tensor:
     return (drawn < p).to(p.dtype)
 
 
+cumprod, cummax, cummin = _method("cumprod"), _method("cummax"), _method("cummin")
+
+
+def searchsorted(sorted_sequence: Tensor, values: Operand, *, out_int32: bool = False,
+                 right: bool = False, side: str | None = None) -> Tensor:
+    """Where each value would go in the sorted last dimension (torch's kernel)."""
+    if side is not None:
+        right = side == "right"
+    return apply("searchsorted", sorted_sequence, values, out_int32, right)
+
+
+def bucketize(values: Tensor, boundaries: Tensor, *, out_int32: bool = False,
+              right: bool = False) -> Tensor:
+    """Each value's bucket among 1-D ``boundaries`` (searchsorted with the roles swapped)."""
+    return searchsorted(boundaries, values, out_int32=out_int32, right=right)
+
+
 def broadcast_tensors(*tensors: Tensor) -> tuple[Tensor, ...]:
     shape = torch.broadcast_shapes(*(tuple(t.shape) for t in tensors))
     return tuple(t.expand(*shape) for t in tensors)

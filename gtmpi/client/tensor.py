@@ -623,6 +623,9 @@ class Tensor:
     # along dims (placed on whole tensors) -----------------------------------------------------
 
     def cumsum(self, dim: int) -> Tensor: return apply("cumsum", self, dim)
+    def cumprod(self, dim: int) -> Tensor: return apply("cumprod", self, dim)
+    def cummax(self, dim: int) -> MinMax: return MinMax(*apply("cummax", self, dim))
+    def cummin(self, dim: int) -> MinMax: return MinMax(*apply("cummin", self, dim))
     def prod(self, dim: int | None = None, keepdim: bool = False) -> Tensor: return apply("prod", self, dim, keepdim)
     def any(self, dim: int | None = None, keepdim: bool = False) -> Tensor: return apply("any", self, dim, keepdim)
     def all(self, dim: int | None = None, keepdim: bool = False) -> Tensor: return apply("all", self, dim, keepdim)

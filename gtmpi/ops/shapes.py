@@ -97,7 +97,8 @@ _C_NAMES = {torch.int64: "long int", torch.int32: "int", torch.float32: "float",
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
 # not reductions, but a dim after the tensor too; checked here, as torch's meta kernels of
 # some versions assert rather than raise IndexError
-_DIM_FIRST = frozenset({"sort", "topk", "gather", "scatter", "scatter_add", "index_select"})
+_DIM_FIRST = frozenset({"sort", "topk", "gather", "scatter", "scatter_add", "index_select",
+                        "cumprod", "cummax", "cummin"})
 PROBE_NUMEL = 1 << 16  # integer operands of a non-pointwise op: run the CPU kernel this small
 
 

@@ -1113,6 +1113,12 @@ _ops = [
     Op("log_softmax", Kind.REDUCE, lambda x, dim: torch.log_softmax(x, dim)),
     # along dims, placed on whole tensors (dims first after the tensor, where they have one)
     Op("cumsum", Kind.GENERAL, lambda x, dim: torch.cumsum(x, dim)),
+    Op("cumprod", Kind.GENERAL, lambda x, dim: torch.cumprod(x, dim)),
+    Op("cummax", Kind.GENERAL, lambda x, dim: tuple(torch.cummax(x, dim))),
+    Op("cummin", Kind.GENERAL, lambda x, dim: tuple(torch.cummin(x, dim))),
+    # positions in a sorted sequence: no gradient (integers), torch's kernel
+    Op("searchsorted", Kind.GENERAL, lambda seq, x, out_int32, right:
+       torch.searchsorted(seq, x, out_int32=out_int32, right=right)),
     Op("prod", Kind.GENERAL,
        lambda x, dim, keepdim: x.prod() if dim is None else x.prod(dim, keepdim)),
     Op("logsumexp", Kind.GENERAL, torch.logsumexp),

@@ -575,6 +575,12 @@ def _last(n: int) -> Callable[[tuple, int], set[int]]:
 
 ROWS: dict[str, Rows] = {
     "cumsum": Rows(_dims_at(1)),
+    "cumprod": Rows(_dims_at(1)),
+    "cummax": Rows(_dims_at(1)),
+    "cummin": Rows(_dims_at(1)),
+    # each row of values searched in its own row of the sorted sequence (a 1-D sequence, as
+    # bucketize's boundaries, is no row of the batch: the values are then gathered)
+    "searchsorted": Rows(_last(1), lined=(1,)),
     "prod": Rows(_dims_at(1), _keepdim_at(2)),
     "logsumexp": Rows(_dims_at(1), _keepdim_at(2)),
     "vector_norm": Rows(_dims_at(1), _keepdim_at(2)),
