@@ -642,6 +642,46 @@ def test_channel_dropout_drops_whole_channels_and_scales_the_rest():
         GF.dropout2d(gtmpi.ones(2))
 
 
+@pytest.mark.parametrize("name,kw,given", [
+    ("LSTM", {"num_layers": 2, "batch_first": True}, False),
+    ("LSTM", {"bidirectional": True, "bias": False}, True),
+    ("GRU", {"num_layers": 2, "bidirectional": True, "dropout": 0.0}, False),
+    ("GRU", {}, True)])
+def test_recurrent_layers_are_torchs(name, kw, given):
+    """LSTM and GRU: torch's parameter names and initial draws (the same seed, the same
+    weights), outputs, final states and gradients, batched or not, states given or zeros."""
+    torch.manual_seed(0)
+    t = getattr(torch.nn, name)(5, 4, **kw)
+    gtmpi.manual_seed(0)
+    g = getattr(gnn, name)(5, 4, **kw)
+    assert list(g.state_dict()) == list(t.state_dict())
+    for mine, theirs in zip(g.parameters(), t.parameters()):
+        assert torch.equal(mine.cpu_torch(), theirs.detach())
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    batch = 3 if kw.get("batch_first") else 6  # (3, 6, 5): N, L or L, N
+    for shape, states in (((3, 6, 5), (layers, batch, 4)), ((6, 5), (layers, 4))):
+        x = torch.randn(*shape)
+        hx = [torch.randn(*states) for _ in range(2 if name == "LSTM" else 1)] if given else None
+        tx = x.clone().requires_grad_()
+        t_hx = None if hx is None else tuple(hx) if name == "LSTM" else hx[0]
+        g_hx = None if hx is None else tuple(map(gtmpi.tensor, hx)) if name == "LSTM" else \
+            gtmpi.tensor(hx[0])
+        want, want_state = t(tx, t_hx)
+        gx = gtmpi.tensor(x, requires_grad=True)
+        got, got_state = g(gx, g_hx)
+        assert_same(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+        for a, b in zip(got_state if name == "LSTM" else [got_state],
+                        want_state if name == "LSTM" else [want_state]):
+            assert_same(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        t.zero_grad()
+        g.zero_grad()
+        want.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        assert_same(gx.grad, tx.grad, rtol=1e-4, atol=1e-5)
+        for mine, theirs in zip(g.parameters(), t.parameters()):
+            assert_same(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_deepcopy_of_a_module_is_torchs():
     """copy.deepcopy(model) (an average of weights, a snapshot): new Parameters with the same
     values and gradients, beside the originals, that train apart; a non-leaf is refused."""

@@ -16,7 +16,8 @@ from .layers import (CELU, ELU, GELU, GLU, SELU, AdaptiveAvgPool1d, AdaptiveAvgP
                      InstanceNorm2d, TransformerEncoder, TransformerEncoderLayer, Upsample,
                      PixelShuffle, PixelUnshuffle, Dropout1d, Dropout2d, ConstantPad1d,
                      ConstantPad2d, ZeroPad1d, ZeroPad2d, ReflectionPad1d, ReflectionPad2d,
-                     ReplicationPad1d, ReplicationPad2d, ConvTranspose1d, ConvTranspose2d)
+                     ReplicationPad1d, ReplicationPad2d, ConvTranspose1d, ConvTranspose2d,
+                     LSTM, GRU)
 from .module import Module, ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from .parameter import Parameter
 from ..optim import SGD, Adam, AdamW
@@ -36,4 +37,5 @@ __all__ = ["functional", "init", "utils", "cross_entropy", "gelu", "log_softmax"
            "TransformerEncoder", "TransformerEncoderLayer", "Upsample", "PixelShuffle",
            "PixelUnshuffle", "Dropout1d", "Dropout2d", "ConstantPad1d", "ConstantPad2d",
            "ZeroPad1d", "ZeroPad2d", "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d",
-           "ReplicationPad2d", "ConvTranspose1d", "ConvTranspose2d"]
+           "ReplicationPad2d", "ConvTranspose1d", "ConvTranspose2d", "LSTM",
+           "GRU"]

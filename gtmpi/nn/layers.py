@@ -10,6 +10,7 @@ import torch
 
 from ..client.creation import empty, full, ones, zeros
 from ..autograd import no_grad
+from ..client.functions import cat, stack
 from ..client.tensor import Tensor
 from . import functional as F
 from . import init
@@ -589,6 +590,106 @@ class MultiheadAttention(Module):
         if weights is not None and average_attn_weights:
             weights = weights.mean(1)
         return y, weights
+
+
+class _RNNBase(Module):
+    """torch's LSTM and GRU: ``num_layers`` layers (each direction's parameters under torch's
+    names, weight_ih_l0, weight_hh_l0_reverse, ..., drawn as torch draws them), the input's
+    projection for every step in one matmul, then the recurrence step by step; dropout
+    between layers in training; (L, N, H_in), batch_first (N, L, H_in) or unbatched (L, H_in)
+    input, as torch's."""
+    gates = 0
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
+                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
+                 bidirectional: bool = False, proj_size: int = 0) -> None:
+        super().__init__()
+        if proj_size:
+            raise NotImplementedError(f"gtmpi's {type(self).__name__}: proj_size")
+        if not 0 <= dropout <= 1:
+            raise ValueError("dropout should be a number in range [0, 1] representing the "
+                             "probability of an element being zeroed")
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.batch_first, self.dropout = bias, batch_first, float(dropout)
+        self.bidirectional = bidirectional
+        directions = 2 if bidirectional else 1
+        for layer in range(num_layers):
+            width = input_size if layer == 0 else hidden_size * directions
+            for suffix in [f"_l{layer}", f"_l{layer}_reverse"][:directions]:
+                setattr(self, "weight_ih" + suffix,
+                        Parameter(empty(self.gates * hidden_size, width)))
+                setattr(self, "weight_hh" + suffix,
+                        Parameter(empty(self.gates * hidden_size, hidden_size)))
+                if bias:
+                    setattr(self, "bias_ih" + suffix, Parameter(empty(self.gates * hidden_size)))
+                    setattr(self, "bias_hh" + suffix, Parameter(empty(self.gates * hidden_size)))
+        bound = 1.0 / math.sqrt(hidden_size)
+        for weight in self.parameters():
+            init.uniform_(weight, -bound, bound)
+
+    def forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
+        unbatched = input.dim() == 2
+        x = input.unsqueeze(1) if unbatched else \
+            input.transpose(0, 1) if self.batch_first else input
+        directions = 2 if self.bidirectional else 1
+        states = self._initial(x, hx, unbatched, directions)
+        last: list[list[Tensor]] = [[] for _ in states]
+        for layer in range(self.num_layers):
+            outs = []
+            for direction in range(directions):
+                at = layer * directions + direction
+                suffix = f"_l{layer}" + ("_reverse" if direction else "")
+                w_ih, w_hh = getattr(self, "weight_ih" + suffix), getattr(self, "weight_hh" + suffix)
+                b_ih = getattr(self, "bias_ih" + suffix) if self.bias else None
+                b_hh = getattr(self, "bias_hh" + suffix) if self.bias else None
+                projected = F.linear(x, w_ih, b_ih)  # every step's input at once
+                state = [s[at] for s in states]
+                ys: list[Tensor] = [None] * x.shape[0]  # type: ignore[list-item]
+                for t in (reversed(range(x.shape[0])) if direction else range(x.shape[0])):
+                    state = self.cell(projected[t], F.linear(state[0], w_hh, b_hh), state)
+                    ys[t] = state[0]
+                outs.append(stack(ys, 0))
+                for kept, s in zip(last, state):
+                    kept.append(s)
+            x = outs[0] if directions == 1 else cat(outs, -1)
+            if self.dropout and self.training and layer < self.num_layers - 1:
+                x = F.dropout(x, self.dropout)
+        output = x.squeeze(1) if unbatched else x.transpose(0, 1) if self.batch_first else x
+        finals = [stack(kept, 0) for kept in last]
+        if unbatched:
+            finals = [f.squeeze(1) for f in finals]
+        return output, (tuple(finals) if len(finals) > 1 else finals[0])
+
+    def _initial(self, x: Tensor, hx: Any, unbatched: bool, directions: int) -> list[Tensor]:
+        """The initial states (h, and c for an LSTM), (layers * directions, N, H) each."""
+        count = 2 if self.gates == 4 else 1
+        if hx is None:
+            shape = (self.num_layers * directions, x.shape[1], self.hidden_size)
+            return [x.new_zeros(*shape) for _ in range(count)]
+        given = list(hx) if isinstance(hx, (tuple, list)) else [hx]
+        return [h.unsqueeze(1) if unbatched else h for h in given]
+
+    def cell(self, projected: Tensor, recurrent: Tensor, state: list[Tensor]) -> list[Tensor]:
+        raise NotImplementedError
+
+
+class LSTM(_RNNBase):
+    gates = 4
+
+    def cell(self, projected: Tensor, recurrent: Tensor, state: list[Tensor]) -> list[Tensor]:
+        i, f, g, o = (projected + recurrent).chunk(4, -1)
+        c = f.sigmoid() * state[1] + i.sigmoid() * g.tanh()
+        return [o.sigmoid() * c.tanh(), c]
+
+
+class GRU(_RNNBase):
+    gates = 3
+
+    def cell(self, projected: Tensor, recurrent: Tensor, state: list[Tensor]) -> list[Tensor]:
+        (xr, xz, xn), (hr, hz, hn) = projected.chunk(3, -1), recurrent.chunk(3, -1)
+        r, z = (xr + hr).sigmoid(), (xz + hz).sigmoid()
+        n = (xn + r * hn).tanh()
+        return [n + z * (state[0] - n)]
 
 
 class TransformerEncoderLayer(Module):
