@@ -34,6 +34,8 @@ from .client.functions import (addcdiv, addcmul, cdist, clamp_max, clamp_min, di
                                logical_xor, masked_select, meshgrid, moveaxis, movedim,
                                swapaxes, swapdims)
 from .client.functions import bucketize, cummax, cummin, cumprod, searchsorted
+from .client.functions import (acos, arccos, arcsin, arctan, arctan2, asin, atan, atan2,
+                               digamma, hypot, lgamma, tan)
 from .client.functions import (aminmax, bernoulli, broadcast_tensors, broadcast_to,
                                column_stack, cosh, count_nonzero, diagonal, diff, dot, exp2,
                                floor_divide, fmod, frac, heaviside, hstack, inner, kthvalue,

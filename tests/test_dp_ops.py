@@ -69,6 +69,12 @@ def _elementwise_cases() -> dict:
         "reciprocal": (lambda L, F, x: (x.abs() + 0.5).reciprocal(), "x"),
         "log1p": (lambda L, F, x: x.abs().log1p(), "x"),
         "expm1": (lambda L, F, x: x.expm1(), "x"),
+        **{name: (lambda L, F, x, name=name: getattr(x.tanh() * 0.9, name)(), "x")
+           for name in ("tan", "asin", "acos", "atan")},
+        **{name: (lambda L, F, x, name=name: getattr(x.abs() + 0.5, name)(), "x")
+           for name in ("lgamma", "digamma")},
+        "atan2": (lambda L, F, x, y: x.atan2(y), "x y"),
+        "hypot": (lambda L, F, x, y: L.hypot(x, y), "x y"),
         "erfinv": (lambda L, F, x: (x.tanh() * 0.9).erfinv(), "x"),
         "gelu": (lambda L, F, x: F.gelu(x), "x"),
         "gelu_grad": (lambda L, F, x: F.gelu(x), "x"),  # gelu's gradient row

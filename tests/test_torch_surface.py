@@ -274,6 +274,15 @@ def test_searchsorted_and_bucketize_are_torchs():
     assert torch.equal(got.indices.cpu_torch(), want.indices)
 
 
+DIFFERENTIABLE += [
+    ("tan, asin, acos, atan and their arc names", lambda x: x.tan() + x.asin() + x.acos() +
+     _lib(x).atan(x) + _lib(x).arcsin(x), (r(3, 4, low=-0.9, high=0.9),)),
+    ("lgamma and digamma", lambda x: x.lgamma() + _lib(x).digamma(x), (r(3, 4, low=0.3),)),
+    ("atan2 and hypot", lambda a, b: a.atan2(b) + _lib(a).hypot(a, b) + _lib(a).arctan2(b, a),
+     (r(3, 4), r(3, 4))),
+]
+
+
 RESAMPLED = [
     ("nearest", {"scale_factor": 2}, (2, 3, 4, 5)), ("nearest", {"size": (7, 3)}, (2, 3, 4, 5)),
     ("nearest", {"scale_factor": 1.5}, (2, 3, 5)), ("linear", {"size": 9}, (2, 3, 5)),

@@ -493,6 +493,7 @@ def _function(node, g):
 # ops whose gradient torch's autograd computes on the worker, from the op's own kernel run
 # again (ops/table.py's "vjp"): rare in training loops, exact, and one instruction each
 @rule("floor", "ceil", "round", "trunc", "erf", "erfinv", "log1p", "expm1", "reciprocal",
+      "tan", "asin", "acos", "atan", "lgamma", "digamma", "atan2", "hypot",
       "leaky_relu", "cumsum", "cumprod", "cummax", "cummin", "prod", "logsumexp", "vector_norm", "normalize",
       "topk", "sort", "gather", "scatter", "scatter_add", "index_select", "tril", "triu", "repeat", "flip", "roll", "pad",
       "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "batch_norm", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d",

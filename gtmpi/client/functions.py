@@ -320,6 +320,20 @@ def std(x: Tensor, dim: Dims = None, unbiased: bool | None = None, keepdim: bool
 
 floor, ceil, round, trunc = _unary("floor"), _unary("ceil"), _unary("round"), _unary("trunc")
 sign, erf, log1p, expm1 = _unary("sign"), _unary("erf"), _unary("log1p"), _unary("expm1")
+tan, asin, acos, atan = _unary("tan"), _unary("asin"), _unary("acos"), _unary("atan")
+lgamma, digamma = _unary("lgamma"), _unary("digamma")
+arcsin, arccos, arctan = asin, acos, atan
+
+
+def atan2(a: Tensor, b: Operand) -> Tensor:
+    return a.atan2(b)
+
+
+arctan2 = atan2
+
+
+def hypot(a: Tensor, b: Operand) -> Tensor:
+    return a.hypot(b)
 reciprocal, square, logical_not = _unary("reciprocal"), _unary("square"), _unary("logical_not")
 isnan, isinf, isfinite = _unary("isnan"), _unary("isinf"), _unary("isfinite")
 

@@ -608,6 +608,16 @@ class Tensor:
     def trunc(self) -> Tensor: return apply("trunc", self)
     def sign(self) -> Tensor: return apply("sign", self)
     def erf(self) -> Tensor: return apply("erf", self)
+    def tan(self) -> Tensor: return apply("tan", self)
+    def asin(self) -> Tensor: return apply("asin", self)
+    def acos(self) -> Tensor: return apply("acos", self)
+    def atan(self) -> Tensor: return apply("atan", self)
+    def lgamma(self) -> Tensor: return apply("lgamma", self)
+    def digamma(self) -> Tensor: return apply("digamma", self)
+    def atan2(self, other: Operand) -> Tensor: return apply("atan2", self, other)
+    def hypot(self, other: Operand) -> Tensor: return apply("hypot", self, other)
+
+    arcsin, arccos, arctan, arctan2 = asin, acos, atan, atan2
     def erfinv(self) -> Tensor: return apply("erfinv", self)
     def log1p(self) -> Tensor: return apply("log1p", self)
     def expm1(self) -> Tensor: return apply("expm1", self)
