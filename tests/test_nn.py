@@ -387,7 +387,9 @@ def test_layers_take_torchs_device_and_dtype_keywords(dtype):
         torch.manual_seed(0)
         made[lib] = [lib.nn.Linear(4, 3, device="cpu" if lib is torch else "cuda", dtype=dtype),
                      lib.nn.Embedding(5, 2, dtype=dtype), lib.nn.LayerNorm(3, dtype=dtype),
-                     lib.nn.Conv1d(2, 2, 3, dtype=dtype), lib.nn.BatchNorm1d(2, dtype=dtype)]
+                     lib.nn.Conv1d(2, 2, 3, dtype=dtype), lib.nn.BatchNorm1d(2, dtype=dtype),
+                     lib.nn.ConvTranspose2d(2, 3, 2, dtype=dtype),
+                     lib.nn.GroupNorm(1, 2, dtype=dtype), lib.nn.PReLU(dtype=dtype)]
     for t, g in zip(made[torch], made[gtmpi]):
         for (name, tp), gp in zip(t.state_dict().items(), g.state_dict().values()):
             assert gp.dtype == tp.dtype, name

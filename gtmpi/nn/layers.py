@@ -775,7 +775,6 @@ def _additive(attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_caus
     return mask
 
 
-@_factory_keywords
 def _convolution(layer: Module, in_channels: int, out_channels: int, kernel_size: Any,
                  groups: int, padding_mode: str) -> tuple[int, ...]:
     """A convolution's checks and its sizes kept under torch's names; its kernel per dim."""
@@ -788,6 +787,7 @@ def _convolution(layer: Module, in_channels: int, out_channels: int, kernel_size
     return kernel
 
 
+@_factory_keywords
 class _ConvNd(Module):
     """torch's Conv1d/Conv2d: weight (out, in/groups, *kernel) and bias ~ U(-1/√fan_in,
     1/√fan_in) (kaiming_uniform with a=√5), padding by zeros."""
@@ -816,6 +816,7 @@ class Conv1d(_ConvNd):
     dims = 1
 
 
+@_factory_keywords
 class _ConvTransposeNd(_ConvNd):
     """torch's ConvTranspose1d/2d: weight (in, out/groups, *kernel) and bias ~ U(-1/√fan_in,
     1/√fan_in), fan_in from the weight's second dimension (torch's rule), padding by zeros."""
