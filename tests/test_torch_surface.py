@@ -725,7 +725,12 @@ def test_convolutions_match_torch(dims, kw):
     bound = 1 / math.sqrt(4 // kw.get("groups", 1) * 3 ** dims)  # torch's default init
     assert 0.8 * bound < float(g.weight.detach().abs().max()) <= bound
     g.load_state_dict(t.state_dict())
-    x = torch.randn(2, 4, *(9,) * dims)
+    _same_output_and_gradients(g, t, torch.randn(2, 4, *(9,) * dims))
+
+
+def _same_output_and_gradients(g, t, x: torch.Tensor) -> None:
+    """A gtmpi layer and torch's (its weights loaded) on ``x``: the outputs, the input's
+    gradient and the weight's and bias's."""
     gx = gtmpi.tensor(x, requires_grad=True)
     tx = x.clone().requires_grad_()
     got, want = g(gx), t(tx)
@@ -752,15 +757,7 @@ def test_transposed_convolutions_match_torch(dims, kw):
     assert 0.8 * bound < float(g.weight.detach().abs().max()) <= bound
     g.load_state_dict(t.state_dict())
     for x in (torch.randn(2, 4, *(5,) * dims), torch.randn(4, *(5,) * dims)):
-        gx = gtmpi.tensor(x, requires_grad=True)
-        tx = x.clone().requires_grad_()
-        got, want = g(gx), t(tx)
-        assert_same(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
-        got.square().sum().backward()
-        want.square().sum().backward()
-        assert_same(gx.grad, tx.grad, rtol=1e-4, atol=1e-5)
-        assert_same(g.weight.grad, t.weight.grad, rtol=1e-4, atol=1e-4)
-        assert_same(g.bias.grad, t.bias.grad, rtol=1e-4, atol=1e-4)
+        _same_output_and_gradients(g, t, x)
 
 
 @pytest.mark.parametrize("name,args,kw,shape", [

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..client.creation import beside, rand_like
+from ..client.creation import beside, rand_like, tensor
 from ..client.generator import worker_seed
 from ..client.functions import (gelu, log_softmax, relu, sigmoid, silu, softmax, stack, tanh,
                                 where)
@@ -321,7 +321,6 @@ def interpolate(x: Tensor, size: int | Sequence[int] | None = None,
 def _index(x: Tensor, values: torch.Tensor) -> Tensor:
     """A host constant beside ``x`` (its indices or weights)."""
     with beside(x):
-        from ..client.creation import tensor
         return tensor(values)
 
 

@@ -48,6 +48,7 @@ growing program's or one holding collectives), so a second run of the same progr
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -357,6 +358,7 @@ def _canonical(value: Any) -> Any:
     return value
 
 
+@functools.cache
 def _named() -> dict[Any, tuple[str, str]]:
     """The functions a Redo record may hold, each by its table and name."""
     named = {fn: ("fused", name) for name, fn in FUSED_FNS.items()}
